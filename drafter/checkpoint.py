@@ -1,0 +1,304 @@
+"""Checkpoint I/O in exactly the layout SGLang loads (``config.json`` + ``model.safetensors``).
+
+SGLang's loader renames ``midlayer`` to ``layers.0`` and silently skips names it does not know, so a
+typo here would serve a drafter with random weights. ``check_checkpoint`` is therefore strict: the
+key set must equal ``expected_tensors`` exactly, with the right shapes, dtypes and a consistent map.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from drafter.model import DrafterShape, Eagle3Drafter
+from drafter.vocab_map import vocab_map_problems
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message names the directory and what is wrong."""
+
+
+def expected_tensors(s: DrafterShape) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor SGLang reads, with its shape and dtype class ('float', 'int64' or 'bool')."""
+    h, hd = s.hidden_size, s.head_dim
+    q_out, kv_out = s.num_attention_heads * hd, s.num_key_value_heads * hd
+    t = {
+        "fc.weight": ((h, 3 * h), "float"),
+        "midlayer.self_attn.q_proj.weight": ((q_out, 2 * h), "float"),
+        "midlayer.self_attn.k_proj.weight": ((kv_out, 2 * h), "float"),
+        "midlayer.self_attn.v_proj.weight": ((kv_out, 2 * h), "float"),
+        "midlayer.self_attn.o_proj.weight": ((h, q_out), "float"),
+        "midlayer.mlp.gate_proj.weight": ((s.intermediate_size, h), "float"),
+        "midlayer.mlp.up_proj.weight": ((s.intermediate_size, h), "float"),
+        "midlayer.mlp.down_proj.weight": ((h, s.intermediate_size), "float"),
+        "midlayer.hidden_norm.weight": ((h,), "float"),
+        "midlayer.input_layernorm.weight": ((h,), "float"),
+        "midlayer.post_attention_layernorm.weight": ((h,), "float"),
+        "norm.weight": ((h,), "float"),
+        "lm_head.weight": ((s.draft_vocab_size, h), "float"),
+        "d2t": ((s.draft_vocab_size,), "int64"),
+        "t2d": ((s.vocab_size,), "bool"),
+    }
+    return t
+
+
+def legacy_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """What SGLang captures for a drafter whose config names no ids: the *inputs* of layers
+    [2, N//2, N-3], i.e. the outputs of [1, N//2-1, N-4] in our (output) convention."""
+    n = num_target_layers
+    return (1, n // 2 - 1, n - 4)
+
+
+def hf_config(s: DrafterShape, extra: dict[str, Any] | None = None, dtype: str = "bfloat16") -> dict:
+    """config.json for SGLang; keys of ``extra`` we do not own survive the round trip."""
+    cfg = dict(extra or {})
+    rope_params = {"rope_type": "default", "rope_theta": s.rope_theta, **(s.rope_scaling or {})}
+    eagle = dict(cfg.get("eagle_config") or {})
+    eagle.update(eagle_aux_hidden_state_layer_ids=list(s.aux_layer_ids), use_aux_hidden_state=True)
+    cfg.update(
+        architectures=[ARCHITECTURE], model_type="llama", num_hidden_layers=1, hidden_act="silu",
+        hidden_size=s.hidden_size, intermediate_size=s.intermediate_size,
+        num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
+        head_dim=s.head_dim, vocab_size=s.vocab_size, draft_vocab_size=s.draft_vocab_size,
+        rms_norm_eps=s.rms_norm_eps, max_position_embeddings=s.max_position_embeddings,
+        # Plain rope_theta/rope_scaling for loaders that predate rope_parameters.
+        rope_theta=s.rope_theta, rope_scaling=s.rope_scaling, rope_parameters=rope_params,
+        # The target (e.g. SmolLM2) may tie; SGLang would then tie our lm_head to the embedding.
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        eagle_config=eagle, torch_dtype=dtype,
+    )
+    cfg.pop("dtype", None)
+    return cfg
+
+
+def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = None) -> DrafterShape:
+    """Read a DrafterShape from a config.json dict; ``where`` names the file in errors."""
+    try:
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            if num_target_layers is None:
+                raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is "
+                                      "missing and the target's layer count is unknown")
+            ids = legacy_aux_layer_ids(num_target_layers)
+        rope_params = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling")
+        if scaling is None and rope_params.get("rope_type", "default") != "default":
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        heads = int(cfg["num_attention_heads"])
+        return DrafterShape(
+            hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
+            num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+            aux_layer_ids=tuple(int(i) for i in ids), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{where}: missing config field {e.args[0]}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def read_config(ckpt_dir: str | Path) -> dict:
+    path = Path(ckpt_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt_dir}: no config.json (not a drafter checkpoint directory)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+
+
+def weight_files(ckpt_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> file, for a single model.safetensors or a sharded index."""
+    d = Path(ckpt_dir)
+    if (d / INDEX_NAME).is_file():
+        index = json.loads((d / INDEX_NAME).read_text())
+        return {name: d / f for name, f in index["weight_map"].items()}
+    if not (d / WEIGHTS_NAME).is_file():
+        raise CheckpointError(f"{d}: no {WEIGHTS_NAME} or {INDEX_NAME}")
+    with safe_open(d / WEIGHTS_NAME, "pt") as f:
+        return {name: d / WEIGHTS_NAME for name in f.keys()}
+
+
+@dataclass
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def tensor_infos(ckpt_dir: str | Path) -> dict[str, TensorInfo]:
+    """Shapes and dtypes from safetensors headers, without reading any weights."""
+    infos: dict[str, TensorInfo] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, f in weight_files(ckpt_dir).items():
+        by_file.setdefault(f, []).append(name)
+    for f, names in by_file.items():
+        with safe_open(f, "pt") as sf:
+            for name in names:
+                sl = sf.get_slice(name)
+                infos[name] = TensorInfo(tuple(sl.get_shape()), sl.get_dtype())
+    return infos
+
+
+def load_tensors(ckpt_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    files = weight_files(ckpt_dir)
+    for name in names if names is not None else list(files):
+        with safe_open(files[name], "pt") as sf:
+            out[name] = sf.get_tensor(name)
+    return out
+
+
+def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
+                    device: str | torch.device = "cpu") -> Eagle3Drafter:
+    """Load an SGLang-layout drafter (ours or AQ-MedAI's). Embeddings stay to be set from the target
+    (``set_embeddings``); an ``embed_tokens.weight`` shipped in the file is ignored, as SGLang's is."""
+    cfg = read_config(ckpt_dir)
+    shape = shape_from_config(cfg, f"{ckpt_dir}/config.json", num_target_layers)
+    wanted = expected_tensors(shape)
+    infos = tensor_infos(ckpt_dir)
+    missing = sorted(set(wanted) - set(infos))
+    if missing:
+        raise CheckpointError(f"{ckpt_dir}: missing tensors {missing}")
+    for name, (shp, _) in wanted.items():
+        if infos[name].shape != shp:
+            raise CheckpointError(f"{ckpt_dir}: {name} has shape {infos[name].shape}, expected {shp}")
+    model = Eagle3Drafter(shape)
+    model.hf_config_extra = cfg
+    state = load_tensors(ckpt_dir, list(wanted))
+    state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
+    state["embed_tokens.weight"] = model.embed_tokens.weight.detach()
+    model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in state.items()}, strict=True)
+    return model.to(device)
+
+
+def _atomic_dir(out_dir: Path) -> Path:
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _commit_dir(tmp: Path, out_dir: Path) -> None:
+    """Swap ``tmp`` into place: readers see the old checkpoint or the new one, never a mix."""
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfloat16",
+                    extra_files: dict[str, str] | None = None) -> Path:
+    """Write config.json + model.safetensors (no embed_tokens), atomically."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _atomic_dir(out_dir)
+    torch_dtype = FLOAT_DTYPES[dtype]
+    state = {}
+    for name, (_, kind) in expected_tensors(model.shape).items():
+        t = model.state_dict()[name].detach().cpu()
+        state[name] = t.to(torch_dtype) if kind == "float" else t.to(torch.int64 if kind == "int64" else torch.bool)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+    cfg = hf_config(model.shape, getattr(model, "hf_config_extra", None), dtype)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for name, text in (extra_files or {}).items():
+        (tmp / name).write_text(text)
+    _commit_dir(tmp, out_dir)
+    return out_dir
+
+
+def fingerprint(ckpt_dir: str | Path) -> str:
+    """sha256 over the weight files (config excluded: it may gain harmless keys)."""
+    h = hashlib.sha256()
+    for f in sorted(set(weight_files(ckpt_dir).values())):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _config_problems(cfg: dict, where: str) -> list[str]:
+    p = []
+    if cfg.get("architectures") != [ARCHITECTURE]:
+        p.append(f"{where}: architectures is {cfg.get('architectures')}, SGLang needs [{ARCHITECTURE!r}]")
+    if cfg.get("num_hidden_layers") != 1:
+        p.append(f"{where}: num_hidden_layers is {cfg.get('num_hidden_layers')}, must be 1")
+    if cfg.get("tie_word_embeddings") is not False:
+        p.append(f"{where}: tie_word_embeddings must be false (else SGLang ties lm_head to the embedding)")
+    if "rope_theta" not in cfg:
+        p.append(f"{where}: rope_theta missing (older loaders ignore rope_parameters)")
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) and i >= 0 for i in ids)):
+        p.append(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layer ids, got "
+                 f"{ids} (without them SGLang silently captures different layers)")
+    return p
+
+
+def check_checkpoint(ckpt_dir: str | Path, check_finite: bool = True) -> list[str]:
+    """Every reason SGLang would fail to serve ``ckpt_dir`` faithfully; empty when it is fine."""
+    try:
+        cfg = read_config(ckpt_dir)
+    except CheckpointError as e:
+        return [str(e)]
+    where = f"{ckpt_dir}/config.json"
+    problems = _config_problems(cfg, where)
+    try:
+        shape = shape_from_config(cfg, where, num_target_layers=None)
+        infos = tensor_infos(ckpt_dir)
+    except (CheckpointError, OSError, json.JSONDecodeError) as e:
+        return problems + [str(e)]
+    except Exception as e:  # a corrupt safetensors header raises the library's own error types
+        return problems + [f"{ckpt_dir}: unreadable weights ({type(e).__name__}: {e})"]
+    wanted = expected_tensors(shape)
+    for name in sorted(set(wanted) - set(infos)):
+        problems.append(f"{ckpt_dir}: missing tensor {name}")
+    for name in sorted(set(infos) - set(wanted)):
+        problems.append(f"{ckpt_dir}: unexpected tensor {name} (SGLang would silently skip it)")
+    float_dtypes = set()
+    for name, (shp, kind) in wanted.items():
+        info = infos.get(name)
+        if info is None:
+            continue
+        if info.shape != shp:
+            problems.append(f"{ckpt_dir}: {name} has shape {list(info.shape)}, expected {list(shp)}")
+        want = {"int64": {"I64"}, "bool": {"BOOL"}, "float": {"BF16", "F16", "F32"}}[kind]
+        if info.dtype not in want:
+            problems.append(f"{ckpt_dir}: {name} has dtype {info.dtype}, expected one of {sorted(want)}")
+        if kind == "float":
+            float_dtypes.add(info.dtype)
+    if len(float_dtypes) > 1:
+        problems.append(f"{ckpt_dir}: weights mix dtypes {sorted(float_dtypes)}")
+    if problems:
+        return problems
+    vocab = load_tensors(ckpt_dir, ["d2t", "t2d"])
+    problems += [f"{ckpt_dir}: {m}" for m in vocab_map_problems(vocab["d2t"], vocab["t2d"])]
+    if check_finite:
+        for name, (_, kind) in wanted.items():
+            if kind == "float":
+                t = load_tensors(ckpt_dir, [name])[name]
+                if not torch.isfinite(t).all():
+                    problems.append(f"{ckpt_dir}: {name} holds non-finite values")
+    return problems

