@@ -1,0 +1,1 @@
+"""Data preparation: ingest prompts, regenerate answers with the target, capture its hidden states."""

@@ -1,0 +1,182 @@
+"""Ingest: every configured prompt source -> one normalised, deduplicated ``prompts.jsonl``.
+
+Records are cut to ``data.max_turns`` user turns and checked once here, so regeneration can trust its
+input. Ids are ``<source>-<sha1[:16]>`` of the prompt turns (system and user, not the source's
+answers, which regeneration replaces): the same prompt gets the same id in every run and every file,
+and a second copy of it is a duplicate. Every dropped record is counted under one reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from contextlib import closing
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from data_prep.readers import Messages, Record, Skip, read_source
+from drafter.builtin import MissingWheelError, builtin_data_path
+from drafter.config import RunConfig, SourceConfig
+
+SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "assistant_first",
+                "empty", "too_long", "duplicate")
+
+
+class IngestError(RuntimeError):
+    """A source that cannot be read at all; the message names the file."""
+
+
+@dataclass
+class SourceReport:
+    source: str
+    path: str
+    read: int = 0
+    kept: int = 0
+    cut_to_max_turns: int = 0
+    stopped_at_limit: bool = False
+    skipped: Counter[str] = field(default_factory=Counter)
+    first_skip: dict[str, str] = field(default_factory=dict)  # reason -> "where: detail" of its first case
+    broken_tail: str | None = None
+
+    def skip(self, reason: str, where: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        self.first_skip.setdefault(reason, f"{where}: {detail}" if detail else where)
+
+
+@dataclass
+class IngestSummary:
+    output: str
+    sources: list[SourceReport]
+
+    @property
+    def kept(self) -> int:
+        return sum(s.kept for s in self.sources)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "kept": self.kept,
+                "skipped": dict(sum((s.skipped for s in self.sources), Counter())),
+                "sources": [asdict(s) | {"skipped": dict(s.skipped)} for s in self.sources]}
+
+    def to_markdown(self) -> str:
+        lines = [f"## Ingest: {self.kept} prompts -> {self.output}", "",
+                 "| source | path | read | kept | cut to max_turns | " + " | ".join(SKIP_REASONS) + " |",
+                 "|---" * (5 + len(SKIP_REASONS)) + "|"]
+        for s in self.sources:
+            read = f"{s.read} (stopped at limit)" if s.stopped_at_limit else str(s.read)
+            lines.append(f"| {s.source} | {Path(s.path).name} | {read} | {s.kept} | {s.cut_to_max_turns} | "
+                         + " | ".join(str(s.skipped[r]) for r in SKIP_REASONS) + " |")
+        notes = [f"- {s.source}: broken tail: {s.broken_tail}" for s in self.sources if s.broken_tail]
+        notes += [f"- {s.source}: first {r}: {w}" for s in self.sources for r, w in s.first_skip.items()
+                  if w != s.broken_tail]
+        return "\n".join(lines + ([""] + notes if notes else []))
+
+    __str__ = to_markdown
+
+
+def resolve_path(src: SourceConfig, index: int) -> Path:
+    """The file behind a source; a cheap one-line error now rather than a traceback mid-run."""
+    where = f"data.sources[{index}] ({src.kind})"
+    if src.path == "builtin":
+        try:
+            return builtin_data_path(src.kind)
+        except (ValueError, MissingWheelError) as e:
+            raise IngestError(f"{where}: {e}") from None
+    path = Path(src.path)
+    if not path.is_file():
+        raise IngestError(f"{path}: no such file ({where}.path)")
+    return path
+
+
+def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messages, bool]:
+    """Strip, drop empty system turns, keep up to the ``max_turns``-th user turn and its answer.
+    Returns the messages and whether they were cut; raises Skip for a record that is no prompt."""
+    out: Messages = []
+    users = 0
+    cut = False
+    for m in messages:
+        content = m["content"].strip()
+        if m["role"] == "system" and not content:
+            continue
+        if m["role"] == "user":
+            if users == max_turns:
+                cut = True
+                break
+            users += 1
+        elif m["role"] == "assistant" and users == 0:
+            raise Skip("assistant_first", "an assistant turn before any user turn")
+        if m["role"] == "user" and not content:
+            raise Skip("empty", f"user turn {users} is empty")
+        out.append({"role": m["role"], "content": content})
+    if users == 0:
+        raise Skip("empty", "no user turn")
+    prompt_chars = sum(len(m["content"]) for m in out if m["role"] != "assistant")
+    if prompt_chars > max_chars:
+        raise Skip("too_long", f"{prompt_chars} prompt chars > data.max_prompt_chars {max_chars}")
+    return out, cut
+
+
+def content_hash(messages: Messages) -> str:
+    prompt = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+    try:
+        data = json.dumps(prompt, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates: undecodable bytes in a JSON array, or bad escapes
+        raise Skip("invalid_utf8", f"text cannot be encoded as UTF-8 ({e.reason})") from None
+    return hashlib.sha1(data).hexdigest()
+
+
+def ingest_source(records: Any, report: SourceReport, limit: int | None, max_turns: int, max_chars: int,
+                  seen: set[str], out: list[dict[str, Any]]) -> None:
+    rec: Record
+    for rec in records:
+        if limit is not None and report.kept >= limit:
+            report.stopped_at_limit = True
+            return
+        report.read += 1
+        try:
+            if rec.skip:
+                if rec.tail:
+                    report.broken_tail = f"{rec.where}: {rec.detail}"
+                raise Skip(rec.skip, rec.detail)
+            messages, cut = normalise(rec.messages or [], max_turns, max_chars)
+            digest = content_hash(messages)
+            if digest in seen:
+                raise Skip("duplicate", f"same prompt as an earlier record (sha1 {digest[:16]})")
+        except Skip as s:
+            report.skip(s.reason, rec.where, s.detail)
+            continue
+        seen.add(digest)
+        report.kept += 1
+        report.cut_to_max_turns += cut
+        out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages})
+
+
+def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_ingest(cfg: RunConfig) -> IngestSummary:
+    data = cfg.data
+    paths = [resolve_path(src, i) for i, src in enumerate(data.sources)]
+    seen: set[str] = set()
+    prompts: list[dict[str, Any]] = []
+    reports = []
+    for src, path in zip(data.sources, paths, strict=True):
+        report = SourceReport(source=src.kind, path=str(path))
+        with closing(read_source(src.kind, path)) as records:
+            ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
+                          src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
+        reports.append(report)
+    write_jsonl_atomic(cfg.prompts_path, prompts)
+    return IngestSummary(output=str(cfg.prompts_path), sources=reports)
