@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafter.model import DrafterShape, Eagle3Drafter
+from drafter.model import DrafterShape, Eagle3Drafter, rope_parameters
 from drafter.vocab_map import vocab_map_problems
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -66,7 +66,6 @@ def legacy_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
 def hf_config(s: DrafterShape, extra: dict[str, Any] | None = None, dtype: str = "bfloat16") -> dict:
     """config.json for SGLang; keys of ``extra`` we do not own survive the round trip."""
     cfg = dict(extra or {})
-    rope_params = {"rope_type": "default", "rope_theta": s.rope_theta, **(s.rope_scaling or {})}
     eagle = dict(cfg.get("eagle_config") or {})
     eagle.update(eagle_aux_hidden_state_layer_ids=list(s.aux_layer_ids), use_aux_hidden_state=True)
     cfg.update(
@@ -76,13 +75,21 @@ def hf_config(s: DrafterShape, extra: dict[str, Any] | None = None, dtype: str =
         head_dim=s.head_dim, vocab_size=s.vocab_size, draft_vocab_size=s.draft_vocab_size,
         rms_norm_eps=s.rms_norm_eps, max_position_embeddings=s.max_position_embeddings,
         # Plain rope_theta/rope_scaling for loaders that predate rope_parameters.
-        rope_theta=s.rope_theta, rope_scaling=s.rope_scaling, rope_parameters=rope_params,
+        rope_theta=s.rope_theta, rope_scaling=s.rope_scaling, rope_parameters=rope_parameters(s),
         # The target (e.g. SmolLM2) may tie; SGLang would then tie our lm_head to the embedding.
         tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        eagle_config=eagle, torch_dtype=dtype,
+        # transformers 5 reads `dtype`, older loaders `torch_dtype`: both name the saved dtype.
+        eagle_config=eagle, torch_dtype=dtype, dtype=dtype,
     )
-    cfg.pop("dtype", None)
     return cfg
+
+
+def rope_scaling_from(cfg: dict) -> dict | None:
+    """The scaled-RoPE parameters of a config.json (legacy ``rope_scaling`` or ``rope_parameters``);
+    None for plain RoPE, so a default type never reaches transformers' table of scaled types."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
 
 
 def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = None) -> DrafterShape:
@@ -94,11 +101,7 @@ def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = Non
                 raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is "
                                       "missing and the target's layer count is unknown")
             ids = legacy_aux_layer_ids(num_target_layers)
-        rope_params = cfg.get("rope_parameters") or {}
-        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling")
-        if scaling is None and rope_params.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         heads = int(cfg["num_attention_heads"])
         return DrafterShape(
             hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
@@ -107,7 +110,7 @@ def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = Non
             vocab_size=int(cfg["vocab_size"]),
             draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
             aux_layer_ids=tuple(int(i) for i in ids), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta), rope_scaling=scaling,
+            rope_theta=float(theta), rope_scaling=rope_scaling_from(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
         )
     except KeyError as e:
@@ -217,9 +220,9 @@ def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfl
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _atomic_dir(out_dir)
     torch_dtype = FLOAT_DTYPES[dtype]
-    state = {}
+    state, own = {}, model.state_dict()
     for name, (_, kind) in expected_tensors(model.shape).items():
-        t = model.state_dict()[name].detach().cpu()
+        t = own[name].detach().cpu()
         state[name] = t.to(torch_dtype) if kind == "float" else t.to(torch.int64 if kind == "int64" else torch.bool)
     save_file({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     cfg = hf_config(model.shape, getattr(model, "hf_config_extra", None), dtype)

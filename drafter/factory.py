@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from drafter.checkpoint import load_checkpoint, read_config, shape_from_config
+from drafter.checkpoint import load_checkpoint, read_config, rope_scaling_from, shape_from_config
 from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.target import resolve_aux_layer_ids
 
@@ -24,7 +24,6 @@ def shape_for_target(hf_cfg: Any, draft_vocab_size: int, aux_layer_ids: tuple[in
                      num_key_value_heads: int | None = None, head_dim: int | None = None) -> DrafterShape:
     rope = getattr(hf_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(hf_cfg, "rope_theta", 10000.0))
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if rope.get("rope_type", "default") != "default" else None
     heads = num_attention_heads or hf_cfg.num_attention_heads
     return DrafterShape(
         hidden_size=hf_cfg.hidden_size,
@@ -34,7 +33,7 @@ def shape_for_target(hf_cfg: Any, draft_vocab_size: int, aux_layer_ids: tuple[in
         head_dim=head_dim or getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // heads,
         vocab_size=hf_cfg.vocab_size, draft_vocab_size=draft_vocab_size,
         aux_layer_ids=aux_layer_ids, rms_norm_eps=getattr(hf_cfg, "rms_norm_eps", 1e-6),
-        rope_theta=float(theta), rope_scaling=scaling,
+        rope_theta=float(theta), rope_scaling=rope_scaling_from({"rope_parameters": rope}),
         max_position_embeddings=getattr(hf_cfg, "max_position_embeddings", 8192),
     )
 

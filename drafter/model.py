@@ -40,6 +40,8 @@ class DrafterShape:
     max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must name 3 target layers (fc reads 3H), got {list(self.aux_layer_ids)}")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -50,12 +52,16 @@ class DrafterShape:
         return asdict(self)
 
 
+def rope_parameters(shape: DrafterShape) -> dict:
+    """transformers' ``rope_parameters`` for the shape; a legacy ``type`` key becomes ``rope_type``."""
+    params = {"rope_type": "default", **(shape.rope_scaling or {}), "rope_theta": shape.rope_theta}
+    params["rope_type"] = params.pop("type", params["rope_type"])
+    return params
+
+
 def rope_inv_freq(shape: DrafterShape) -> tuple[Tensor, float]:
     """Inverse frequencies and attention scaling, via transformers' table of RoPE types."""
-    params = {"rope_type": "default", "rope_theta": shape.rope_theta}
-    if shape.rope_scaling:
-        params.update(shape.rope_scaling)
-        params["rope_type"] = params.pop("type", params.get("rope_type", "default"))
+    params = rope_parameters(shape)
     cfg = LlamaConfig(hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
                       head_dim=shape.head_dim, max_position_embeddings=shape.max_position_embeddings,
                       rope_parameters=params)
@@ -101,7 +107,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # (B, h, T, S)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        # A finite floor, not -inf: a query with every key masked (left padding) must give finite
+        # output, or its NaN would leak through later steps' cached keys (0 * NaN = NaN).
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     if not diag:
         return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
     dk = torch.stack([d[0].repeat_interleave(groups, 1) for d in diag], dim=3)  # (B, h, T, i, d)

@@ -35,15 +35,26 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 def resolve_aux_layer_ids(config_ids: Sequence[int] | None, drafter_ids: Sequence[int] | None,
                           num_layers: int) -> tuple[int, int, int]:
-    """The one set of ids for capture, training and serving; disagreement or range is an error."""
+    """The one set of ids for capture, training and serving; disagreement or range is an error.
+
+    Valid ids are 0..N-2: SGLang captures layer ``id``'s output at the input of layer ``id + 1``, so
+    the last layer's output is never captured (and HF's ``hidden_states[N]`` is already normed).
+    """
     if config_ids is not None and drafter_ids is not None and tuple(config_ids) != tuple(drafter_ids):
         raise TargetError(f"target.aux_layer_ids {list(config_ids)} differ from the drafter's "
                           f"eagle_aux_hidden_state_layer_ids {list(drafter_ids)}; drop one or make them equal")
-    ids = tuple(config_ids if config_ids is not None else drafter_ids or default_aux_layer_ids(num_layers))
-    bad = [i for i in ids if not 0 <= i < num_layers]
+    if config_ids is not None:
+        ids, field = tuple(config_ids), "target.aux_layer_ids"
+    elif drafter_ids:
+        ids, field = tuple(drafter_ids), "eagle_aux_hidden_state_layer_ids"
+    else:
+        ids, field = default_aux_layer_ids(num_layers), "default aux layer ids"
+    bad = [i for i in ids if not 0 <= i <= num_layers - 2]
     if bad:
-        raise TargetError(f"aux layer ids {bad} out of range: the target has {num_layers} layers "
-                          f"(valid ids 0..{num_layers - 1})")
+        raise TargetError(f"{field}: {bad} out of range: the target has {num_layers} layers "
+                          f"(valid ids 0..{num_layers - 2}; SGLang never captures the last layer)")
+    if len(ids) != 3 or len(set(ids)) != 3:
+        raise TargetError(f"{field}: {list(ids)} must be 3 distinct layer ids")
     return ids  # type: ignore[return-value]
 
 
@@ -139,7 +150,7 @@ class TargetModel:
 
 def _out_cache(out: Any) -> Any:
     cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def pick_device(device: str) -> torch.device:
