@@ -1,0 +1,342 @@
+"""Capture: run the target over every conversation and store what the drafter trains on.
+
+    conversations.jsonl ─ chat template + loss mask ─ target forward ─ store/shard-*.safetensors + manifest.json
+
+Shard k holds kept samples [k*S, (k+1)*S) in conversation order, so its content is a function of the
+input alone; a rerun keeps every shard whose checksum and sample plan verify and recomputes the rest
+(kill -9 at any point loses at most one shard of work). Within a shard samples are sorted by length
+and batched under ``capture.batch_tokens`` padded tokens, which keeps padding small and fixes the batch
+composition, so a recomputed shard is byte-identical to the first attempt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors.torch import save
+from torch import Tensor
+from tqdm import tqdm
+
+from data_prep.loss_mask import LossMaskError, render_with_mask
+from data_prep.store import (
+    IDENTITY,
+    MANIFEST,
+    SCHEMA_VERSION,
+    TARGET_HEAD,
+    ShardWriter,
+    StoreError,
+    sha256_file,
+    shard_name,
+    write_atomic,
+    write_json_atomic,
+)
+from drafter.target import DTYPES, TargetModel
+
+
+class CaptureError(ValueError):
+    """Bad input to capture; the message names the file and line."""
+
+
+@dataclass
+class Sample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass
+class CaptureSummary:
+    store_dir: str
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    shards: int = 0
+    shards_reused: int = 0
+    shards_written: int = 0
+    bytes: int = 0
+    bytes_per_token: float = 0.0
+    captured_tokens_per_s: float = 0.0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        return (f"capture -> {self.store_dir}\n"
+                f"  samples {self.samples}, tokens {self.tokens}, loss tokens {self.loss_tokens}\n"
+                f"  shards {self.shards} ({self.shards_reused} kept, {self.shards_written} written), "
+                f"{self.bytes / 1e6:.1f} MB, {self.bytes_per_token:.0f} bytes/token, "
+                f"{self.captured_tokens_per_s:.0f} tokens/s\n"
+                f"  skipped: {skipped}")
+
+
+# ---------------------------------------------------------------- input: conversations -> samples
+def read_conversations(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise CaptureError(f"{path}: not found; run `python -m data_prep regenerate` first")
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CaptureError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            msgs = rec.get("messages") if isinstance(rec, dict) else None
+            if not isinstance(rec.get("id") if isinstance(rec, dict) else None, str) or not isinstance(msgs, list):
+                raise CaptureError(f"{path}:{n}: expected an object with 'id' (str) and 'messages' (list)")
+            for m in msgs:
+                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                    raise CaptureError(f"{path}:{n}: messages must be {{'role': str, 'content': str}} objects")
+            out.append(rec)
+    return out
+
+
+def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int) -> tuple[list[Sample], Counter]:
+    samples, skipped, seen = [], Counter(), set()
+    for rec in convs:
+        if rec["id"] in seen:
+            skipped["duplicate_id"] += 1
+            continue
+        seen.add(rec["id"])
+        try:
+            r = render_with_mask(tokenizer, rec["messages"], max_length)
+        except LossMaskError as e:
+            skipped[e.reason] += 1
+            continue
+        if r.num_loss_tokens == 0:
+            skipped["no_loss_tokens"] += 1
+            continue
+        samples.append(Sample(rec["id"], r.input_ids, r.loss_mask))
+    return samples, skipped
+
+
+def plan_sha256(samples: Sequence[Sample]) -> str:
+    """Identity of a shard's inputs: a kept shard must hold exactly these samples."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(json.dumps([s.id, s.input_ids, s.loss_mask]).encode())
+    return h.hexdigest()
+
+
+def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
+    """Indices sorted by length, cut so that n * longest <= batch_tokens (at least one per batch)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
+        if batches and lengths[i] * (len(batches[-1]) + 1) <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+# ---------------------------------------------------------------- the target forward
+class CaptureBackend(Protocol):
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
+        """Per sample: ``aux`` (L, 3H) and ``last_hidden`` (L, H), float, on any device."""
+        ...
+
+
+class HFBackend:
+    """Right-padded batches through ``TargetModel.forward`` (hooks on the aux layers only)."""
+
+    def __init__(self, target: TargetModel, aux_ids: Sequence[int]):
+        self.target, self.aux_ids = target, list(aux_ids)
+
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
+        longest = max(map(len, batch))
+        ids = torch.full((len(batch), longest), self.target.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), longest), dtype=torch.long)
+        for i, seq in enumerate(batch):
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+        out = self.target.forward(ids, self.aux_ids, attention_mask=mask, logits=False)
+        return [{"aux": out.aux[i, : len(s)], "last_hidden": out.last_hidden[i, : len(s)]}
+                for i, s in enumerate(batch)]
+
+
+@torch.no_grad()
+def teacher_signal(last_hidden: Tensor, lm_head: Tensor, teacher: str, topk: int) -> dict[str, Tensor]:
+    """Greedy next token, plus top-k log-probs for teacher 'topk'; logits in row chunks to bound memory."""
+    rows = max(1, (1 << 26) // lm_head.shape[0])
+    argmax, ids, lps = [], [], []
+    for chunk in last_hidden.split(rows):
+        logits = chunk.to(lm_head.dtype) @ lm_head.T
+        argmax.append(logits.argmax(-1).to(torch.int32))
+        if teacher == "topk":
+            top = torch.log_softmax(logits.float(), -1).topk(topk, dim=-1)
+            ids.append(top.indices.to(torch.int32))
+            lps.append(top.values)
+    out = {"target_argmax": torch.cat(argmax)}
+    if teacher == "topk":
+        out |= {"topk_ids": torch.cat(ids), "topk_logprobs": torch.cat(lps)}
+    return out
+
+
+# ---------------------------------------------------------------- the store
+def store_header(target: TargetModel, aux_ids: Sequence[int], cap: Any) -> dict[str, Any]:
+    """Everything a shard's meaning depends on besides its samples (compared on resume)."""
+    dt = cap.dtype
+    teacher = {"last_hidden": dt} if cap.teacher == "hidden" else {"topk_ids": "int32", "topk_logprobs": dt}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "target": {"name": target.name, "fingerprint": target.fingerprint(), "num_layers": target.num_layers,
+                   "hidden_size": target.hidden_size, "vocab_size": target.vocab_size},
+        "aux_layer_ids": list(aux_ids),
+        "teacher": cap.teacher,
+        "topk": cap.topk if cap.teacher == "topk" else None,
+        "dtypes": {"input_ids": "int32", "loss_mask": "uint8", "aux": dt, "target_argmax": "int32", **teacher},
+        "max_length": cap.max_length,
+    }
+
+
+def previous_shards(store: Path, header: dict[str, Any]) -> list[dict[str, Any]]:
+    """Shard entries of an earlier run of this same capture; a different capture is an error."""
+    path = store / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise StoreError(f"{path}: unreadable manifest; delete {store} and capture again") from None
+    diff = [k for k in IDENTITY if old.get(k) != header[k]]
+    if diff:
+        raise StoreError(f"{store} holds a capture with different {', '.join(diff)} (e.g. another target, layer "
+                         f"ids or teacher); delete {store} (rm -r) to capture again, or point run_dir elsewhere")
+    return old.get("shards", [])
+
+
+def shard_specs(samples: Sequence[Sample], header: dict[str, Any], cap: Any) -> dict[str, tuple[torch.dtype, tuple]]:
+    n, t = len(samples), sum(len(s.input_ids) for s in samples)
+    h, dt = header["target"]["hidden_size"], DTYPES[cap.dtype]
+    specs = {"offsets": (torch.int64, (n + 1,)), "input_ids": (torch.int32, (t,)), "loss_mask": (torch.uint8, (t,)),
+             "aux": (dt, (t, 3 * h)), "target_argmax": (torch.int32, (t,))}
+    if cap.teacher == "hidden":
+        specs["last_hidden"] = (dt, (t, h))
+    else:
+        specs |= {"topk_ids": (torch.int32, (t, cap.topk)), "topk_logprobs": (dt, (t, cap.topk))}
+    return specs
+
+
+def capture_shard(backend: CaptureBackend, lm_head: Tensor, samples: list[Sample], path: Path,
+                  header: dict[str, Any], cap: Any, bar: tqdm) -> str:
+    """Compute and write one shard (temp file, then rename); returns its sha256."""
+    lengths = [len(s.input_ids) for s in samples]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    meta = {"ids": json.dumps([s.id for s in samples]), "schema_version": str(SCHEMA_VERSION)}
+    writer = ShardWriter(path, shard_specs(samples, header, cap), meta)
+    try:
+        writer.write("offsets", 0, torch.tensor(starts, dtype=torch.int64))
+        writer.write("input_ids", 0, torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32))
+        writer.write("loss_mask", 0, torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8))
+        store_dt = DTYPES[cap.dtype]
+        for batch in length_batches(lengths, cap.batch_tokens):
+            outs = backend.run([samples[i].input_ids for i in batch])
+            for i, o in zip(batch, outs, strict=True):
+                writer.write("aux", starts[i], o["aux"].to(store_dt))
+                sig = teacher_signal(o["last_hidden"], lm_head, cap.teacher, cap.topk)
+                if cap.teacher == "hidden":
+                    sig["last_hidden"] = o["last_hidden"]
+                for key, val in sig.items():
+                    writer.write(key, starts[i], val if val.dtype == torch.int32 else val.to(store_dt))
+            bar.update(sum(lengths[i] for i in batch))
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish()
+
+
+def write_target_head(store: Path, target: TargetModel, old_sha: str | None) -> str:
+    path = store / TARGET_HEAD
+    if old_sha and path.is_file() and sha256_file(path) == old_sha:
+        return old_sha
+    # clone: a tied head shares storage with the embedding, which safetensors refuses to save twice
+    data = save({"embed_tokens.weight": target.embed_weight().detach().cpu().clone().contiguous(),
+                 "lm_head.weight": target.lm_head_weight().detach().cpu().clone().contiguous()})
+    write_atomic(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def make_backend(cfg: Any, target: TargetModel, aux_ids: Sequence[int]) -> CaptureBackend:
+    if cfg.capture.backend == "sglang":
+        from data_prep.capture_sglang import SGLangBackend
+
+        return SGLangBackend(target, aux_ids)
+    return HFBackend(target, aux_ids)
+
+
+def run_capture(cfg: Any, target: TargetModel | None = None) -> CaptureSummary:
+    """``cfg`` is a RunConfig; ``target`` lets callers (tests, the pipeline) reuse a loaded one."""
+    from drafter.factory import drafter_aux_ids
+    from drafter.target import load_target_from_config, resolve_aux_layer_ids
+
+    cap, store = cfg.capture, cfg.store_dir
+    convs = read_conversations(cfg.conversations_path)
+    target = target or load_target_from_config(cfg.target)
+    aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, drafter_aux_ids(cfg.drafter.init_from,
+                                                                              target.num_layers), target.num_layers)
+    header = store_header(target, aux_ids, cap)
+    store.mkdir(parents=True, exist_ok=True)
+    old = previous_shards(store, header)
+    old_head = json.loads((store / MANIFEST).read_text()).get("target_head_sha256") if old else None
+    for tmp in store.glob("*.tmp"):  # leftovers of a killed write
+        tmp.unlink()
+
+    samples, skipped = render_all(convs, target.tokenizer, cap.max_length)
+    plan = [samples[i:i + cap.shard_samples] for i in range(0, len(samples), cap.shard_samples)]
+    manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
+                "skipped": dict(sorted(skipped.items())), "shards": [], "complete": False}
+    summary = CaptureSummary(str(store), skipped=dict(skipped))
+    backend = make_backend(cfg, target, aux_ids)
+    lm_head = target.lm_head_weight().detach()
+    total = sum(len(s.input_ids) for s in samples)
+    started, computed = time.perf_counter(), 0
+    with tqdm(total=total, unit="tok", desc="capture") as bar:
+        for k, part in enumerate(plan):
+            entry = {"file": shard_name(k), "plan_sha256": plan_sha256(part), "num_samples": len(part),
+                     "num_tokens": sum(len(s.input_ids) for s in part),
+                     "num_loss_tokens": sum(sum(s.loss_mask) for s in part)}
+            prev = old[k] if k < len(old) else None
+            path = store / entry["file"]
+            if (prev and prev.get("plan_sha256") == entry["plan_sha256"] and path.is_file()
+                    and sha256_file(path) == prev["sha256"]):
+                entry["sha256"] = prev["sha256"]
+                summary.shards_reused += 1
+                bar.update(entry["num_tokens"])
+            else:
+                entry["sha256"] = capture_shard(backend, lm_head, part, path, header, cap, bar)
+                summary.shards_written += 1
+                computed += entry["num_tokens"]
+            entry["bytes"] = path.stat().st_size
+            manifest["shards"].append(entry)
+            manifest["totals"] = _totals(manifest["shards"])
+            write_json_atomic(store / MANIFEST, manifest)
+    for stale in store.glob("shard-*.safetensors"):  # the input shrank since an earlier run
+        if stale.name not in {s["file"] for s in manifest["shards"]}:
+            stale.unlink()
+    manifest |= {"totals": _totals(manifest["shards"]), "complete": True}
+    write_json_atomic(store / MANIFEST, manifest)
+
+    t = manifest["totals"]
+    summary.samples, summary.tokens, summary.loss_tokens = t["samples"], t["tokens"], t["loss_tokens"]
+    summary.shards, summary.bytes = len(plan), t["bytes"]
+    summary.bytes_per_token = t["bytes"] / max(1, t["tokens"])
+    summary.captured_tokens_per_s = computed / max(1e-9, time.perf_counter() - started)
+    return summary
+
+
+def _totals(shards: list[dict[str, Any]]) -> dict[str, int]:
+    return {"samples": sum(s["num_samples"] for s in shards), "tokens": sum(s["num_tokens"] for s in shards),
+            "loss_tokens": sum(s["num_loss_tokens"] for s in shards), "bytes": sum(s["bytes"] for s in shards)}

@@ -1,0 +1,131 @@
+"""Reading the store back for training: a lazy per-sample Dataset, a token-budget batch sampler, collate.
+
+Shards are opened with ``safe_open`` (memory-mapped) and each sample is a slice between two offsets,
+so a store far larger than RAM trains fine. Batches group samples of similar length (sorted within a
+shuffled window) under a padded-token budget, which keeps padding small without packing across
+sample boundaries (packing would need a block-diagonal mask in the drafter's TTT attention).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch.utils.data import Dataset, Sampler
+
+from data_prep.store import read_manifest
+
+PER_TOKEN = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
+SPLITS = (None, "train", "holdout")
+
+
+def in_holdout(sample_id: str, fraction: float) -> bool:
+    """Stable split by id hash: a sample stays on its side when the store grows."""
+    return int(hashlib.sha1(sample_id.encode()).hexdigest()[:8], 16) / 0x1_0000_0000 < fraction
+
+
+class ShardDataset(Dataset):
+    """Samples of a complete store; ``split`` None = all, 'train' / 'holdout' by ``holdout_fraction``."""
+
+    def __init__(self, store_dir: str | Path, split: str | None = None, holdout_fraction: float = 0.05):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self.store = Path(store_dir)
+        self.manifest = read_manifest(self.store)
+        self._files: list[Any] = [None] * len(self.manifest["shards"])
+        self.index: list[tuple[int, int, int]] = []  # (shard, token start, token end)
+        self.ids: list[str] = []
+        for k in range(len(self.manifest["shards"])):
+            f = self._file(k)
+            offsets = f.get_tensor("offsets").tolist()
+            for j, sid in enumerate(json.loads(f.metadata()["ids"])):
+                if split is None or in_holdout(sid, holdout_fraction) == (split == "holdout"):
+                    self.index.append((k, offsets[j], offsets[j + 1]))
+                    self.ids.append(sid)
+        self.lengths = [e - b for _, b, e in self.index]
+        self.keys = [k for k in PER_TOKEN if k in self._file(0).keys()] if self._files else []
+
+    def _file(self, k: int) -> Any:
+        if self._files[k] is None:  # opened lazily: DataLoader workers each open their own handles
+            self._files[k] = safe_open(str(self.store / self.manifest["shards"][k]["file"]), framework="pt")
+        return self._files[k]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_files": [None] * len(self._files)}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        k, b, e = self.index[i]
+        f = self._file(k)
+        out: dict[str, Any] = {key: f.get_slice(key)[b:e] for key in self.keys}
+        out["id"] = self.ids[i]
+        return out
+
+
+class TokenBudgetSampler(Sampler[list[int]]):
+    """Batches of indices whose padded size (n * longest) stays within ``batch_tokens``.
+
+    Shuffled each epoch (``set_epoch``), sorted by length within windows of ``window`` samples so that
+    neighbours have similar lengths; a sample longer than the budget is a batch of its own. With
+    ``num_replicas`` > 1 each rank takes every n-th batch (all ranks get the same count).
+    """
+
+    def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool = True, seed: int = 0,
+                 window: int = 1024, num_replicas: int = 1, rank: int = 0):
+        self.lengths, self.batch_tokens, self.shuffle, self.seed = lengths, batch_tokens, shuffle, seed
+        self.window, self.num_replicas, self.rank, self.epoch = window, num_replicas, rank, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def batches(self) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        rng = random.Random(self.seed + self.epoch)
+        if self.shuffle:
+            rng.shuffle(order)
+        out: list[list[int]] = []
+        for w in range(0, len(order), self.window):
+            cur: list[int] = []
+            for i in sorted(order[w:w + self.window], key=lambda i: self.lengths[i]):
+                if cur and self.lengths[i] * (len(cur) + 1) > self.batch_tokens:  # ascending: i is longest
+                    out.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                out.append(cur)
+        if self.shuffle:
+            rng.shuffle(out)
+        usable = len(out) - len(out) % self.num_replicas if self.num_replicas > 1 else len(out)
+        return out[self.rank:usable:self.num_replicas]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches())
+
+    def __len__(self) -> int:
+        return len(self.batches())
+
+
+def collate(samples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
+    """Right-pad to the longest sample; ``attention_mask`` marks real tokens, ``loss_mask`` is 0 on padding."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    out: dict[str, Any] = {"ids": [s["id"] for s in samples]}
+    for key in [k for k in PER_TOKEN if k in samples[0]]:
+        first = samples[0][key]
+        dtype = torch.long if key in ("input_ids", "target_argmax", "topk_ids") else first.dtype
+        dtype = torch.bool if key == "loss_mask" else dtype
+        batch = torch.full((len(samples), longest, *first.shape[1:]), pad_id if key == "input_ids" else 0,
+                           dtype=dtype)
+        for i, s in enumerate(samples):
+            batch[i, : len(s[key])] = s[key].to(dtype)
+        out[key] = batch
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    out["attention_mask"] = torch.arange(longest)[None, :] < lengths[:, None]
+    return out
