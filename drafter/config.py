@@ -86,6 +86,7 @@ class RegenerateConfig(Section):
     concurrency: PositiveInt = 8
     timeout_s: PositiveFloat = 600.0
     max_retries: Annotated[int, Field(ge=0)] = 5
+    retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
     batch_size: PositiveInt = 16
     temperature: Annotated[float, Field(ge=0.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0

@@ -1,0 +1,187 @@
+"""Chat backends for regeneration: the target in-process (``hf``) or any OpenAI-compatible server
+(``openai``: SGLang, vLLM, llama.cpp) behind one interface, so the regeneration loop is the same.
+
+A backend never raises for one bad record: it returns a ``Completion`` whose ``error`` names the
+reason, and the caller counts it and leaves the record for the next run.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import os
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from drafter.config import RegenerateConfig, TargetConfig
+
+Chat = list[dict[str, str]]
+MAX_BACKOFF_S = 60.0
+
+
+class BackendError(RuntimeError):
+    """A backend that cannot start (bad URL, missing API key); the message is for the user."""
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    finish_reason: str = ""  # "stop" | "length" | what the server said; "" when error is set
+    error: str | None = None  # failure reason key, e.g. "http_400", "timeout", "connection"
+    detail: str = ""
+
+
+class ChatBackend(Protocol):
+    name: str
+    batch_size: int  # how many chats one ``complete`` call should get
+
+    def complete(self, batch: list[Chat]) -> list[Completion]: ...
+
+
+class HFBackend:
+    """The target itself via ``generate``: left padding so every row's answer starts at one column."""
+
+    name = "hf"
+
+    def __init__(self, target_cfg: TargetConfig, cfg: RegenerateConfig):
+        import torch
+        from transformers import GenerationConfig
+
+        from drafter.target import load_target_from_config
+
+        self.target = load_target_from_config(target_cfg)
+        self.tok = self.target.tokenizer
+        self.tok.padding_side = "left"
+        self.cfg = cfg
+        self.batch_size = cfg.batch_size
+        stop = {self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")}
+        self.stop_ids = sorted(i for i in stop if isinstance(i, int) and i != self.tok.unk_token_id)
+        sampling = cfg.temperature > 0
+        self.gen = GenerationConfig(
+            max_new_tokens=cfg.max_tokens, do_sample=sampling, eos_token_id=self.stop_ids,
+            pad_token_id=self.tok.pad_token_id,
+            **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or 0} if sampling else {}))
+        torch.manual_seed(cfg.seed)
+
+    def complete(self, batch: list[Chat]) -> list[Completion]:
+        import torch
+
+        texts = [self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                              **self.cfg.chat_template_kwargs) for chat in batch]
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.target.device)
+        with torch.no_grad():
+            out = self.target.model.generate(**enc, generation_config=self.gen)
+        results = []
+        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+            text = self.tok.decode(row if end is None else row[:end], skip_special_tokens=True)
+            results.append(Completion(text=text, finish_reason="length" if end is None else "stop"))
+        return results
+
+
+def chat_url(base: str) -> str:
+    """``http://host:port``, ``.../v1`` or the full endpoint -> the chat completions endpoint."""
+    if not base.startswith(("http://", "https://")):
+        raise BackendError(f"regenerate.server_urls: {base!r} is not an http(s) URL")
+    base = base.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+class OpenAIBackend:
+    """Requests spread round-robin over the servers by a bounded thread pool; transient failures
+    (timeouts, 5xx, 429, refused/reset/dropped connections) are retried with exponential backoff,
+    the next attempt going to the next server; other 4xx fail the record at once."""
+
+    name = "openai"
+
+    def __init__(self, cfg: RegenerateConfig):
+        self.cfg = cfg
+        self.urls = [chat_url(u) for u in cfg.server_urls]
+        if not self.urls:
+            raise BackendError("regenerate.server_urls: backend 'openai' needs at least one server URL")
+        self.headers = {"Content-Type": "application/json"}
+        if cfg.api_key_env:
+            key = os.environ.get(cfg.api_key_env)
+            if not key:
+                raise BackendError(f"regenerate.api_key_env: environment variable {cfg.api_key_env} is not set")
+            self.headers["Authorization"] = f"Bearer {key}"
+        self.batch_size = max(cfg.batch_size, cfg.concurrency)
+        self._next = itertools.cycle(range(len(self.urls)))
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="regen")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def body(self, chat: Chat) -> dict[str, Any]:
+        c = self.cfg
+        body: dict[str, Any] = {"model": c.model, "messages": chat, "temperature": c.temperature,
+                                "top_p": c.top_p, "max_tokens": c.max_tokens, "seed": c.seed}
+        if c.top_k is not None:
+            body["top_k"] = c.top_k
+        if c.chat_template_kwargs:
+            body["chat_template_kwargs"] = c.chat_template_kwargs
+        return body
+
+    def complete(self, batch: list[Chat]) -> list[Completion]:
+        return list(self._pool.map(self._one, batch))
+
+    def _url(self) -> str:
+        with self._lock:
+            return self.urls[next(self._next)]
+
+    def _one(self, chat: Chat) -> Completion:
+        data = json.dumps(self.body(chat)).encode()
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                return self._post(self._url(), data)
+            except _Retryable as e:
+                last = e
+            if attempt < self.cfg.max_retries:
+                delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * 2 ** attempt)
+                time.sleep(delay * (1 + 0.25 * random.random()))
+        return Completion(error=last.reason, detail=f"{last.detail} (gave up after {attempt + 1} attempts)")
+
+    def _post(self, url: str, data: bytes) -> Completion:
+        req = urllib.request.Request(url, data=data, headers=self.headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as e:
+            detail = f"{url}: HTTP {e.code}: {e.read()[:200].decode('utf-8', 'replace')}"
+            if e.code == 429 or e.code >= 500:
+                raise _Retryable(f"http_{e.code}", detail) from None
+            return Completion(error=f"http_{e.code}", detail=detail)
+        except urllib.error.URLError as e:
+            kind = "timeout" if isinstance(e.reason, TimeoutError) else "connection"
+            raise _Retryable(kind, f"{url}: {e.reason}") from None
+        except TimeoutError as e:
+            raise _Retryable("timeout", f"{url}: {e}") from None
+        except (OSError, http.client.HTTPException) as e:  # reset, dropped mid-response, ...
+            raise _Retryable("connection", f"{url}: {type(e).__name__}: {e}") from None
+        try:
+            choice = json.loads(raw)["choices"][0]
+            text = choice["message"].get("content") or ""
+            return Completion(text=text, finish_reason=choice.get("finish_reason") or "unknown")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {raw[:200]!r}")
+
+
+def make_backend(target_cfg: TargetConfig, cfg: RegenerateConfig) -> ChatBackend:
+    return HFBackend(target_cfg, cfg) if cfg.backend == "hf" else OpenAIBackend(cfg)

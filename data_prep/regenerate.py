@@ -1,0 +1,239 @@
+"""Regenerate: the target rewrites every assistant turn, so the drafter learns the target's own text.
+
+Turn by turn: the chat is system? + user1 -> answer1, then + answer1 + user2 -> answer2, ..., each
+answer the target's (the source's answers are dropped). Each finished conversation is appended to
+``conversations.jsonl`` as one whole line, flushed and fsynced, so after a kill -9 a rerun drops a
+torn last line, skips the ids already there and ends with every id exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from data_prep.backends import Chat, ChatBackend, Completion, make_backend
+from drafter.config import RunConfig
+
+PERCENTILES = (0, 50, 90, 99, 100)
+FLAG_SAMPLE = 5  # ids listed per flag in the summary
+
+
+class RegenerateError(RuntimeError):
+    """Unusable input or output file; the message names it."""
+
+
+def load_prompts(path: Path, limit: int | None) -> list[dict[str, Any]]:
+    """The first ``limit`` prompts of prompts.jsonl (written by ingest, so a bad line is an error)."""
+    if not path.is_file():
+        raise RegenerateError(f"{path}: no prompts file; run `python -m data_prep ingest` first")
+    prompts: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(prompts) >= limit:
+                break
+            try:
+                p = json.loads(line)
+                pid, messages = p["id"], p["messages"]
+                roles = [m["role"] for m in messages]
+            except (ValueError, KeyError, TypeError) as e:
+                raise RegenerateError(f"{path}:{lineno}: not a prompt record ({type(e).__name__}: {e}); "
+                                      "rerun ingest") from None
+            if pid in seen:
+                raise RegenerateError(f"{path}:{lineno}: id {pid} appears twice; rerun ingest")
+            if "user" not in roles:
+                raise RegenerateError(f"{path}:{lineno}: prompt {pid} has no user turn; rerun ingest")
+            seen.add(pid)
+            prompts.append(p)
+    return prompts
+
+
+def resume(path: Path) -> tuple[set[str], int]:
+    """Ids already written, after cutting a torn last line off the file; returns (ids, bytes cut)."""
+    if not path.exists():
+        return set(), 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    ids: set[str] = set()
+    for lineno, line in enumerate(data[:keep].splitlines(), 1):
+        try:
+            ids.add(json.loads(line)["id"])
+        except (ValueError, KeyError, TypeError):
+            raise RegenerateError(f"{path}:{lineno}: a whole line that is not a conversation record; "
+                                  "the file is damaged: move it away and rerun") from None
+    return ids, len(data) - keep
+
+
+class Conversation:
+    """One prompt being regenerated: its user turns (with any system turns before each) fed one at a time."""
+
+    def __init__(self, prompt: dict[str, Any]):
+        self.prompt = prompt
+        self.segments: list[Chat] = []
+        pending: Chat = []
+        for m in prompt["messages"]:
+            if m["role"] == "assistant":
+                continue
+            pending.append({"role": m["role"], "content": m["content"]})
+            if m["role"] == "user":
+                self.segments.append(pending)
+                pending = []
+        self.chat: Chat = []
+        self.finish_reasons: list[str] = []
+        self.error: str | None = None
+        self.detail = ""
+
+    def wants_more(self) -> bool:
+        return self.error is None and len(self.finish_reasons) < len(self.segments)
+
+    def request(self) -> Chat:
+        self.chat += self.segments[len(self.finish_reasons)]
+        return list(self.chat)
+
+    def accept(self, c: Completion) -> None:
+        if c.error:
+            self.error, self.detail = c.error, c.detail
+            return
+        self.chat.append({"role": "assistant", "content": c.text})
+        self.finish_reasons.append(c.finish_reason)
+
+    def record(self, backend: str) -> dict[str, Any]:
+        return {"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
+                "finish_reasons": self.finish_reasons, "backend": backend}
+
+
+def append_record(f: Any, record: dict[str, Any]) -> None:
+    """One whole line per write, on disk before the next: a kill leaves at most a torn last line."""
+    f.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+    f.flush()
+    os.fsync(f.fileno())
+
+
+@dataclass
+class RegenerateSummary:
+    output: str
+    backend: str
+    selected: int  # prompts asked for (regenerate.num_prompts of prompts.jsonl)
+    already_done: int  # found in the file at start
+    torn_bytes_dropped: int
+    written: int  # this run
+    failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
+    failure_examples: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    # Validation of the whole output file as it stands at the end:
+    records: int = 0
+    duplicate_ids: int = 0
+    missing: int = 0  # selected prompts with no record (failed; a rerun retries them)
+    turns: int = 0
+    finish_reasons: Counter[str] = field(default_factory=Counter)
+    answer_chars: dict[str, int] = field(default_factory=dict)  # percentile -> chars
+    empty_answers: int = 0
+    length_answers: int = 0
+    flagged: dict[str, list[str]] = field(default_factory=dict)  # "empty"/"length" -> sample ids
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"failed": dict(self.failed), "finish_reasons": dict(self.finish_reasons)}
+
+    def to_markdown(self) -> str:
+        pct = ", ".join(f"p{k}={v}" for k, v in self.answer_chars.items()) or "-"
+        lines = [
+            f"## Regenerate ({self.backend}): {self.records} conversations in {self.output}", "",
+            f"- this run: {self.written} written in {self.seconds:.1f} s; {self.already_done} already done; "
+            f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes",
+            f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
+            f"{self.duplicate_ids} duplicate ids",
+            f"- {self.turns} answers: finish reasons {dict(self.finish_reasons)}; chars {pct}",
+            f"- flagged: {self.empty_answers} empty, {self.length_answers} cut at max_tokens (\"length\")",
+        ]
+        lines += [f"  - {flag}: {', '.join(ids)}" for flag, ids in self.flagged.items() if ids]
+        lines += [f"- failed {reason}: {n} (first: {self.failure_examples.get(reason, '')})"
+                  for reason, n in self.failed.items()]
+        return "\n".join(lines)
+
+    __str__ = to_markdown
+
+
+def percentiles(values: list[int]) -> dict[str, int]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {str(p): ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in PERCENTILES}
+
+
+def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> None:
+    """Re-read the output as the next stage will, and fill in the checks and answer statistics."""
+    counts: Counter[str] = Counter()
+    lengths: list[int] = []
+    flagged: dict[str, list[str]] = {"empty": [], "length": []}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            counts[rec["id"]] += 1
+            answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+            lengths += [len(a) for a in answers]
+            summary.finish_reasons.update(rec["finish_reasons"])
+            empty = sum(not a.strip() for a in answers)
+            cut = rec["finish_reasons"].count("length")
+            summary.empty_answers += empty
+            summary.length_answers += cut
+            for flag, n in (("empty", empty), ("length", cut)):
+                if n and len(flagged[flag]) < FLAG_SAMPLE:
+                    flagged[flag].append(rec["id"])
+    summary.records = sum(counts.values())
+    summary.duplicate_ids = sum(n - 1 for n in counts.values())
+    summary.missing = sum(pid not in counts for pid in selected)
+    summary.turns = len(lengths)
+    summary.answer_chars = percentiles(lengths)
+    summary.flagged = flagged
+
+
+def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend) -> RegenerateSummary:
+    """The loop, for any backend: chunks of prompts, every chunk advanced one turn per backend call."""
+    out_path = cfg.conversations_path
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done, torn = resume(out_path)
+    pending = [p for p in prompts if p["id"] not in done]
+    summary = RegenerateSummary(output=str(out_path), backend=backend.name, selected=len(prompts),
+                                already_done=len(prompts) - len(pending), torn_bytes_dropped=torn, written=0)
+    start = time.perf_counter()
+    with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
+                                         unit=" conv") as bar:
+        for i in range(0, len(pending), backend.batch_size):
+            convs = [Conversation(p) for p in pending[i: i + backend.batch_size]]
+            while active := [c for c in convs if c.wants_more()]:
+                for conv, completion in zip(active, backend.complete([c.request() for c in active]), strict=True):
+                    conv.accept(completion)
+            for conv in convs:
+                if conv.error:
+                    summary.failed[conv.error] += 1
+                    summary.failure_examples.setdefault(conv.error, f"{conv.prompt['id']}: {conv.detail}")
+                else:
+                    append_record(f, conv.record(backend.name))
+                    summary.written += 1
+            bar.update(len(convs))
+    summary.seconds = time.perf_counter() - start
+    validate(out_path, [p["id"] for p in prompts], summary)
+    return summary
+
+
+def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
+    prompts = load_prompts(cfg.prompts_path, cfg.regenerate.num_prompts)  # a bad input fails before the model loads
+    backend = make_backend(cfg.target, cfg.regenerate)
+    try:
+        return regenerate(cfg, prompts, backend)
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
