@@ -26,7 +26,7 @@ Chat = list[dict[str, str]]
 MAX_BACKOFF_S = 60.0
 
 
-class BackendError(RuntimeError):
+class BackendError(ValueError):
     """A backend that cannot start (bad URL, missing API key); the message is for the user."""
 
 

@@ -27,7 +27,7 @@ SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "no
                 "empty", "too_long", "duplicate")
 
 
-class IngestError(RuntimeError):
+class IngestError(ValueError):
     """A source that cannot be read at all; the message names the file."""
 
 
@@ -155,12 +155,21 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
         out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages})
 
 
+# Legal in JSON strings but line breaks to str.splitlines() and some editors: escape them.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One JSONL line (UTF-8 text kept readable) that every line splitter sees as exactly one line."""
+    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
+
+
 def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", encoding="utf-8") as f:
         for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+            f.write(json_line(r))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -19,13 +19,14 @@ from typing import Any
 from tqdm import tqdm
 
 from data_prep.backends import Chat, ChatBackend, Completion, make_backend
+from data_prep.ingest import json_line
 from drafter.config import RunConfig
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
 
 
-class RegenerateError(RuntimeError):
+class RegenerateError(ValueError):
     """Unusable input or output file; the message names it."""
 
 
@@ -116,7 +117,7 @@ class Conversation:
 
 def append_record(f: Any, record: dict[str, Any]) -> None:
     """One whole line per write, on disk before the next: a kill leaves at most a torn last line."""
-    f.write((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+    f.write(json_line(record).encode("utf-8"))
     f.flush()
     os.fsync(f.fileno())
 
