@@ -1,0 +1,96 @@
+"""Run the plain and speculative loops over the eval prompts and reduce them to per-dataset figures.
+
+Plain decoding runs once per prompt; every drafter (candidate, incumbent) then decodes the same
+prompts, so their taus and timings are comparable and the T=0 outputs can be checked token by token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from eval import breakeven, metrics
+from eval.speculative import Engine, Generation, Proposer, first_divergence
+
+
+@dataclass
+class Settings:
+    num_steps: int
+    temperature: float
+    max_new_tokens: int
+    seed: int = 0
+
+
+def _generator(seed: int, index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+def dataset_stats(gens: Sequence[Generation], k: int) -> dict:
+    hist = metrics.histogram([a for g in gens for a in g.accepted], k)
+    return {"tau": metrics.tau_from_histogram(hist), "histogram": hist, "cycles": sum(hist),
+            "alpha_conditional": metrics.conditional_rates(hist),
+            "alpha_unconditional": metrics.unconditional_rates(hist),
+            "tokens": sum(len(g.tokens) for g in gens)}
+
+
+def lossless(reference: Sequence[Generation], gens: Sequence[Generation], dataset: str) -> list[dict]:
+    """One entry per prompt whose speculative tokens differ from plain greedy decoding."""
+    out = []
+    for i, (ref, g) in enumerate(zip(reference, gens, strict=True)):
+        pos = first_divergence(ref.tokens, g.tokens)
+        if pos is not None:
+            out.append({"dataset": dataset, "prompt": i, "first_divergence": pos,
+                        "greedy": ref.tokens[pos:pos + 4], "speculative": g.tokens[pos:pos + 4]})
+    return out
+
+
+def summarize(per_dataset: Mapping[str, Sequence[Generation]], references: Mapping[str, Sequence[Generation]],
+              decode_ms: float, s: Settings) -> dict:
+    gens = [g for gs in per_dataset.values() for g in gs]
+    times = metrics.PhaseTimes(sum(g.draft_s for g in gens), sum(g.verify_s for g in gens),
+                               sum(g.overhead_s for g in gens), sum(len(g.accepted) for g in gens))
+    ms = times.ms_per_cycle()
+    out = {"datasets": {name: dataset_stats(gs, s.num_steps) for name, gs in per_dataset.items()},
+           "phases_ms_per_cycle": ms, "phase_lines": metrics.phase_lines(times),
+           "draft_step_ms": ms["draft"] / s.num_steps,
+           "speed": metrics.speed(sum(g.cycle_tokens for g in gens), times, decode_ms)}
+    out["measured_breakeven"] = breakeven.breakeven(decode_ms, ms["cycle"], s.num_steps) if times.cycles else None
+    if s.temperature == 0:
+        mismatches = [m for name, gs in per_dataset.items() for m in lossless(references[name], gs, name)]
+        out["lossless"] = {"checked": True, "ok": not mismatches, "prompts": len(gens), "mismatches": mismatches}
+    else:
+        out["lossless"] = {"checked": False, "ok": True, "reason": "T>0: outputs are samples, not comparable"}
+    return out
+
+
+def measure(engine: Engine, prompts: Mapping[str, Sequence[Sequence[int]]], proposers: Mapping[str, Proposer],
+            s: Settings) -> dict:
+    """Plain decode (t_decode and the greedy reference) and each proposer, on every prompt."""
+    total = sum(len(p) for p in prompts.values()) * (1 + len(proposers))
+    bar = tqdm(total=total, desc="eval decode", unit="run")
+    plain: dict[str, list[Generation]] = {}
+    spec: dict[str, dict[str, list[Generation]]] = {name: {} for name in proposers}
+    for ds, ids_list in prompts.items():
+        plain[ds] = []
+        for name in proposers:
+            spec[name][ds] = []
+        for i, ids in enumerate(ids_list):
+            plain[ds].append(engine.plain(ids, s.max_new_tokens, s.temperature, _generator(s.seed, i)))
+            bar.update()
+            for name, prop in proposers.items():
+                spec[name][ds].append(engine.speculative(prop, ids, s.num_steps, s.max_new_tokens, s.temperature,
+                                                         _generator(s.seed, i)))
+                bar.update()
+    bar.close()
+    steps = sum(g.steps for gs in plain.values() for g in gs)
+    decode_s = sum(g.decode_s for gs in plain.values() for g in gs)
+    decode_ms = 1000 * decode_s / steps if steps else float("nan")
+    return {"settings": vars(s) | {"batch_size": 1},
+            "prompts": {ds: len(p) for ds, p in prompts.items()},
+            "plain": {"decode_ms": decode_ms, "decode_steps": steps,
+                      "tokens_per_s": 1000 / decode_ms if steps else float("nan"),
+                      "prefill_s": sum(g.prefill_s for gs in plain.values() for g in gs)},
+            "drafters": {name: summarize(spec[name], plain, decode_ms, s) for name in proposers}}

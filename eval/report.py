@@ -1,0 +1,149 @@
+"""Write one eval's report: report.json (machines), report.md (people), alpha.png and tau.png (plots),
+and log the figures to wandb when the run config asks for it."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def _clean(x: Any) -> Any:
+    """NaN/inf become null: strict JSON readers reject the bare NaN that json.dumps writes."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def markdown(r: dict) -> str:
+    s, be = r["settings"], r["breakeven"]
+    k = s["num_steps"]
+    lines = [f"# Eval report: {r['name']}", "",
+             f"Target `{r['target']}` on {r['device']}, batch size 1, k = {k} chained drafts "
+             f"(up to {k + 1} tokens per cycle), T = {s['temperature']}, max_new_tokens = {s['max_new_tokens']}, "
+             f"prompts: " + ", ".join(f"{n} {d}" for d, n in r["prompts"].items()) + ".", "",
+             "## Break-even", "",
+             f"- tau* = {_f(be['tau_star'])} = cycle {_f(be['cycle_ms'], 2)} ms / decode {_f(be['decode_ms'], 2)} ms "
+             f"({be['source']} timings)",
+             f"- alpha to break even (constant per draft): {_f(be['alpha_breakeven']['finite_k'])} with k = {k}, "
+             f"{_f(be['alpha_breakeven']['k_infinity'])} as k -> inf"]
+    if "alpha_required" in be:
+        lines.append(f"- goal {be['target_tps']} tok/s needs {_f(be['tokens_per_cycle_required'])} tokens/cycle: "
+                     f"alpha {_f(be['alpha_required']['finite_k'])} (k = {k}), "
+                     f"{_f(be['alpha_required']['k_infinity'])} (k -> inf)")
+    p = r["plain"]
+    lines += ["", f"Plain target decode: {_f(p['decode_ms'], 2)} ms/token ({_f(p['tokens_per_s'], 1)} tok/s).", ""]
+    for name, d in r["drafters"].items():
+        ck = r.get("checkpoints", {}).get(name, {})
+        lines += [f"## Drafter `{name}`" + (f" — `{ck['path']}`" if ck else ""), ""]
+        if ck.get("fingerprint"):
+            lines += [f"Fingerprint `{ck['fingerprint'][:16]}`", ""]
+        hdr = ["dataset", "cycles", "tau"] + [f"alpha_{i}" for i in range(1, k + 1)] + \
+              [f"P(d{i})" for i in range(1, k + 1)] + ["accepted 0..k"]
+        lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+        for ds, st in d["datasets"].items():
+            row = [ds, str(st["cycles"]), _f(st["tau"])] + [_f(a) for a in st["alpha_conditional"]] + \
+                  [_f(a) for a in st["alpha_unconditional"]] + [" / ".join(map(str, st["histogram"]))]
+            lines.append("| " + " | ".join(row) + " |")
+        sp = d["speed"]
+        lines += ["", *[f"- {x}" for x in d["phase_lines"]],
+                  f"- cycle {_f(d['phases_ms_per_cycle']['cycle'], 2)} ms; speculative {_f(sp['spec_tps'], 1)} tok/s "
+                  f"vs plain {_f(sp['plain_tps'], 1)} tok/s: speed-up x{_f(sp['speedup'], 2)}"]
+        ll = d["lossless"]
+        if ll["checked"]:
+            verdict = ("OK: identical to greedy decoding" if ll["ok"]
+                       else f"FAIL: {len(ll['mismatches'])} prompt(s) differ")
+            lines.append(f"- lossless (T=0, {ll['prompts']} prompts): {verdict}")
+            lines += [f"  - {m['dataset']} prompt {m['prompt']}: first divergence at token {m['first_divergence']} "
+                      f"(greedy {m['greedy']} vs speculative {m['speculative']})" for m in ll["mismatches"]]
+        else:
+            lines.append(f"- lossless: not checked ({ll['reason']})")
+        lines.append("")
+    if "gate" in r:
+        g = r["gate"]
+        lines += [f"## Gate: **{g['decision'].upper()}**", "", *[f"- {x}" for x in g["reasons"]], ""]
+    return "\n".join(lines)
+
+
+def plots(r: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    be, k = r["breakeven"], r["settings"]["num_steps"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, d in r["drafters"].items():
+        for ds, st in d["datasets"].items():
+            ys = [float("nan") if a is None else a for a in st["alpha_conditional"]]
+            ax.plot(range(1, k + 1), ys, marker="o", label=f"{name} / {ds}")
+    need = be["alpha_breakeven"]["finite_k"]
+    if need is not None:
+        ax.axhline(need, color="red", linestyle="--", label=f"alpha for break-even ({need:.2f})")
+    ax.set(xlabel="draft position k", ylabel="alpha_k = P(k accepted | k-1 accepted)", ylim=(0, 1.05),
+           xticks=range(1, k + 1), title="Conditional acceptance per draft position")
+    ax.legend(fontsize=7)
+    alpha_png = out_dir / "alpha.png"
+    fig.tight_layout()
+    fig.savefig(alpha_png, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(r["drafters"])
+    datasets = list(r["prompts"])
+    width = 0.8 / max(len(names), 1)
+    for j, name in enumerate(names):
+        taus = [r["drafters"][name]["datasets"][ds]["tau"] for ds in datasets]
+        ax.bar([i + j * width for i in range(len(datasets))], [t or 0 for t in taus], width, label=name)
+    ax.axhline(be["tau_star"], color="red", linestyle="--", label=f"tau* ({be['tau_star']:.2f})")
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(datasets))], datasets)
+    ax.set(ylabel="tau (tokens / verify cycle)", title="Acceptance length against break-even")
+    ax.legend(fontsize=7)
+    tau_png = out_dir / "tau.png"
+    fig.tight_layout()
+    fig.savefig(tau_png, dpi=100)
+    plt.close(fig)
+    return [alpha_png, tau_png]
+
+
+def log_wandb(r: dict, project: str, images: list[Path]) -> None:
+    import wandb
+
+    run = wandb.init(project=project, job_type="eval", name=r["name"], config=r["settings"])
+    flat = {"eval/tau_star": r["breakeven"]["tau_star"], "eval/decode_ms": r["plain"]["decode_ms"]}
+    for name, d in r["drafters"].items():
+        flat[f"eval/{name}/speedup"] = d["speed"]["speedup"]
+        for ds, st in d["datasets"].items():
+            flat[f"eval/{name}/{ds}/tau"] = st["tau"]
+            for i, a in enumerate(st["alpha_conditional"], 1):
+                flat[f"eval/{name}/{ds}/alpha_{i}"] = a
+    run.log({k: v for k, v in flat.items() if v is not None} | {p.stem: wandb.Image(str(p)) for p in images})
+    run.finish()
+
+
+def write_report(r: dict, out_dir: str | Path, wandb_project: str | None = None) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    r = _clean(r)
+    _write(out / "report.json", json.dumps(r, indent=2) + "\n")
+    _write(out / "report.md", markdown(r))
+    images = plots(r, out)
+    if wandb_project:
+        log_wandb(r, wandb_project, images)
+    return out

@@ -1,0 +1,270 @@
+"""Speculative decoding with chain drafting at batch size 1, and the plain decode loop it is timed against.
+
+Both loops share the prefill and the target's HF KV cache code. One cycle: the proposer drafts k
+tokens, one target forward over ``[last emitted, d1..dk]`` verifies them, the target cache is cropped
+to the accepted prefix, and the proposer re-extends its own cache over the accepted positions from the
+target's aux states (SGLang's draft-extend). Positions follow ARCHITECTURE.md: drafter position t
+reads the target's aux at t and token t+1, and draft step i runs at RoPE position t+i.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from drafter.model import Eagle3Drafter, causal_mask
+from drafter.target import TargetModel
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # k target ids
+    probs: Tensor | None  # (k, V) draft distribution over target ids; None = deterministic proposals
+
+
+class Proposer(Protocol):
+    """What the engine needs from a drafter; the Eagle3 one is real, oracles plug in for tests."""
+
+    def reset(self) -> None: ...
+
+    def extend(self, tokens: Tensor, aux: Tensor, start: int) -> None:
+        """Commit known positions start..start+m-1: aux (m, 3H) and the token after each (m,).
+        Anything cached at or after ``start`` (rejected or draft-step entries) is dropped first."""
+
+    def propose(self, k: int, temperature: float, generator: torch.Generator | None) -> Draft: ...
+
+
+class Eagle3Proposer:
+    """Chain drafting with the EAGLE-3 drafter and its own KV cache."""
+
+    def __init__(self, drafter: Eagle3Drafter, aux_layer_ids: Sequence[int]):
+        self.drafter = drafter.eval()
+        self.aux_layer_ids = list(aux_layer_ids)  # the target layers this drafter reads
+        self.target_ids = drafter.to_target_ids(torch.arange(drafter.shape.draft_vocab_size,
+                                                             device=drafter.d2t.device))
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: Tensor | None = None
+        self.values: Tensor | None = None
+        self.length = 0
+        self.last: Tensor | None = None  # prenorm at the last committed position: the first draft step
+
+    @torch.no_grad()
+    def extend(self, tokens: Tensor, aux: Tensor, start: int) -> None:
+        d = self.drafter
+        if start > self.length:
+            raise ValueError(f"extend at {start} leaves a gap after {self.length} cached positions")
+        past = None
+        if start:
+            past = (self.keys[:, :, :start], self.values[:, :, :start])
+        dev = d.d2t.device
+        hidden = d.project_aux(aux.to(dev, d.fc.weight.dtype)[None])
+        positions = torch.arange(start, start + tokens.numel(), device=dev)[None]
+        out = d.step(tokens.to(dev)[None], hidden, positions, past=past,
+                     mask=causal_mask(tokens.numel(), start, device=dev))
+        self.keys = out.k if past is None else torch.cat([past[0], out.k], 2)
+        self.values = out.v if past is None else torch.cat([past[1], out.v], 2)
+        self.length = start + tokens.numel()
+        self.last = out.prenorm[:, -1:]
+
+    @torch.no_grad()
+    def propose(self, k: int, temperature: float, generator: torch.Generator | None) -> Draft:
+        """Draft-step entries live only in a local cache, so rejected ones need no rollback."""
+        d = self.drafter
+        keys, values, hidden = self.keys, self.values, self.last
+        tokens: list[int] = []
+        probs: list[Tensor] = []
+        for i in range(k):
+            if i:
+                pos = torch.tensor([[self.length - 1 + i]], device=hidden.device)
+                out = d.step(torch.tensor([[tokens[-1]]], device=hidden.device), hidden, pos, past=(keys, values))
+                keys, values = torch.cat([keys, out.k], 2), torch.cat([values, out.v], 2)
+                hidden = out.prenorm
+            logits = d.logits(hidden)[0, -1].float()
+            if temperature > 0:
+                q = torch.softmax(logits / temperature, -1)
+                draft_id = int(torch.multinomial(q.cpu(), 1, generator=generator))
+                full = torch.zeros(d.shape.vocab_size, device=q.device)
+                full[self.target_ids] = q  # zero probability outside the draft vocab
+                probs.append(full)
+            else:
+                draft_id = int(logits.argmax())
+            tokens.append(int(self.target_ids[draft_id]))
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+
+def accept_greedy(logits: Tensor, draft: Sequence[int]) -> tuple[int, int]:
+    """T=0: keep the longest prefix equal to the target's argmax; the next token is the argmax after it.
+    logits: (k+1, V). Returns (accepted, next token)."""
+    greedy = logits.argmax(-1).tolist()
+    a = 0
+    while a < len(draft) and draft[a] == greedy[a]:
+        a += 1
+    return a, greedy[a]
+
+
+def accept_sampled(logits: Tensor, draft: Draft, temperature: float,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """T>0 speculative sampling (Leviathan et al. / Chen et al.): keep draft d_i with probability
+    min(1, p(d_i)/q(d_i)); on rejection sample the residual max(0, p - q); after k kept, the bonus from p."""
+    p = torch.softmax(logits.float().cpu() / temperature, -1)  # (k+1, V)
+    for i, tok in enumerate(draft.tokens):
+        if draft.probs is None:
+            q = torch.zeros_like(p[i])
+            q[tok] = 1.0
+        else:
+            q = draft.probs[i].float().cpu()
+        if float(torch.rand((), generator=generator)) * q[tok] < p[i, tok]:
+            continue
+        residual = (p[i] - q).clamp_min(0)
+        residual = residual if residual.sum() > 0 else p[i]
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(draft.tokens), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
+def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(torch.softmax(logits.float().cpu() / temperature, -1), 1, generator=generator))
+
+
+def crop_cache(cache: Any, length: int) -> None:
+    """Keep the first ``length`` positions. transformers 5.x ``crop`` takes a negative count to remove
+    (a positive argument, the old absolute length, raises there)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+class Clock:
+    """perf_counter that first waits for queued GPU work, so a phase is charged its own kernels."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+@dataclass
+class Generation:
+    """One prompt's output and where its time went."""
+
+    tokens: list[int]
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # plain loop: time of the steps after prefill
+    steps: int = 0  # plain loop: tokens produced by decode steps (prefill's token excluded)
+    accepted: list[int] = field(default_factory=list)  # per verify cycle
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    overhead_s: float = 0.0
+
+    @property
+    def cycle_tokens(self) -> int:
+        return sum(self.accepted) + len(self.accepted)
+
+
+class Engine:
+    """The target with its stop tokens and aux layers; runs either loop on one tokenized prompt."""
+
+    def __init__(self, target: TargetModel, aux_layer_ids: Sequence[int], stop_ids: Sequence[int]):
+        self.target = target
+        self.aux_ids = list(aux_layer_ids)  # default; a proposer with its own ``aux_layer_ids`` wins
+        self.stop_ids = set(stop_ids)
+        self.clock = Clock(target.device)
+
+    def _forward(self, ids: Sequence[int], start: int, cache: Any, aux_ids: Sequence[int] | None = None):
+        dev = self.target.device
+        inp = torch.tensor([list(ids)], device=dev)
+        pos = torch.arange(start, start + len(ids), device=dev)[None]
+        return self.target.forward(inp, aux_ids or self.aux_ids, position_ids=pos, past_key_values=cache,
+                                   use_cache=True)
+
+    def _finish(self, out: list[int], new: Sequence[int], max_new: int) -> bool:
+        """Append ``new`` up to the first stop token or the token budget; True when generation ends."""
+        for tok in new:
+            out.append(tok)
+            if tok in self.stop_ids or len(out) >= max_new:
+                return True
+        return False
+
+    @torch.no_grad()
+    def plain(self, prompt: Sequence[int], max_new: int, temperature: float = 0.0,
+              generator: torch.Generator | None = None) -> Generation:
+        t0 = self.clock()
+        res = self._forward(prompt, 0, None)
+        cache, n = res.past_key_values, len(prompt)
+        gen = Generation([])
+        done = self._finish(gen.tokens, [pick(res.logits[0, -1], temperature, generator)], max_new)
+        t1 = self.clock()
+        gen.prefill_s = t1 - t0
+        while not done:
+            res = self._forward(gen.tokens[-1:], n + len(gen.tokens) - 1, cache)
+            done = self._finish(gen.tokens, [pick(res.logits[0, -1], temperature, generator)], max_new)
+            gen.steps += 1
+        gen.decode_s = self.clock() - t1
+        return gen
+
+    @torch.no_grad()
+    def speculative(self, proposer: Proposer, prompt: Sequence[int], k: int, max_new: int,
+                    temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
+        clock = self.clock
+        aux_ids = getattr(proposer, "aux_layer_ids", None)
+        t0 = clock()
+        res = self._forward(prompt, 0, None, aux_ids)
+        cache = res.past_key_values
+        gen = Generation([])
+        done = self._finish(gen.tokens, [pick(res.logits[0, -1], temperature, generator)], max_new)
+        proposer.reset()
+        if not done:
+            known = torch.tensor(list(prompt[1:]) + gen.tokens[-1:])
+            proposer.extend(known, res.aux[0], 0)
+        gen.prefill_s = clock() - t0
+        while not done:
+            n_cached = len(prompt) + len(gen.tokens) - 1  # every position but the last emitted token
+            t_start = clock()
+            draft = proposer.propose(k, temperature, generator)
+            t_drafted = clock()
+            res = self._forward(gen.tokens[-1:] + draft.tokens, n_cached, cache, aux_ids)
+            t_verified = clock()
+            if temperature > 0:
+                a, nxt = accept_sampled(res.logits[0], draft, temperature, generator)
+            else:
+                a, nxt = accept_greedy(res.logits[0], draft.tokens)
+            gen.accepted.append(a)
+            new = draft.tokens[:a] + [nxt]
+            done = self._finish(gen.tokens, new, max_new)
+            t_extend = clock()
+            if not done:
+                crop_cache(cache, n_cached + a + 1)
+                proposer.extend(torch.tensor(new), res.aux[0, : a + 1], n_cached)
+            t_end = clock()
+            gen.draft_s += (t_drafted - t_start) + (t_end - t_extend)
+            gen.verify_s += t_verified - t_drafted
+            gen.overhead_s += t_extend - t_verified
+        return gen
+
+
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first differing token (or the shorter length when one is a prefix); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's EOS plus ChatML's end-of-turn, when the vocabulary has it."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(ids)
