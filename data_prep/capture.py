@@ -143,7 +143,8 @@ def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]
 # ---------------------------------------------------------------- the target forward
 class CaptureBackend(Protocol):
     def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
-        """Per sample: ``aux`` (L, 3H) and ``last_hidden`` (L, H), float, on any device."""
+        """Per sample: ``aux`` (L, 3H) and either ``last_hidden`` (L, H) or the teacher signal itself
+        (``target_argmax``, ``topk_ids``, ``topk_logprobs``), float, on any device."""
         ...
 
 
@@ -246,9 +247,12 @@ def capture_shard(backend: CaptureBackend, lm_head: Tensor, samples: list[Sample
             outs = backend.run([samples[i].input_ids for i in batch])
             for i, o in zip(batch, outs, strict=True):
                 writer.write("aux", starts[i], o["aux"].to(store_dt))
-                sig = teacher_signal(o["last_hidden"], lm_head, cap.teacher, cap.topk)
-                if cap.teacher == "hidden":
-                    sig["last_hidden"] = o["last_hidden"]
+                if "last_hidden" in o:
+                    sig = teacher_signal(o["last_hidden"], lm_head, cap.teacher, cap.topk)
+                    if cap.teacher == "hidden":
+                        sig["last_hidden"] = o["last_hidden"]
+                else:
+                    sig = {k: v for k, v in o.items() if k != "aux"}
                 for key, val in sig.items():
                     writer.write(key, starts[i], val if val.dtype == torch.int32 else val.to(store_dt))
             bar.update(sum(lengths[i] for i in batch))
@@ -273,7 +277,7 @@ def make_backend(cfg: Any, target: TargetModel, aux_ids: Sequence[int]) -> Captu
     if cfg.capture.backend == "sglang":
         from data_prep.capture_sglang import SGLangBackend
 
-        return SGLangBackend(target, aux_ids)
+        return SGLangBackend(cfg, aux_ids)
     return HFBackend(target, aux_ids)
 
 

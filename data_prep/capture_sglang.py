@@ -1,0 +1,60 @@
+"""SGLang capture backend (UNVERIFIED: sglang cannot be installed here; written against its documented
+offline ``sgl.Engine`` API and never run).
+
+Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLang already is one. How:
+- aux states: SGLang captures the drafter's layers when it serves an EAGLE-3 drafter (the target's
+  ``set_eagle3_layers_to_capture(ids)`` records the *outputs* of ``ids``, our convention), and
+  ``return_hidden_states`` then returns those concatenated states (3H) for every prompt token. So the
+  engine is started with the warm-start drafter (``drafter.init_from``, whose ids capture resolved).
+- teacher: SGLang does not return the final hidden state next to the aux states, so only teacher
+  'topk' is supported: ``input_top_logprobs`` (position i holds the distribution of token i) plus the
+  first output's ``output_top_logprobs`` for the last position.
+Same interface as ``capture.HFBackend.run``, but it returns the teacher signal directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class SGLangUnavailable(ValueError):
+    """sglang is not installed; the message says what to do."""
+
+
+class SGLangBackend:
+    def __init__(self, cfg: Any, aux_ids: Sequence[int]):
+        try:
+            import sglang as sgl
+        except ImportError:
+            raise SGLangUnavailable("capture.backend 'sglang' needs the sglang package (pip install "
+                                    "'eagle3-drafter-pipeline[sglang]' on a GPU host); or use capture.backend: hf"
+                                    ) from None
+        if cfg.capture.teacher != "topk":
+            raise ValueError("capture.backend 'sglang' returns no final hidden state: set capture.teacher: topk")
+        if cfg.drafter.init_from is None:
+            raise ValueError("capture.backend 'sglang' captures the layers of a served EAGLE-3 drafter: "
+                             "set drafter.init_from (its eagle_aux_hidden_state_layer_ids must be "
+                             f"{list(aux_ids)})")
+        self.topk = cfg.capture.topk
+        self.engine = sgl.Engine(model_path=cfg.target.name, skip_tokenizer_init=True,
+                                 trust_remote_code=cfg.target.trust_remote_code,
+                                 enable_return_hidden_states=True, speculative_algorithm="EAGLE3",
+                                 speculative_draft_model_path=cfg.drafter.init_from)
+
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
+        outs = self.engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                                    return_hidden_states=True, return_logprob=True, logprob_start_len=0,
+                                    top_logprobs_num=self.topk)
+        return [self._sample(seq, o["meta_info"]) for seq, o in zip(batch, outs, strict=True)]
+
+    def _sample(self, seq: list[int], meta: dict[str, Any]) -> dict[str, Tensor]:
+        aux = torch.tensor(meta["hidden_states"][0], dtype=torch.float32)[: len(seq)]
+        # entries are (logprob, token_id, text); position t's next-token distribution is entry t+1
+        tops = meta["input_top_logprobs"][1:] + meta["output_top_logprobs"][:1]
+        lps = torch.tensor([[e[0] for e in row] for row in tops], dtype=torch.float32)
+        ids = torch.tensor([[e[1] for e in row] for row in tops], dtype=torch.int32)
+        return {"aux": aux, "target_argmax": ids[:, 0], "topk_ids": ids, "topk_logprobs": lps}

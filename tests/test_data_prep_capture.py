@@ -1,0 +1,182 @@
+"""Capture against the real SmolLM2: stored states equal a direct forward, resume is byte-exact, the
+Dataset returns what was stored."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from data_prep.capture import run_capture
+from data_prep.dataset import ShardDataset, TokenBudgetSampler, collate
+from data_prep.loss_mask import render_with_mask
+from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
+from drafter.config import parse_config
+
+AUX = [2, 15, 27]
+
+
+def _convs(n: int) -> list[dict]:
+    words = "the cat sat on a warm mat and looked at birds outside".split()
+    out = []
+    for i in range(n):
+        q = " ".join(words[: 2 + i % 9]) + f"? ({i})"
+        a = " ".join(reversed(words[: 3 + (i * 7) % 10])) + "."
+        msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": q},
+                {"role": "assistant", "content": a}]
+        if i % 3 == 0:
+            msgs += [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": f"Because {i}."}]
+        out.append({"id": f"conv-{i}", "source": "test", "messages": msgs})
+    out.append({"id": "no-answer", "source": "test", "messages": [{"role": "user", "content": "hi"}]})
+    return out
+
+
+def _tree(run_dir: Path, **capture) -> dict:
+    return {"run_dir": str(run_dir),
+            "target": {"name": "smollm2-135m-instruct", "dtype": "float32", "device": "cpu", "aux_layer_ids": AUX},
+            "data": {"sources": [{"kind": "lines", "path": "unused"}]},
+            "capture": {"max_length": 40, "batch_tokens": 100, "dtype": "float32", "teacher": "hidden",
+                        "shard_samples": 3, **capture},
+            "eval": {"datasets": [{"name": "x", "kind": "lines"}]}}
+
+
+def _setup(tmp: Path, n: int, **capture):
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in _convs(n)))
+    return parse_config(_tree(tmp, **capture))
+
+
+def _digests(store: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(store.iterdir())}
+
+
+@pytest.mark.real
+def test_stored_states_equal_direct_forward(smollm2, tmp_path):
+    cfg = _setup(tmp_path, 5, shard_samples=2)
+    summary = run_capture(cfg, target=smollm2)
+    assert summary.skipped == {"no_loss_tokens": 1} and summary.samples == 5 and summary.shards == 3
+    ds = ShardDataset(cfg.store_dir)
+    head = load_target_head(cfg.store_dir)
+    assert torch.equal(head["lm_head.weight"], smollm2.lm_head_weight())
+    for i, conv in enumerate(_convs(5)[:5]):
+        item = ds[i]
+        assert item["id"] == conv["id"]
+        r = render_with_mask(smollm2.tokenizer, conv["messages"], 40)
+        assert item["input_ids"].tolist() == r.input_ids and item["loss_mask"].tolist() == r.loss_mask
+        ref = smollm2.forward(torch.tensor([r.input_ids]), AUX)
+        # batched with right padding vs alone: equal up to fp32 summation order (aux entries reach ~100)
+        torch.testing.assert_close(item["aux"], ref.aux[0], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(item["last_hidden"], ref.last_hidden[0], rtol=1e-5, atol=1e-5)
+        logits = item["last_hidden"] @ head["lm_head.weight"].T
+        assert (logits - ref.logits[0]).abs().max() <= 1e-4
+        assert torch.equal(item["target_argmax"].long(), ref.logits[0].argmax(-1))
+    counts = token_counts(cfg.store_dir, smollm2.vocab_size)
+    assert counts.sum() == summary.loss_tokens == sum(int(ds[i]["loss_mask"].sum()) for i in range(len(ds)))
+
+    # A corrupt shard is found by its checksum and rewritten to the same bytes; the others are kept.
+    before = _digests(cfg.store_dir)
+    shard = cfg.store_dir / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    again = run_capture(cfg, target=smollm2)
+    assert (again.shards_reused, again.shards_written) == (2, 1)
+    assert _digests(cfg.store_dir) == before
+
+    # Another teacher on the same store is refused with what to do.
+    with pytest.raises(StoreError, match="delete"):
+        run_capture(parse_config(_tree(tmp_path, teacher="topk", topk=8)), target=smollm2)
+
+
+@pytest.mark.real
+def test_topk_teacher_matches_full_distribution(smollm2, tmp_path):
+    cfg = _setup(tmp_path, 3, teacher="topk", topk=8, dtype="bfloat16")
+    run_capture(cfg, target=smollm2)
+    m = read_manifest(cfg.store_dir)
+    assert m["dtypes"]["aux"] == "bfloat16" and m["topk"] == 8
+    item = ShardDataset(cfg.store_dir)[0]
+    assert item["aux"].dtype == torch.bfloat16 and "last_hidden" not in item
+    ref = smollm2.forward(item["input_ids"].long()[None], AUX)
+    top = torch.log_softmax(ref.logits[0], -1).topk(8, dim=-1)
+    assert torch.equal(item["topk_ids"].long(), top.indices)
+    torch.testing.assert_close(item["topk_logprobs"].float(), top.values, rtol=2**-8, atol=1e-3)  # bf16 storage
+
+
+@pytest.mark.real
+def test_kill9_resume_is_byte_identical(tmp_path):
+    def start(run: Path) -> subprocess.Popen:
+        cfg = _setup(run, 12, shard_samples=1)
+        path = run / "cfg.yaml"
+        path.write_text(yaml.safe_dump(_tree(run, shard_samples=1)))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        assert cfg.store_dir == run / "store"
+        return subprocess.Popen([sys.executable, "-m", "data_prep", "capture", "--config", str(path)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    ref = start(tmp_path / "ref")
+    assert ref.wait(timeout=300) == 0, ref.stderr.read().decode()[-2000:]
+
+    run = tmp_path / "killed"
+    proc = start(run)
+    manifest = run / "store" / "manifest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if manifest.is_file() and json.loads(manifest.read_text())["shards"]:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    state = json.loads(manifest.read_text())
+    assert not state["complete"] and 1 <= len(state["shards"]) < 12, "killed too late to test resume"
+
+    again = start(run)
+    assert again.wait(timeout=300) == 0, again.stderr.read().decode()[-2000:]
+    assert "kept" in again.stdout.read().decode()
+    assert _digests(run / "store") == _digests(tmp_path / "ref" / "store")
+    summary = json.loads((run / "data_prep_summary.json").read_text())["capture"]
+    assert summary["shards_reused"] >= 1 and summary["skipped"] == {"no_loss_tokens": 1}
+
+
+def test_token_budget_batches_waste_little():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 2000, (3000,), generator=g).tolist()
+    sampler = TokenBudgetSampler(lengths, batch_tokens=8192, window=512)
+    batches = sampler.batches()
+    assert sorted(i for b in batches for i in b) == list(range(3000))  # every sample once
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    assert all(len(b) * max(lengths[i] for i in b) <= 8192 for b in batches)
+    assert sum(lengths) / padded > 0.95  # < 5 % padding
+    sampler.set_epoch(1)
+    assert sampler.batches() != batches
+    halves = [TokenBudgetSampler(lengths, 8192, num_replicas=2, rank=r).batches() for r in (0, 1)]
+    assert len(halves[0]) == len(halves[1])
+
+
+def test_collate_pads_right_with_masks():
+    samples = [{"id": str(n), "input_ids": torch.arange(1, n + 1, dtype=torch.int32),
+                "loss_mask": torch.ones(n, dtype=torch.uint8), "aux": torch.randn(n, 6)} for n in (3, 5)]
+    b = collate(samples, pad_id=7)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 7, 7], [1, 2, 3, 4, 5]]
+    assert b["attention_mask"].sum().item() == 8 and b["loss_mask"].sum().item() == 8
+    assert torch.equal(b["aux"][0, :3], samples[0]["aux"]) and b["aux"][0, 3:].abs().sum() == 0
+
+
+def test_cli_config_errors_exit_2(tmp_path):
+    bad = _tree(tmp_path)
+    bad["capture"] |= {"dtype": "int8", "shard_samples": 0}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    p = subprocess.run([sys.executable, "-m", "data_prep", "capture", "--config", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith(str(path)) for line in lines)
