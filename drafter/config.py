@@ -191,7 +191,7 @@ class RunConfig(Section):
         names = {d.name for d in self.eval.datasets}
         missing = sorted(set(self.gate.datasets or ()) - names)
         if missing:
-            raise ValueError(f"gate.datasets names {missing}, not among eval.datasets {sorted(names)}")
+            raise ValueError(f"gate.datasets: {missing} not among eval.datasets {sorted(names)}")
         return self
 
     # The files between stages, in one place (ARCHITECTURE.md lists their formats).
@@ -220,24 +220,27 @@ class RunConfig(Section):
         return self.root / "eval"
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
     for key in parents:
-        node = node.setdefault(key, {})
+        if node.get(key) is None:  # absent or `key: null` in the YAML: start the section
+            node[key] = {}
+        node = node[key]
         if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted}: {key} is not a section")
+            raise ConfigError(f"{source}: override {dotted}: {key} is not a section")
     node[leaf] = value
 
 
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<top>"
+        key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check the spelling against configs/smollm2-135m.yaml)"
-        lines.append(f"{source}: {key}: {msg}")
+        # Whole-config checks have no location; their message starts with the dotted key.
+        lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
     return "\n".join(lines)
 
 
@@ -264,8 +267,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ConfigError(f"override {item!r}: expected key.sub=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+            raise ConfigError(f"{path}: override {item!r}: expected key.sub=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw), str(path))
     return parse_config(tree, str(path))
 
 

@@ -1,0 +1,128 @@
+"""The run config: every shipped YAML loads; bad input is one line per problem naming file and key;
+dotted overrides apply and are validated like the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drafter.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+SMOL = REPO / "configs" / "smollm2-135m.yaml"
+
+
+def test_there_are_shipped_configs() -> None:
+    assert {p.name for p in SHIPPED} >= {"smollm2-135m.yaml", "kimi-k25-from-k2.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.store_dir == Path(cfg.run_dir) / "store"
+    assert parse_config(dump_config(cfg), str(path)) == cfg  # the dumped form (run_config.json) reads back
+
+
+def test_shipped_values() -> None:
+    smol = load_config(SMOL)
+    assert smol.target.aux_layer_ids == [2, 15, 27] and smol.drafter.init_from is None
+    k2 = load_config(REPO / "configs" / "kimi-k25-from-k2.yaml")
+    assert k2.target.aux_layer_ids == [2, 30, 58] and k2.target.trust_remote_code
+
+
+def write(tmp_path: Path, tree: dict, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+@pytest.fixture
+def base_tree() -> dict:
+    return yaml.safe_load(SMOL.read_text())
+
+
+def error_lines(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, overrides)
+    return str(e.value).splitlines()
+
+
+@pytest.mark.parametrize(("edit", "key", "words"), [
+    (lambda t: t["train"].update(lrr=1e-3), "train.lrr", "unknown key"),
+    (lambda t: t.update(extra_section={}), "extra_section", "unknown key"),
+    (lambda t: t["train"].update(lr="fast"), "train.lr", "valid number"),
+    (lambda t: t["train"].update(epochs=1.5), "train.epochs", "integer"),
+    (lambda t: t["train"].update(lr=0), "train.lr", "greater than 0"),
+    (lambda t: t["regenerate"].update(top_p=1.5), "regenerate.top_p", "less than or equal to 1"),
+    (lambda t: t["capture"].update(teacher="soft"), "capture.teacher", "'hidden' or 'topk'"),
+    (lambda t: t["target"].update(aux_layer_ids=[2, 2, 27]), "target.aux_layer_ids", "distinct"),
+    (lambda t: t["data"]["sources"][0].update(kind="csv"), "data.sources.0.kind", "sharegpt"),
+    (lambda t: t["eval"].update(datasets=[]), "eval.datasets", "at least 1"),
+    (lambda t: t["gate"].update(datasets=["nope"]), "gate.datasets", "not among eval.datasets"),
+    (lambda t: t.pop("target"), "target", "required"),
+])
+def test_bad_values_are_one_line_naming_file_and_key(tmp_path: Path, base_tree: dict, edit, key: str,
+                                                     words: str) -> None:
+    edit(base_tree)
+    path = write(tmp_path, base_tree)
+    lines = error_lines(path)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{path}: {key}: "), lines
+    assert words in lines[0], lines
+
+
+def test_all_problems_reported_at_once(tmp_path: Path, base_tree: dict) -> None:
+    base_tree["train"].update(lr=-1, bogus=True)
+    base_tree["capture"]["max_length"] = 0
+    lines = error_lines(write(tmp_path, base_tree))
+    assert sorted(line.split(": ")[1] for line in lines) == ["capture.max_length", "train.bogus", "train.lr"]
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("run_dir: x\ntarget:\n  name: [unclosed\n")
+    (line,) = error_lines(path)
+    assert line.startswith(f"{path}:") and "not valid YAML" in line
+
+
+def test_missing_file_and_non_mapping(tmp_path: Path) -> None:
+    assert error_lines(tmp_path / "nope.yaml")[0].startswith(f"{tmp_path / 'nope.yaml'}: no such config file")
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    assert error_lines(path) == [f"{path}: top level must be a mapping of sections"]
+
+
+def test_dotted_overrides_apply(tmp_path: Path, base_tree: dict) -> None:
+    base_tree["eval"]["timings"] = None
+    path = write(tmp_path, base_tree)
+    cfg = load_config(path, ["train.lr=5e-4", "target.aux_layer_ids=[3, 14, 26]", "drafter.init_from=ckpt/a",
+                             "run_dir=elsewhere", "eval.timings.decode_ms=10", "eval.timings.cycle_ms=25"])
+    assert cfg.train.lr == 5e-4 and cfg.target.aux_layer_ids == [3, 14, 26]
+    assert cfg.drafter.init_from == "ckpt/a" and cfg.checkpoints_dir == Path("elsewhere/checkpoints")
+    assert cfg.eval.timings is not None and cfg.eval.timings.decode_ms == 10.0
+    assert load_config(path, ["drafter.init_from=null"]).drafter.init_from is None
+    assert load_config(path).train.lr == base_tree["train"]["lr"]  # the file itself is untouched
+
+
+@pytest.mark.parametrize(("override", "key", "words"), [
+    ("train.lr=-1", "train.lr", "greater than 0"),
+    ("train.lrr=1", "train.lrr", "unknown key"),
+    ("regenerate.backend=openai", "regenerate", "server_urls"),
+    ("target.aux_layer_ids=[1, 2]", "target.aux_layer_ids", "3 distinct"),
+])
+def test_overrides_are_validated(override: str, key: str, words: str) -> None:
+    lines = error_lines(SMOL, (override,))
+    assert len(lines) == 1 and lines[0].startswith(f"{SMOL}: {key}: ") and words in lines[0], lines
+
+
+@pytest.mark.parametrize(("override", "words"), [
+    ("train.lr", "expected key.sub=value"),
+    ("train.lr.x=1", "lr is not a section"),
+])
+def test_malformed_overrides(override: str, words: str) -> None:
+    (line,) = error_lines(SMOL, (override,))
+    assert line.startswith(f"{SMOL}: override") and words in line
