@@ -143,8 +143,8 @@ class TargetModel:
                     fh.seek(max(0, size - (1 << 20)))
                     h.update(fh.read())
         else:
-            for p in self.model.parameters():
-                h.update(p.detach().float().cpu().numpy().tobytes()[: 1 << 16])
+            for p in self.model.parameters():  # slice first: never copy a whole (huge) weight
+                h.update(p.detach().reshape(-1)[: 1 << 14].float().cpu().numpy().tobytes())
         return h.hexdigest()
 
 

@@ -90,6 +90,16 @@ def test_hooks_are_removed(tiny_target: TargetModel) -> None:
     assert [len(layer._forward_hooks) for layer in tiny_target.layers] == before
 
 
+def test_fingerprint_tracks_weights(tiny_target: TargetModel) -> None:
+    fp = tiny_target.fingerprint()
+    assert fp == tiny_target.fingerprint()
+    w = tiny_target.layers[1].mlp.up_proj.weight
+    with torch.no_grad():
+        w[0, 0] += 1
+        assert tiny_target.fingerprint() != fp
+        w[0, 0] -= 1
+
+
 # -- aux layer ids ----------------------------------------------------------------------------------
 def test_default_and_legacy_ids() -> None:
     assert default_aux_layer_ids(30) == (2, 15, 27)
