@@ -1,0 +1,78 @@
+"""Training end to end on tiny random-target stores: it learns, saves servable checkpoints, keeps the
+best, and handles non-finite losses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from train_fixtures import make_config, make_store
+
+from drafter.checkpoint import check_checkpoint
+from train.__main__ import main
+
+
+def _log(root: Path) -> list[dict]:
+    return [json.loads(x) for x in (root / "run" / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_training_learns_and_saves_servable_checkpoints(tmp_path):
+    cfg = make_config(tmp_path, epochs=8, lr=1e-2, ttt_length=2, save_every=20, eval_every=20, keep_last=1,
+                      log_every=1)
+    make_store(tmp_path / "run" / "store", n_samples=48, length=20)
+    assert main(["--config", str(cfg)]) == 0
+    log = _log(tmp_path)
+    train_acc = [r["train/acc_0"] for r in log if "train/acc_0" in r]
+    held = [r for r in log if "holdout/acc_0" in r]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert train_acc[0] < 0.2, train_acc
+    assert held[-1]["holdout/acc_0"] > 0.6, held[-1]
+    assert held[-1]["holdout/accept_length"] > held[0]["holdout/accept_length"]
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5])
+    ckpts = tmp_path / "run" / "checkpoints"
+    steps = sorted(p.name for p in ckpts.glob("step-*"))
+    assert steps[-1] == f"step-{log[-1]['step']:06d}"
+    best = json.loads((ckpts / "best.json").read_text())
+    assert best["metric"] == "holdout/accept_length"
+    assert (ckpts / "best").resolve().name == best["checkpoint"]
+    assert len(steps) <= 2  # keep_last 1, plus the best when it is older
+    for d in [ckpts / s for s in steps] + [ckpts / "best"]:
+        assert check_checkpoint(d) == [], d
+        assert (d / "run_config.json").is_file()
+
+
+def test_nonfinite_steps_are_skipped_then_abort(tmp_path, capsys):
+    cfg = make_config(tmp_path, max_steps=6, holdout_fraction=0.0, batch_tokens=20, max_nonfinite_in_row=50)
+    make_store(tmp_path / "run" / "store", n_samples=12, length=20, nonfinite_samples=2)
+    assert main(["--config", str(cfg)]) == 0
+    log = [r for r in _log(tmp_path) if "loss" in r]
+    skipped = [r for r in log if r["skipped_nonfinite"]]
+    assert 0 < len(skipped) < len(log)
+    assert all(r["loss"] is None for r in skipped) and log[-1]["nonfinite_total"] == len(skipped)
+
+    root = tmp_path / "all_bad"
+    cfg = make_config(root, max_steps=8, holdout_fraction=0.0, batch_tokens=20, max_nonfinite_in_row=3)
+    make_store(root / "run" / "store", n_samples=16, length=20, shard_samples=16, nonfinite_samples=16)
+    assert main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "3 non-finite losses/gradients in a row" in err and "last good checkpoint" in err
+    assert len(_log(root)) == 3
+
+
+def test_warm_start_mismatch_is_one_line_error(tmp_path, capsys):
+    cfg = make_config(tmp_path, max_steps=2, holdout_fraction=0.0, save_every=2)
+    make_store(tmp_path / "run" / "store", n_samples=8, length=12)
+    assert main(["--config", str(cfg)]) == 0
+    ckpt = tmp_path / "run" / "checkpoints" / "best"
+    other = tmp_path / "other"
+    cfg2 = make_config(other, max_steps=1)
+    text = cfg2.read_text().replace("aux_layer_ids:\n  - 0\n  - 1\n  - 2", "aux_layer_ids:\n  - 0\n  - 1\n  - 3")
+    cfg2.write_text(text)
+    make_store(other / "run" / "store", n_samples=8, length=12)
+    manifest = json.loads((other / "run" / "store" / "manifest.json").read_text())
+    manifest["aux_layer_ids"] = [0, 1, 3]
+    (other / "run" / "store" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["--config", str(cfg2), "--set", f"drafter.init_from={ckpt}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "aux" in err[0] and "[0, 1, 3]" in err[0], err

@@ -1,0 +1,205 @@
+"""The TTT loss and attention against straight-from-the-definition loops (tiny shapes)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from drafter.model import attention, causal_mask
+from drafter.vocab_map import build_vocab_map
+from train.attention import ttt_flex_attention
+from train.ttt import supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
+
+B, T, N, DECAY = 2, 7, 3, 0.7
+
+
+def _rope(x: torch.Tensor, pos: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x (heads, d) at one absolute position, rotate-half convention."""
+    ang = pos * inv_freq.double()
+    cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rot * sin
+
+
+def _reference_loss(m, ids, aux, last_hidden, lm_head, loss_mask, argmax, n, decay):
+    """Explicit loops: every step, every row, every key; teacher = full softmax restricted + renormalised."""
+    m = m.double()
+    s = m.shape
+    layer, att = m.midlayer, m.midlayer.self_attn
+    g = s.num_attention_heads // s.num_key_value_heads
+    draft_ids = torch.nonzero(m.t2d).flatten()
+    losses = [[0.0, 0] for _ in range(n)]
+    for b in range(ids.shape[0]):
+        hid = [m.fc(aux[b, t].double()) for t in range(T)]
+        keys = {}  # (step, row) -> (k, v) each (kv, d)
+        for i in range(n):
+            new_hid = []
+            qs = {}
+            for t in range(T):
+                tok = ids[b, t + 1 + i] if t + 1 + i < T else 0
+                x = torch.cat([layer.input_layernorm(m.embed_tokens.weight[tok]), layer.hidden_norm(hid[t])])
+                q = att.q_proj(x).view(s.num_attention_heads, s.head_dim)
+                k = att.k_proj(x).view(s.num_key_value_heads, s.head_dim)
+                v = att.v_proj(x).view(s.num_key_value_heads, s.head_dim)
+                qs[t] = _rope(q, t + i, m.inv_freq)
+                keys[(i, t)] = (_rope(k, t + i, m.inv_freq), v)
+            for t in range(T):
+                visible = [keys[(0, r)] for r in range(t + 1)] + [keys[(j, t)] for j in range(1, i + 1)]
+                heads = []
+                for h in range(s.num_attention_heads):
+                    sc = torch.stack([qs[t][h] @ k[h // g] for k, _ in visible]) / math.sqrt(s.head_dim)
+                    w = torch.softmax(sc, 0)
+                    heads.append(sum(w[r] * visible[r][1][h // g] for r in range(len(visible))))
+                o = att.o_proj(torch.cat(heads))
+                h1 = hid[t] + o
+                pre = h1 + layer.mlp(layer.post_attention_layernorm(h1))
+                new_hid.append(pre)
+                j = t + 1 + i
+                if j + 1 >= T or not loss_mask[b, j + 1] or not m.t2d[argmax[b, j]]:
+                    continue
+                full = torch.softmax(last_hidden[b, j].double() @ lm_head.double().t(), 0)
+                p = full[draft_ids] / full[draft_ids].sum()
+                logq = torch.log_softmax(m.lm_head(m.norm(pre)), 0)
+                losses[i][0] += float(-(p * logq).sum())
+                losses[i][1] += 1
+            hid = new_hid
+    per_step = [c and s_ / c for s_, c in losses]
+    total = sum(decay ** i * per_step[i] for i in range(n))
+    return total, per_step
+
+
+def _batch(shape, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, shape.vocab_size, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * shape.hidden_size, generator=g)
+    last = torch.randn(B, T, shape.hidden_size, generator=g)
+    lm_head = torch.randn(shape.vocab_size, shape.hidden_size, generator=g) * 0.3
+    mask = torch.rand(B, T, generator=g) < 0.8
+    return ids, aux, last, lm_head, mask
+
+
+@pytest.fixture
+def mapped(tiny_drafter):
+    counts = torch.arange(tiny_drafter.shape.vocab_size).flip(0) % 13
+    d2t, t2d = build_vocab_map(counts, tiny_drafter.shape.draft_vocab_size)
+    tiny_drafter.set_vocab_map(d2t, t2d)
+    return tiny_drafter
+
+
+def test_ttt_loss_equals_definition(mapped):
+    m = mapped
+    ids, aux, last, lm_head, mask = _batch(m.shape)
+    argmax = (last @ lm_head.t()).argmax(-1)  # mix of in- and out-of-draft-vocab targets
+    assert 0 < int(m.t2d[argmax].sum()) < argmax.numel()
+    rows = lm_head[m.to_target_ids(torch.arange(m.shape.draft_vocab_size))]
+    sup = supervision(teacher_from_hidden(last, rows), argmax, mask, m.t2d)
+    res = ttt_forward(m, ids, aux, sup, N, DECAY)
+    want, want_steps = _reference_loss(m, ids, aux, last, lm_head, mask, argmax, N, DECAY)
+    assert res.step_losses.tolist() == pytest.approx(want_steps, rel=1e-5, abs=1e-6)
+    assert float(res.loss) == pytest.approx(want, rel=1e-5)
+    # Row t of step i is scored when the token after j = t + 1 + i is supervised.
+    for i in range(N):
+        for t in range(T):
+            j = t + 1 + i
+            assert bool(res.scored[i, 0, t]) == (j + 1 < T and bool(mask[0, j + 1]))
+
+
+def test_soft_ce_gradient_matches_autograd(mapped):
+    m = mapped
+    ids, aux, last, lm_head, mask = _batch(m.shape, seed=3)
+    rows = lm_head[m.to_target_ids(torch.arange(m.shape.draft_vocab_size))]
+    sup = supervision(teacher_from_hidden(last, rows), torch.zeros_like(ids) + int(m.to_target_ids(
+        torch.tensor(0))), mask, m.t2d)
+    ttt_forward(m, ids, aux, sup, N, DECAY).loss.backward()
+    fast = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad()
+    import train.ttt as ttt
+
+    def plain(logits, probs, weight):
+        return (-(probs * torch.log_softmax(logits.float(), -1)).sum(-1) * weight).sum()
+
+    orig, ttt.soft_cross_entropy = ttt.soft_cross_entropy, plain
+    try:
+        ttt_forward(m, ids, aux, sup, N, DECAY).loss.backward()
+    finally:
+        ttt.soft_cross_entropy = orig
+    assert "embed_tokens.weight" not in fast
+    for n, gr in fast.items():
+        torch.testing.assert_close(gr, m.get_parameter(n).grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_topk_teacher_scatter_renormalises(mapped):
+    m = mapped
+    g = torch.Generator().manual_seed(5)
+    k = 6
+    topk_ids = torch.stack([torch.randperm(m.shape.vocab_size, generator=g)[:k] for _ in range(B * T)]).view(B, T, k)
+    topk_lp = torch.log_softmax(torch.randn(B, T, k, generator=g), -1)
+    got = teacher_from_topk(topk_ids, topk_lp, m.t2d)
+    d2t_ids = m.to_target_ids(torch.arange(m.shape.draft_vocab_size))
+    for b in range(B):
+        for t in range(T):
+            kept = {int(i): float(lp) for i, lp in zip(topk_ids[b, t], topk_lp[b, t], strict=True) if m.t2d[i]}
+            want = torch.full((m.shape.draft_vocab_size,), float("-inf"), dtype=torch.float64)
+            if kept:
+                z = math.log(sum(math.exp(v) for v in kept.values()))
+                for d, tid in enumerate(d2t_ids.tolist()):
+                    if tid in kept:
+                        want[d] = kept[tid] - z
+            else:
+                want[:] = -math.log(m.shape.draft_vocab_size)
+            torch.testing.assert_close(got[b, t].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_ttt_attention_pattern_equals_loop():
+    g = torch.Generator().manual_seed(0)
+    b, h, kv, t, d = 1, 4, 2, 5, 8
+    q = torch.randn(b, h, t, d, generator=g)
+    k0, v0, k1, v1, k2, v2 = (torch.randn(b, kv, t, d, generator=g) for _ in range(6))
+    mask = torch.cat([causal_mask(t, 0), torch.eye(t, dtype=torch.bool)[None, None]], -1)
+    got = attention(q, torch.cat([k0, k2], 2), torch.cat([v0, v2], 2), mask, [(k1, v1)])
+    for hh in range(h):
+        for qi in range(t):
+            ks = [k0[0, hh // 2, r] for r in range(qi + 1)] + [k1[0, hh // 2, qi], k2[0, hh // 2, qi]]
+            vs = [v0[0, hh // 2, r] for r in range(qi + 1)] + [v1[0, hh // 2, qi], v2[0, hh // 2, qi]]
+            w = torch.softmax(torch.stack([q[0, hh, qi] @ kk for kk in ks]) / math.sqrt(d), 0)
+            want = sum(wi * vi for wi, vi in zip(w, vs, strict=True))
+            torch.testing.assert_close(got[0, hh, qi], want, rtol=1e-5, atol=1e-6)
+
+
+def test_flex_attention_matches_reference_forward(mapped):
+    """The CUDA fast path's maths, run eagerly (CPU flex has no backward; test_train_ttt_cuda covers it)."""
+    m = mapped
+    ids, aux, last, lm_head, mask = _batch(m.shape, seed=2)
+    rows = lm_head[m.to_target_ids(torch.arange(m.shape.draft_vocab_size))]
+    sup = supervision(teacher_from_hidden(last, rows), (last @ lm_head.t()).argmax(-1), mask, m.t2d)
+    with torch.no_grad():
+        ref = ttt_forward(m, ids, aux, sup, 4, DECAY)
+        fast = ttt_forward(m, ids, aux, sup, 4, DECAY, attn_fn=ttt_flex_attention)
+    torch.testing.assert_close(fast.step_losses, ref.step_losses, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fast.correct, ref.correct)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs CUDA")
+def test_flex_attention_gradients_match_reference_cuda(mapped):
+    m = mapped.cuda()
+    ids, aux, last, lm_head, mask = (x.cuda() for x in _batch(m.shape, seed=4))
+    t = 160  # > one 128-row flex block
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, m.shape.vocab_size, (B, t), device="cuda", generator=g)
+    aux = torch.randn(B, t, 3 * m.shape.hidden_size, device="cuda", generator=g)
+    last = torch.randn(B, t, m.shape.hidden_size, device="cuda", generator=g)
+    mask = torch.ones(B, t, dtype=torch.bool, device="cuda")
+    rows = lm_head[m.to_target_ids(torch.arange(m.shape.draft_vocab_size, device="cuda"))]
+    sup = supervision(teacher_from_hidden(last, rows), (last @ lm_head.t()).argmax(-1), mask, m.t2d)
+    grads = []
+    for fn in (attention, ttt_flex_attention):
+        m.zero_grad()
+        res = ttt_forward(m, ids, aux, sup, 5, DECAY, attn_fn=fn)
+        res.loss.backward()
+        grads.append((res.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-4, atol=1e-5)
+    for n, gr in grads[0][1].items():
+        torch.testing.assert_close(grads[1][1][n], gr, rtol=1e-3, atol=1e-5, msg=n)

@@ -1,0 +1,111 @@
+"""Checkpoints: every save is servable (SGLang layout) and also holds the state for an exact resume.
+
+``checkpoints/step-000123/`` = config.json + model.safetensors (``drafter check`` passes) +
+run_config.json + ``training_state/`` (accelerate's state: fp32 weights as safetensors, optimizer,
+scheduler, per-process RNG of torch/python/numpy/cuda; plus ``trainer.json``: step, epoch, batch
+position, counters). It is assembled in a temp dir and renamed, and ``trainer.json`` is written last,
+so a directory with it is complete. ``best`` is a symlink to the step with the best held-out metric,
+named with its value in ``best.json``; pruning keeps the last ``keep_last`` and the best.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from drafter.checkpoint import save_checkpoint
+from drafter.model import Eagle3Drafter
+
+STEP_RE = re.compile(r"^step-(\d{6,})$")
+STATE_DIR = "training_state"
+TRAINER_FILE = "trainer.json"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:06d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of finished checkpoints, oldest first."""
+    found = []
+    for d in root.glob("step-*"):
+        m = STEP_RE.match(d.name)
+        if m and (d / STATE_DIR / TRAINER_FILE).is_file():
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def latest(root: Path) -> Path | None:
+    done = complete_checkpoints(root)
+    return done[-1][1] if done else None
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    return json.loads((ckpt / STATE_DIR / TRAINER_FILE).read_text())
+
+
+def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer: dict[str, Any],
+         run_config: dict[str, Any], dtype: str) -> Path:
+    """Collective (every process calls it): accelerate gathers sharded states itself."""
+    final, tmp = step_dir(root, step), root / f".step-{step:06d}.tmp"
+    if accelerator.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        save_checkpoint(model, tmp, dtype=dtype,
+                        extra_files={"run_config.json": json.dumps(run_config, indent=2) + "\n"})
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / STATE_DIR))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_DIR / TRAINER_FILE).write_text(json.dumps(trainer, indent=2) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _replace_symlink(link: Path, target: str) -> None:
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def best_record(root: Path) -> dict[str, Any] | None:
+    path = root / "best.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | None) -> bool:
+    """Point ``best`` at ``ckpt`` when its metric beats the record (higher is better; with no
+    held-out metric, the newest checkpoint is the best one). Returns whether it moved."""
+    old = best_record(root)
+    if value is not None and old is not None and old.get("value") is not None and value <= old["value"]:
+        return False
+    _replace_symlink(root / "best", ckpt.name)
+    record = {"metric": metric, "value": value, "step": step, "checkpoint": ckpt.name}
+    tmp = root / ".best.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, root / "best.json")
+    return True
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints older than the last ``keep_last``, never the best; and temp dirs
+    of killed saves."""
+    best = (root / "best").resolve() if (root / "best").is_symlink() else None
+    done = complete_checkpoints(root)
+    removed = []
+    for _, d in done[:-keep_last]:
+        if best is None or d.resolve() != best:
+            shutil.rmtree(d)
+            removed.append(d)
+    for tmp in root.glob(".step-*.tmp"):
+        shutil.rmtree(tmp)
+    return removed

@@ -1,0 +1,50 @@
+"""The drafter wrapped as one module whose ``forward`` is a whole TTT step.
+
+accelerate / DDP / DeepSpeed hook ``forward`` (autocast, gradient sync), so the unrolled loss must run
+inside it. The teacher rows are a plain attribute, not a buffer: DDP would broadcast a buffer every
+step, and the optimizer must never see them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from drafter.model import Eagle3Drafter, attention
+from train.ttt import TTTResult, supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
+
+
+class TTTModel(nn.Module):
+    def __init__(self, drafter: Eagle3Drafter, head_rows: Tensor | None, ttt_length: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.head_rows = head_rows
+        self.ttt_length, self.decay = ttt_length, decay
+
+    def to_device(self, device: torch.device, dtype: torch.dtype) -> TTTModel:
+        """Teacher rows in the compute dtype; the frozen embedding likewise (lookups only)."""
+        if self.head_rows is not None:
+            self.head_rows = self.head_rows.to(device=device, dtype=dtype)
+        self.drafter.embed_tokens.to(dtype)
+        return self.to(device)
+
+    def attn_fn(self, device: torch.device):
+        if device.type == "cuda":
+            from train.attention import ttt_flex_attention
+
+            return ttt_flex_attention
+        return attention
+
+    def forward(self, input_ids: Tensor, loss_mask: Tensor, aux: Tensor, target_argmax: Tensor,
+                last_hidden: Tensor | None = None, topk_ids: Tensor | None = None,
+                topk_logprobs: Tensor | None = None) -> TTTResult:
+        d = self.drafter
+        dtype = d.fc.weight.dtype  # DeepSpeed bf16 casts the weights: inputs must follow
+        with torch.no_grad():
+            if last_hidden is not None:
+                teacher = teacher_from_hidden(last_hidden, self.head_rows)
+            else:
+                teacher = teacher_from_topk(topk_ids, topk_logprobs, d.t2d)
+            sup = supervision(teacher, target_argmax, loss_mask, d.t2d)
+        return ttt_forward(d, input_ids, aux.to(dtype), sup, self.ttt_length, self.decay,
+                           attn_fn=self.attn_fn(input_ids.device))

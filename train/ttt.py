@@ -1,0 +1,150 @@
+"""The training-time-test (TTT) step: one unrolled EAGLE-3 loss, pure (no optimizer, no I/O).
+
+Indexing (ARCHITECTURE.md, Conventions). Row index ``t`` of unroll step ``i`` runs at RoPE position
+``t + i``, reads the embedding of token ``t + 1 + i`` and is trained toward the target distribution
+computed at ``j = t + 1 + i`` (which predicts token ``j + 1``). Step 0's hidden is ``fc(aux[t])``;
+step ``i > 0`` reads step ``i - 1``'s pre-norm output at the same row — exactly what a chain draft at
+serve time sees after ``i`` accepted draft tokens.
+
+Supervision at ``j``: ``label[j] = loss_mask[j + 1]`` (the token being predicted is assistant text);
+the loss also needs the target's argmax at ``j`` inside the draft vocab (the drafter cannot emit
+anything else); accuracy keeps those rows as misses, so it is what serving would see.
+
+Loss = sum_i decay**i * mean over step i's loss rows of CE(teacher_j, draft_i,t). The teacher is the
+target distribution restricted to the draft vocab and renormalised, computed once (draft rows only).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafter.model import AttentionFn, Eagle3Drafter, attention, causal_mask
+
+CE_CHUNK_ROWS = 1024  # rows of the (rows, draft_vocab) logits handled at a time by the soft CE
+
+
+@dataclass
+class Supervision:
+    """What the target says at every position ``j`` (computed once, shared by all unroll steps)."""
+
+    teacher_logp: Tensor  # (B, T, Vd) fp32 log-probs over the draft vocab
+    target_argmax: Tensor  # (B, T) int64 target id
+    label: Tensor  # (B, T) bool: the token after j is supervised
+    in_vocab: Tensor  # (B, T) bool: target_argmax[j] is in the draft vocab
+
+
+@dataclass
+class TTTResult:
+    loss: Tensor  # scalar, differentiable
+    step_losses: Tensor  # (n,) detached per-step mean CE
+    correct: Tensor  # (n, B, T) bool: draft argmax == target argmax (row t of step i)
+    scored: Tensor  # (n, B, T) bool: rows counted by accuracy (label at j = t + 1 + i)
+
+
+def draft_index(t2d: Tensor) -> Tensor:
+    """target id -> draft id, -1 outside the draft vocab."""
+    index = torch.full(t2d.shape, -1, dtype=torch.long, device=t2d.device)
+    index[t2d] = torch.arange(int(t2d.sum()), device=t2d.device)
+    return index
+
+
+def teacher_from_hidden(last_hidden: Tensor, head_rows: Tensor) -> Tensor:
+    """Target log-probs renormalised over the draft vocab. ``head_rows`` = lm_head[draft ids] (Vd, H):
+    only those rows are multiplied, never the full target vocab."""
+    logits = torch.matmul(last_hidden.to(head_rows.dtype), head_rows.t())
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def teacher_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor) -> Tensor:
+    """Stored top-k target log-probs scattered onto draft ids and renormalised; rows with no top-k
+    entry in the draft vocab come out uniform (they carry no loss: their argmax is outside)."""
+    vd = int(t2d.sum())
+    idx = draft_index(t2d)[topk_ids.long()]  # (B, T, k)
+    keep = idx >= 0
+    logp = torch.full((*topk_ids.shape[:-1], vd + 1), float("-inf"), device=topk_ids.device)
+    logp.scatter_(-1, torch.where(keep, idx, vd), topk_logprobs.float().masked_fill(~keep, float("-inf")))
+    logp = logp[..., :vd]
+    logp = logp - torch.logsumexp(logp, dim=-1, keepdim=True)
+    return torch.where(torch.isfinite(logp).any(-1, keepdim=True), logp, torch.full_like(logp, -math.log(vd)))
+
+
+def supervision(teacher_logp: Tensor, target_argmax: Tensor, loss_mask: Tensor, t2d: Tensor) -> Supervision:
+    argmax = target_argmax.long()
+    label = F.pad(loss_mask.bool()[:, 1:], (0, 1), value=False)
+    return Supervision(teacher_logp, argmax, label, t2d[argmax])
+
+
+class _SoftCE(torch.autograd.Function):
+    """sum_rows w * (logsumexp(z) - p . z) with p a distribution, in row chunks: no fp32 copy of the
+    whole (rows, Vd) logits is ever alive, and backward recomputes softmax chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, probs: Tensor, weight: Tensor) -> Tensor:  # (B,L,V), (B,L,V), (B,L)
+        total = logits.new_zeros((), dtype=torch.float32)
+        for a in range(0, logits.shape[1], CE_CHUNK_ROWS):
+            z = logits[:, a:a + CE_CHUNK_ROWS].float()
+            p = probs[:, a:a + CE_CHUNK_ROWS]
+            row = torch.logsumexp(z, -1) - (p * z).sum(-1)
+            total = total + (row * weight[:, a:a + CE_CHUNK_ROWS]).sum()
+        ctx.save_for_backward(logits, probs, weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, probs, weight = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for a in range(0, logits.shape[1], CE_CHUNK_ROWS):
+            z = logits[:, a:a + CE_CHUNK_ROWS].float()
+            w = (weight[:, a:a + CE_CHUNK_ROWS] * grad).unsqueeze(-1)
+            out[:, a:a + CE_CHUNK_ROWS] = ((z.softmax(-1) - probs[:, a:a + CE_CHUNK_ROWS]) * w).to(out.dtype)
+        return out, None, None
+
+
+def soft_cross_entropy(logits: Tensor, probs: Tensor, weight: Tensor) -> Tensor:
+    """Weighted sum over rows of CE(probs, softmax(logits)); gradient flows to ``logits`` only."""
+    return _SoftCE.apply(logits, probs.detach(), weight.detach().float())
+
+
+def ttt_forward(model: Eagle3Drafter, input_ids: Tensor, aux: Tensor, sup: Supervision, ttt_length: int,
+                decay: float, attn_fn: AttentionFn = attention) -> TTTResult:
+    """Unroll ``ttt_length`` draft steps over right-padded rows (one sample per row, so the causal
+    mask alone keeps valid queries off padding)."""
+    b, t = input_ids.shape
+    dev = input_ids.device
+    probs = sup.teacher_logp.exp()
+    causal = causal_mask(t, 0, device=dev)  # (1, 1, T, T)
+    own = torch.eye(t, dtype=torch.bool, device=dev)[None, None]
+    step_mask = torch.cat([causal, own], dim=-1)  # step i > 0: step 0's prefix + its own row
+    hidden = model.project_aux(aux)
+    first: tuple[Tensor, Tensor] | None = None
+    diag: list[tuple[Tensor, Tensor]] = []
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    step_losses, correct, scored = [], [], []
+    for i in range(min(ttt_length, t - 1)):
+        ids = F.pad(input_ids[:, 1 + i:], (0, 1 + i), value=0)
+        positions = (torch.arange(t, device=dev) + i)[None]
+        out = model.step(ids, hidden, positions, past=first, mask=causal if first is None else step_mask,
+                         diag=list(diag), attn_fn=attn_fn)
+        if first is None:
+            first = (out.k, out.v)
+        else:
+            diag.append((out.k, out.v))
+        hidden = out.prenorm
+        n = t - 1 - i  # rows with a target position j = row + 1 + i < T
+        logits = model.logits(out.prenorm[:, :n])
+        label = sup.label[:, 1 + i:]
+        weight = (label & sup.in_vocab[:, 1 + i:]).float()
+        count = weight.sum()
+        ce = soft_cross_entropy(logits, probs[:, 1 + i:], weight) / count.clamp(min=1)
+        loss = loss + decay ** i * ce
+        step_losses.append(ce.detach())
+        with torch.no_grad():
+            hit = model.to_target_ids(logits.argmax(-1)) == sup.target_argmax[:, 1 + i:]
+        correct.append(F.pad(hit, (0, t - n), value=False))
+        scored.append(F.pad(label, (0, t - n), value=False))
+    return TTTResult(loss, torch.stack(step_losses), torch.stack(correct), torch.stack(scored))
