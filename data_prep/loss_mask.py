@@ -64,7 +64,7 @@ def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
     mask = [0] * len(ids)
     fallbacks = 0
     for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
+        if msg["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing: not trained on
             continue
         before = _render(tokenizer, messages[:i], True, kwargs)
         through = _render(tokenizer, messages[: i + 1], False, kwargs)

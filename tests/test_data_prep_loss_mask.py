@@ -66,6 +66,8 @@ def test_truncation_and_no_assistant(smollm2):
     cut = render_with_mask(tok, CONV, max_length=20)
     assert cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
     assert render_with_mask(tok, CONV[:2], max_length=4096).num_loss_tokens == 0
+    opening = render_with_mask(tok, [{"role": "assistant", "content": "Hi!"}, *CONV[1:3]], max_length=4096)
+    assert _masked_spans(tok, opening) == ["4, of course.<|im_end|>"]
 
 
 @pytest.mark.real
