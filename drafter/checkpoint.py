@@ -216,6 +216,8 @@ def _commit_dir(tmp: Path, out_dir: Path) -> None:
 def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfloat16",
                     extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors (no embed_tokens), atomically."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"save dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPES)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _atomic_dir(out_dir)

@@ -18,8 +18,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import LlamaConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 
 @dataclass(frozen=True)
@@ -60,14 +58,18 @@ def rope_parameters(shape: DrafterShape) -> dict:
 
 
 def rope_inv_freq(shape: DrafterShape) -> tuple[Tensor, float]:
-    """Inverse frequencies and attention scaling, via transformers' table of RoPE types."""
+    """Inverse frequencies and attention scaling, via transformers' table of RoPE types (imported
+    only for scaled RoPE: it costs seconds, e.g. in every `python -m drafter check`)."""
     params = rope_parameters(shape)
-    cfg = LlamaConfig(hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
-                      head_dim=shape.head_dim, max_position_embeddings=shape.max_position_embeddings,
-                      rope_parameters=params)
     if params["rope_type"] == "default":
         base = shape.rope_theta
         return 1.0 / (base ** (torch.arange(0, shape.head_dim, 2, dtype=torch.float) / shape.head_dim)), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = LlamaConfig(hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
+                      head_dim=shape.head_dim, max_position_embeddings=shape.max_position_embeddings,
+                      rope_parameters=params)
     return ROPE_INIT_FUNCTIONS[params["rope_type"]](cfg)
 
 

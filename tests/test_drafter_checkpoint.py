@@ -311,6 +311,19 @@ def test_checker_names_each_breakage(saved: Path, tmp_path: Path, kind: str) -> 
     assert all("\n" not in p for p in problems)
 
 
+def test_checker_survives_unreadable_weights(saved: Path, tmp_path: Path) -> None:
+    sharded, _ = write_aq_dir(tmp_path / "aq", sharded=True)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    assert check_checkpoint(sharded)  # a shard named in the index is gone: reported, no crash
+    truncated = make_broken(saved, tmp_path, "nan_weight")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    problems = check_checkpoint(truncated)
+    assert len(problems) == 1 and "unreadable weights" in problems[0], problems
+    with pytest.raises(ValueError, match="save dtype 'fp8'"):
+        save_checkpoint(load_checkpoint(saved), tmp_path / "x", dtype="fp8")
+
+
 def test_cli_check_exit_codes(saved: Path, tmp_path: Path) -> None:
     """`python -m drafter check` as users run it: exit 0 on good dirs, 1 with every reason printed."""
     sharded, _ = write_aq_dir(tmp_path / "aq", sharded=True)
