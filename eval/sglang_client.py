@@ -73,6 +73,7 @@ def speculative_stats(url: str, prompts: Sequence[Sequence[int]], temperature: f
            "tau": completion / verify if verify else float("nan"), "histogram": hist or None,
            "requests_without_histogram": missing_hist}
     if hist and not missing_hist:
+        out["tau_histogram"] = metrics.tau_from_histogram(hist)  # per cycle, without the prefill token
         out["alpha_conditional"] = metrics.conditional_rates(hist)
         out["alpha_unconditional"] = metrics.unconditional_rates(hist)
     return out
