@@ -1,0 +1,342 @@
+"""Regenerate: turn-by-turn feeding, retries and failures of the OpenAI client, resume after kill -9 or
+a torn line, and the real target through both backends (in-process HF, a real llama.cpp server)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from data_prep.backends import BackendError, HFBackend
+from data_prep.regenerate import RegenerateError, run_regenerate
+from drafter.config import RunConfig, parse_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def config_tree(tmp_path: Path, **regen: Any) -> dict[str, Any]:
+    return {"run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
+            "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]}, "regenerate": regen,
+            "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench"}]}}
+
+
+def make_cfg(tmp_path: Path, **regen: Any) -> RunConfig:
+    return parse_config(config_tree(tmp_path, **regen))
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def write_prompts(cfg: RunConfig, chats: list[list[dict[str, str]]]) -> list[str]:
+    cfg.root.mkdir(parents=True, exist_ok=True)
+    ids = [f"test-{i:04d}" for i in range(len(chats))]
+    with open(cfg.prompts_path, "w") as f:
+        for pid, chat in zip(ids, chats, strict=True):
+            f.write(json.dumps({"id": pid, "source": "test", "messages": chat}) + "\n")
+    return ids
+
+
+def read_conversations(cfg: RunConfig) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in cfg.conversations_path.read_bytes().split(b"\n") if line]
+
+
+def assert_each_id_once(cfg: RunConfig, ids: list[str]) -> list[dict[str, Any]]:
+    assert cfg.conversations_path.read_bytes().endswith(b"\n")
+    records = read_conversations(cfg)
+    assert sorted(r["id"] for r in records) == sorted(ids)
+    return records
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeChat(BaseHTTPRequestHandler):
+    """An OpenAI-style echo server; a user turn containing "[503x2]" gets HTTP 503 for its first 2 requests."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        srv: Any = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        last = body["messages"][-1]["content"]
+        with srv.lock:
+            srv.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
+            srv.seen[last] += 1
+            n = srv.seen[last]
+        fail = re.search(r"\[(\d{3})x(\d+)\]", last)
+        if fail and n <= int(fail[2]):
+            self.send_error(int(fail[1]))
+            return
+        reply = json.dumps({"choices": [{"index": 0, "finish_reason": "stop",
+                                         "message": {"role": "assistant", "content": f"echo {last}"}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def fake() -> Iterator[Any]:
+    srv: Any = ThreadingHTTPServer(("127.0.0.1", 0), FakeChat)
+    srv.requests, srv.seen, srv.lock = [], Counter(), threading.Lock()
+    srv.url = f"http://127.0.0.1:{srv.server_address[1]}"
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield srv
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def openai_cfg(tmp_path: Path, urls: list[str], **regen: Any) -> RunConfig:
+    return make_cfg(tmp_path, **({"backend": "openai", "server_urls": urls, "retry_backoff_s": 0.01,
+                                  "concurrency": 2, "batch_size": 2, "timeout_s": 10} | regen))
+
+
+def test_turn_by_turn_feeds_back_the_targets_answers(tmp_path: Path, fake: Any) -> None:
+    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], top_k=20, max_tokens=7, seed=3,
+                     chat_template_kwargs={"enable_thinking": False}, num_prompts=2)
+    system = {"role": "system", "content": "be brief"}
+    ids = write_prompts(cfg, [
+        [system, user("u1"), {"role": "assistant", "content": "old answer 1"}, user("u2"),
+         {"role": "assistant", "content": "old answer 2"}],
+        [user("v1")],
+        [user("not selected: num_prompts=2")],
+    ])
+    summary = run_regenerate(cfg)
+    records = {r["id"]: r for r in assert_each_id_once(cfg, ids[:2])}
+    assert records[ids[0]]["messages"] == [system, user("u1"), {"role": "assistant", "content": "echo u1"},
+                                           user("u2"), {"role": "assistant", "content": "echo u2"}]
+    assert records[ids[0]]["finish_reasons"] == ["stop", "stop"] and records[ids[0]]["backend"] == "openai"
+    assert records[ids[1]]["messages"][-1] == {"role": "assistant", "content": "echo v1"}
+    second_turn = next(r["body"] for r in fake.requests if r["body"]["messages"][-1]["content"] == "u2")
+    assert second_turn["messages"] == records[ids[0]]["messages"][:-1]
+    sent = {k: second_turn[k] for k in ("top_k", "max_tokens", "seed", "temperature", "chat_template_kwargs")}
+    assert sent == {"top_k": 20, "max_tokens": 7, "seed": 3, "temperature": 0.0,
+                    "chat_template_kwargs": {"enable_thinking": False}}
+    assert all(r["path"] == "/v1/chat/completions" for r in fake.requests) and len(fake.requests) == 3
+    assert (summary.written, summary.records, summary.turns, summary.missing) == (2, 2, 3, 0)
+    assert summary.finish_reasons == {"stop": 3} and "3 answers" in str(summary)
+    assert json.loads(json.dumps(summary.to_dict()))["selected"] == 2
+
+
+def test_503_is_retried_with_backoff_until_success(tmp_path: Path, fake: Any) -> None:
+    cfg = openai_cfg(tmp_path, [fake.url], max_retries=3)
+    ids = write_prompts(cfg, [[user("[503x2] flaky")]])
+    summary = run_regenerate(cfg)
+    assert summary.written == 1 and not summary.failed
+    assert fake.seen["[503x2] flaky"] == 3
+    assert_each_id_once(cfg, ids)
+
+
+def test_400_fails_the_record_at_once_and_a_rerun_fills_the_gap(tmp_path: Path, fake: Any) -> None:
+    cfg = openai_cfg(tmp_path, [fake.url], max_retries=3)
+    ids = write_prompts(cfg, [[user("[400x1] rejected once")], [user("fine")]])
+    first = run_regenerate(cfg)
+    assert first.failed == {"http_400": 1} and first.written == 1 and first.missing == 1
+    assert fake.seen["[400x1] rejected once"] == 1, "a 400 must not be retried"
+    assert "failed http_400: 1" in str(first) and "HTTP 400" in first.failure_examples["http_400"]
+    second = run_regenerate(cfg)
+    assert (second.already_done, second.written, second.missing, second.records) == (1, 1, 0, 2)
+    assert_each_id_once(cfg, ids)
+
+
+def test_refused_connections_fail_over_round_robin_then_count(tmp_path: Path, fake: Any) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = openai_cfg(tmp_path, [dead, fake.url], max_retries=1, concurrency=1, batch_size=1)
+    ids = write_prompts(cfg, [[user("a")], [user("b")]])
+    summary = run_regenerate(cfg)  # every first attempt hits the dead server, its retry the live one
+    assert summary.written == 2 and not summary.failed and len(fake.requests) == 2
+    assert_each_id_once(cfg, ids)
+    cfg = openai_cfg(tmp_path / "dead", [dead], max_retries=2)
+    write_prompts(cfg, [[user("a")]])
+    summary = run_regenerate(cfg)
+    assert summary.failed == {"connection": 1} and summary.records == 0 and summary.missing == 1
+    assert "gave up after 3 attempts" in summary.failure_examples["connection"]
+
+
+def test_torn_last_line_is_cut_and_every_id_ends_once(tmp_path: Path, fake: Any) -> None:
+    cfg = openai_cfg(tmp_path, [fake.url], num_prompts=1)
+    ids = write_prompts(cfg, [[user(f"q{i}")] for i in range(4)])
+    run_regenerate(cfg)
+    torn = b'{"id": "test-0001", "source": "test", "messages": [{"role": "us'
+    with open(cfg.conversations_path, "ab") as f:
+        f.write(torn)
+    summary = run_regenerate(openai_cfg(tmp_path, [fake.url]))
+    assert summary.torn_bytes_dropped == len(torn)
+    assert (summary.already_done, summary.written, summary.records, summary.duplicate_ids) == (1, 3, 4, 0)
+    assert_each_id_once(cfg, ids)
+    with open(cfg.conversations_path, "ab") as f:
+        f.write(b"not json\n")
+    with pytest.raises(RegenerateError, match=r"conversations\.jsonl:5: .* damaged"):
+        run_regenerate(cfg)
+
+
+def test_api_key_comes_from_the_env_and_is_never_shown(tmp_path: Path, fake: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = openai_cfg(tmp_path, [fake.url], api_key_env="TEST_REGEN_KEY")
+    write_prompts(cfg, [[user("[400x1] hi")]])
+    with pytest.raises(BackendError, match="TEST_REGEN_KEY is not set"):
+        run_regenerate(cfg)
+    monkeypatch.setenv("TEST_REGEN_KEY", "sk-secret-123")
+    summary = run_regenerate(cfg)
+    assert fake.requests[-1]["auth"] == "Bearer sk-secret-123"
+    assert "sk-secret" not in str(summary) and "sk-secret" not in json.dumps(summary.to_dict())
+
+
+def test_missing_prompts_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(RegenerateError, match=r"prompts\.jsonl: no prompts file; run `python -m data_prep ingest`"):
+        run_regenerate(make_cfg(tmp_path))
+
+
+@pytest.mark.real
+def test_hf_backend_left_padding_and_finish_reasons(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, max_tokens=12)
+    backend = HFBackend(cfg.target, cfg.regenerate)
+    short = [user("What is the capital of France? Answer in one word.")]
+    long = [{"role": "system", "content": "You are a storyteller."},
+            user("Write a long story about a dragon who learns to write compilers.")]
+    alone = backend.complete([short])[0]
+    story, padded = backend.complete([long, short])
+    assert padded == alone, "left padding changed a greedy answer"
+    assert alone.finish_reason == "stop" and "Paris" in alone.text and "<|im_end|>" not in alone.text
+    assert story.finish_reason == "length" and story.text.strip()
+
+
+def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_bytes().count(b"\n") >= n:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[:3]} exited early ({proc.returncode}): {log.read_text()[-2000:]}")
+        time.sleep(0.02)
+    pytest.fail(f"no record written to {path} within {limit_s} s")
+
+
+@pytest.mark.real
+def test_kill9_during_hf_regenerate_then_resume(tmp_path: Path) -> None:
+    tree = config_tree(tmp_path, backend="hf", batch_size=2, max_tokens=6)
+    cfg = parse_config(tree)
+    ids = write_prompts(cfg, [[user(f"Name a fruit that starts with the letter {c}.")] for c in "ABCDEFGHIJ"])
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(tree))
+    code = ("import sys; from drafter.config import load_config; from data_prep.regenerate import run_regenerate; "
+            "run_regenerate(load_config(sys.argv[1]))")
+    log = tmp_path / "child.log"
+    env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # 1 thread: see LlamaServer
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cfg_file)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    try:
+        _wait_for_lines(cfg.conversations_path, 1, proc, log, limit_s=180)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = cfg.conversations_path.read_bytes()
+    done_before = before.count(b"\n")
+    assert proc.returncode == -signal.SIGKILL and 1 <= done_before < len(ids), "the kill did not land mid-run"
+    summary = run_regenerate(cfg)
+    assert summary.already_done == done_before and summary.written == len(ids) - done_before
+    assert summary.duplicate_ids == 0 and summary.missing == 0
+    assert cfg.conversations_path.read_bytes().startswith(before[: before.rfind(b"\n") + 1])
+    records = assert_each_id_once(cfg, ids)
+    assert all(r["backend"] == "hf" and len(r["finish_reasons"]) == 1 for r in records)
+
+
+class LlamaServer:
+    """``python -m llama_cpp.server`` on loopback with the builtin GGUF; always stopped by the caller."""
+
+    def __init__(self, log: Path):
+        from drafter.builtin import builtin_gguf
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        # One thread: on a shared 2-core machine, spinning thread pools run several times slower.
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(builtin_gguf()), "--host", "127.0.0.1",
+             "--port", str(self.port), "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1"],
+            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, limit_s: float = 90) -> None:
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"llama.cpp server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        pytest.fail(f"llama.cpp server not ready in {limit_s} s: {self.log.read_text()[-2000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.mark.real
+@pytest.mark.server
+def test_real_llama_cpp_server_killed_mid_run_then_resumed(tmp_path: Path) -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama_cpp is not importable in this venv: pip install 'llama-cpp-python[server]'")
+    chats = [[user(f"Give one word that rhymes with {w}."), {"role": "assistant", "content": "dropped"},
+              user("Now another one.")] for w in ("cat", "dog", "sun", "tree", "blue", "light")]
+    servers: list[LlamaServer] = []
+    try:
+        servers.append(LlamaServer(tmp_path / "server1.log"))
+        servers[0].wait_ready()
+        # A slow answer on a loaded machine must not read as a dead server: a long timeout, few retries.
+        regen = {"max_tokens": 24, "max_retries": 1, "timeout_s": 120, "top_k": 40, "concurrency": 1, "batch_size": 1}
+        cfg = openai_cfg(tmp_path, [servers[0].url], **regen)
+        ids = write_prompts(cfg, chats)
+        result: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: result.update(first=run_regenerate(cfg)), daemon=True)
+        thread.start()
+        _wait_for_lines(cfg.conversations_path, 1, servers[0].proc, servers[0].log, limit_s=120)
+        servers[0].kill()
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+        first = result["first"]
+        assert first.written >= 1 and first.missing == len(ids) - first.written > 0
+        assert set(first.failed) <= {"connection", "timeout"}
+        servers.append(LlamaServer(tmp_path / "server2.log"))
+        servers[1].wait_ready()
+        second = run_regenerate(openai_cfg(tmp_path, [servers[1].url], **regen))
+    finally:
+        for s in servers:
+            s.kill()
+    assert second.already_done == first.written and second.missing == 0, second.failure_examples
+    assert second.duplicate_ids == 0
+    records = assert_each_id_once(cfg, ids)
+    for r in records:
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant", "user", "assistant"]
+        assert "dropped" not in [m["content"] for m in r["messages"]]
+        assert set(r["finish_reasons"]) <= {"stop", "length"} and r["backend"] == "openai"
