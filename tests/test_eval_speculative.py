@@ -144,3 +144,13 @@ def test_partly_right_drafter_is_lossless_with_every_rejection_point(setup, gree
         torch.testing.assert_close(aux, full[start:seen], atol=1e-3, rtol=1e-3)
     before_last = 1 + sum(a + 1 for a in gen.accepted[:-1])  # the last cycle ends generation: no extend
     assert seen == len(prompt) + before_last - 1
+
+
+@pytest.mark.real
+def test_sampled_decoding_with_the_eagle3_proposer_runs_to_the_budget(setup, smollm2):
+    engine, prompt, ids = setup
+    d2t, t2d = build_vocab_map(torch.zeros(smollm2.vocab_size), 1024)
+    drafter = fresh_drafter(shape_for_target(smollm2.hf_config, 1024, ids), smollm2.embed_weight().detach(), d2t, t2d)
+    gen = engine.speculative(Eagle3Proposer(drafter, ids), prompt, K, 10, 0.8, torch.Generator().manual_seed(0))
+    assert 1 <= len(gen.tokens) <= 10 and all(0 <= a <= K for a in gen.accepted)
+    assert len(gen.tokens) == 10 or gen.tokens[-1] in engine.stop_ids
