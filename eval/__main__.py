@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for cmd in ("run", "gate", "sglang"):
         p = sub.add_parser(cmd)
         p.add_argument("--config", required=True)
-        p.add_argument("--override", action="append", default=[], help="key.sub=value (YAML value)")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
         if cmd != "sglang":
             p.add_argument("--checkpoint", required=True)
             p.add_argument("--name", help="report folder under run_dir/eval (default: the checkpoint's name)")
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "breakeven":
             print(json.dumps(breakeven.breakeven(args.decode_ms, args.cycle_ms, args.steps, args.target_tps), indent=2))
             return EXIT_PASS
-        cfg = load_config(args.config, args.override)
+        cfg = load_config(args.config, args.set)
         if args.cmd == "sglang":
             print(json.dumps(sglang(cfg), indent=2))
             return EXIT_PASS

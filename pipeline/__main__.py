@@ -76,14 +76,16 @@ def run(cmd: list[str], log: Path) -> None:
 
 
 def verdict(history: Path, round_no: int, eval_dir: Path) -> str:
+    """The last gate record, for people: τ per dataset against τ* (and the incumbent), α_k, why."""
     rec = json.loads(history.read_text().splitlines()[-1])
     lines = [f"## Round {round_no} verdict: {rec['decision'].upper()}", ""]
-    tau_star = rec.get("tau_star")
-    lines.append(f"- break-even τ* = {tau_star:.3f} (measured on this machine)" if tau_star else "- τ*: n/a")
-    for name, ds in rec.get("datasets", {}).items():
-        alphas = ", ".join(f"{a:.2f}" for a in ds.get("alpha_conditional", []))
-        inc = f", incumbent τ = {ds['incumbent_tau']:.3f}" if ds.get("incumbent_tau") is not None else ""
-        lines.append(f"- {name}: τ = {ds['tau']:.3f}{inc}; α_k = [{alphas}]")
+    if rec.get("tau_star") is not None:
+        lines.append(f"- break-even τ* = {rec['tau_star']:.3f} (timings: {rec.get('timings_source', '?')})")
+    incumbent = rec.get("incumbent_tau") or {}
+    for name, tau in (rec.get("tau") or {}).items():
+        alphas = ", ".join(f"{a:.2f}" for a in rec.get("alpha", {}).get(name, []))
+        inc = f" vs incumbent τ = {incumbent[name]:.3f}" if name in incumbent else ""
+        lines.append(f"- {name}: τ = {tau:.3f}{inc}; α_k = [{alphas}]")
     lines += [f"- why: {r}" for r in rec.get("reasons", [])]
     lines.append(f"- report: {eval_dir}")
     return "\n".join(lines)
