@@ -183,10 +183,19 @@ def test_flex_attention_matches_reference_forward(mapped):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs CUDA")
-def test_flex_attention_gradients_match_reference_cuda(mapped):
-    m = mapped.cuda()
-    ids, aux, last, lm_head, mask = (x.cuda() for x in _batch(m.shape, seed=4))
-    t = 160  # > one 128-row flex block
+def test_flex_attention_gradients_match_reference_cuda():
+    from drafter.model import DrafterShape, Eagle3Drafter
+
+    shape = DrafterShape(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, vocab_size=97, draft_vocab_size=40, aux_layer_ids=(0, 1, 2))
+    torch.manual_seed(0)
+    m = Eagle3Drafter(shape)
+    torch.nn.init.normal_(m.embed_tokens.weight, std=0.5)
+    d2t, t2d = build_vocab_map(torch.arange(97).flip(0) % 13, 40)
+    m.set_vocab_map(d2t, t2d)
+    m = m.cuda()
+    lm_head = torch.randn(97, 64, device="cuda") * 0.3
+    t = 160  # > one 128-row flex block (compiled flex needs head_dim >= 16)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, m.shape.vocab_size, (B, t), device="cuda", generator=g)
     aux = torch.randn(B, t, 3 * m.shape.hidden_size, device="cuda", generator=g)

@@ -15,7 +15,14 @@ from functools import lru_cache
 
 import torch
 from torch import Tensor
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+try:  # torch >= 2.9 names the log-sum-exp output an "aux" request; older ones a flag
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    LSE_KWARGS: dict = {"return_aux": AuxRequest(lse=True)}
+except ImportError:  # pragma: no cover - depends on the installed torch
+    LSE_KWARGS = {"return_lse": True}
 
 _compiled = None
 
@@ -59,9 +66,9 @@ def ttt_flex_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | N
         diag.append((keys[:, :, t:], values[:, :, t:]))
         keys, values = keys[:, :, :t], values[:, :, :t]
     run = _flex() if q.is_cuda else flex_attention
-    out, aux = run(q, keys.contiguous(), values.contiguous(), block_mask=causal_block_mask(t, str(q.device)),
-                   return_aux=AuxRequest(lse=True), enable_gqa=keys.shape[1] != q.shape[1])
-    lse = aux.lse
+    out, extra = run(q, keys.contiguous(), values.contiguous(), block_mask=causal_block_mask(t, str(q.device)),
+                     enable_gqa=keys.shape[1] != q.shape[1], **LSE_KWARGS)
+    lse = extra.lse if hasattr(extra, "lse") else extra
     if not diag:
         return out
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -79,29 +79,58 @@ def supervision(teacher_logp: Tensor, target_argmax: Tensor, loss_mask: Tensor, 
     return Supervision(teacher_logp, argmax, label, t2d[argmax])
 
 
+def _ce_rows(z: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row: CE(p, softmax(z)) = logsumexp(z) - p . z (p sums to 1), and the logsumexp."""
+    zf = z.float()
+    lse = torch.logsumexp(zf, -1)
+    return lse - (p * zf).sum(-1), lse
+
+
+def _ce_grad(z: Tensor, p: Tensor, lse: Tensor, w: Tensor) -> Tensor:
+    return ((torch.exp(z.float() - lse.unsqueeze(-1)) - p) * w.unsqueeze(-1)).to(z.dtype)
+
+
+_fused: dict[str, object] = {}
+
+
+def _kernels(device: torch.device):
+    """On CUDA the two chunk functions are compiled into fused kernels: eager, each elementwise pass
+    over a (rows, 32000) chunk is a full fp32 round trip through memory, and those passes dominate
+    the step for small drafters."""
+    if device.type != "cuda":
+        return _ce_rows, _ce_grad
+    if not _fused:
+        _fused["rows"] = torch.compile(_ce_rows, dynamic=True)
+        _fused["grad"] = torch.compile(_ce_grad, dynamic=True)
+    return _fused["rows"], _fused["grad"]
+
+
 class _SoftCE(torch.autograd.Function):
-    """sum_rows w * (logsumexp(z) - p . z) with p a distribution, in row chunks: no fp32 copy of the
-    whole (rows, Vd) logits is ever alive, and backward recomputes softmax chunk by chunk."""
+    """sum_rows w * CE(p, softmax(z)) in row chunks: no fp32 copy of the whole (rows, Vd) logits is
+    alive at once; backward reuses the forward's logsumexp."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, probs: Tensor, weight: Tensor) -> Tensor:  # (B,L,V), (B,L,V), (B,L)
+        rows_fn, _ = _kernels(logits.device)
         total = logits.new_zeros((), dtype=torch.float32)
+        lses = []
         for a in range(0, logits.shape[1], CE_CHUNK_ROWS):
-            z = logits[:, a:a + CE_CHUNK_ROWS].float()
-            p = probs[:, a:a + CE_CHUNK_ROWS]
-            row = torch.logsumexp(z, -1) - (p * z).sum(-1)
-            total = total + (row * weight[:, a:a + CE_CHUNK_ROWS]).sum()
-        ctx.save_for_backward(logits, probs, weight)
+            sl = slice(a, a + CE_CHUNK_ROWS)
+            row, lse = rows_fn(logits[:, sl], probs[:, sl])
+            total = total + (row * weight[:, sl]).sum()
+            lses.append(lse)
+        ctx.save_for_backward(logits, probs, weight, torch.cat(lses, dim=1))
         return total
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        logits, probs, weight = ctx.saved_tensors
+        logits, probs, weight, lse = ctx.saved_tensors
+        _, grad_fn = _kernels(logits.device)
         out = torch.empty_like(logits)
+        w = weight * grad
         for a in range(0, logits.shape[1], CE_CHUNK_ROWS):
-            z = logits[:, a:a + CE_CHUNK_ROWS].float()
-            w = (weight[:, a:a + CE_CHUNK_ROWS] * grad).unsqueeze(-1)
-            out[:, a:a + CE_CHUNK_ROWS] = ((z.softmax(-1) - probs[:, a:a + CE_CHUNK_ROWS]) * w).to(out.dtype)
+            sl = slice(a, a + CE_CHUNK_ROWS)
+            out[:, sl] = grad_fn(logits[:, sl], probs[:, sl], lse[:, sl], w[:, sl])
         return out, None, None
 
 
