@@ -195,8 +195,9 @@ def train(cfg: Any, resume: str) -> int:
             batch = to_device(collate([train_ds[i] for i in batches[k]]), accelerator.device)
             with accelerator.accumulate(model):
                 res = model(**batch)
-                finite = accelerator.reduce(torch.isfinite(res.loss).float(), reduction="min")
-                if finite > 0:
+                # every process must agree to skip, or DDP would wait for a backward that never comes
+                bad = accelerator.reduce((~torch.isfinite(res.loss)).float(), reduction="sum")
+                if bad == 0:
                     accelerator.backward(res.loss)
                     window_loss += res.loss.detach().double() / tc.grad_accum
                 else:
