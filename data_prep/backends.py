@@ -71,11 +71,19 @@ class HFBackend:
         torch.manual_seed(cfg.seed)
 
     def complete(self, batch: list[Chat]) -> list[Completion]:
-        import torch
-
         texts = [self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                               **self.cfg.chat_template_kwargs) for chat in batch]
-        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.target.device)
+        ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        results: list[Completion] = [Completion()] * len(ids)
+        for group in token_budget_groups([len(x) + self.cfg.max_tokens for x in ids], self.cfg.batch_tokens):
+            for i, c in zip(group, self._generate([ids[i] for i in group]), strict=True):
+                results[i] = c
+        return results
+
+    def _generate(self, ids: list[list[int]]) -> list[Completion]:
+        import torch
+
+        enc = self.tok.pad({"input_ids": ids}, return_tensors="pt").to(self.target.device)
         with torch.no_grad():
             out = self.target.model.generate(**enc, generation_config=self.gen)
         results = []
@@ -84,6 +92,18 @@ class HFBackend:
             text = self.tok.decode(row if end is None else row[:end], skip_special_tokens=True)
             results.append(Completion(text=text, finish_reason="length" if end is None else "stop"))
         return results
+
+
+def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped shortest first so that rows x longest row <= budget (a longer row goes alone):
+    a batch padded to one 4k-token prompt would otherwise cost 4k tokens for every short row."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def chat_url(base: str) -> str:

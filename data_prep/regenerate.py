@@ -206,6 +206,8 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done, torn = resume(out_path)
     pending = [p for p in prompts if p["id"] not in done]
+    # Similar lengths share a batch: less padding (hf) and less waiting on one long request per round.
+    pending.sort(key=lambda p: sum(len(m["content"]) for m in p["messages"] if m["role"] != "assistant"))
     summary = RegenerateSummary(output=str(out_path), backend=backend.name, selected=len(prompts),
                                 already_done=len(prompts) - len(pending), torn_bytes_dropped=torn, written=0)
     start = time.perf_counter()

@@ -88,6 +88,9 @@ class RegenerateConfig(Section):
     max_retries: Annotated[int, Field(ge=0)] = 5
     retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
     batch_size: PositiveInt = 16
+    batch_tokens: PositiveInt = Field(
+        16384, description="hf: most padded tokens (prompt + max_tokens per row) in one generate call; "
+        "long prompts go in smaller batches.")
     temperature: Annotated[float, Field(ge=0.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: int | None = None
