@@ -113,9 +113,12 @@ class TokenBudgetSampler(Sampler[list[int]]):
         return len(self.batches())
 
 
-def collate(samples: list[dict[str, Any]], pad_id: int = 0) -> dict[str, Any]:
-    """Right-pad to the longest sample; ``attention_mask`` marks real tokens, ``loss_mask`` is 0 on padding."""
+def collate(samples: list[dict[str, Any]], pad_id: int = 0, pad_to_multiple: int = 1) -> dict[str, Any]:
+    """Right-pad to the longest sample, rounded up to ``pad_to_multiple`` (compiled GPU kernels such as
+    flex_attention recompile for every new length; rounding makes lengths repeat). ``attention_mask``
+    marks real tokens, ``loss_mask`` is 0 on padding."""
     longest = max(len(s["input_ids"]) for s in samples)
+    longest = -(-longest // pad_to_multiple) * pad_to_multiple
     out: dict[str, Any] = {"ids": [s["id"] for s in samples]}
     for key in [k for k in PER_TOKEN if k in samples[0]]:
         first = samples[0][key]

@@ -107,11 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     root, py = base.root, sys.executable
     round_no = next_round(root)
     round_dir = root / f"round-{round_no}"
+    # The incumbent is what ships (the promoted drafter); before anything was promoted, the previous
+    # round's best, so every later round must improve on the last one. Training warm-starts from it.
     promoted = Path(base.gate.promoted_dir)
-    incumbent = promoted if (promoted / "config.json").is_file() else None
-    # Warm start from the shipped drafter; when none was promoted yet, from the last round's best.
     previous_best = root / f"round-{round_no - 1}" / "checkpoints" / "best"
-    init_from = incumbent or (previous_best if (previous_best / "config.json").is_file() else None)
+    incumbent = next((p for p in (promoted, previous_best) if (p / "config.json").is_file()), None)
+    init_from = incumbent
     tree = dump_config(base)
     tree["run_dir"] = str(round_dir)
     if init_from is not None:

@@ -90,6 +90,12 @@ class JsonlLog:
                 f.write(json.dumps(record) + "\n")
 
 
+def pad_multiple(device: torch.device) -> int:
+    """Compiled flex_attention recompiles per sequence length (then falls back to an unfused kernel after
+    torch's recompile limit): on CUDA, round batch lengths up so they repeat. CPU needs no rounding."""
+    return 128 if device.type == "cuda" else 1
+
+
 def evaluate(accelerator: Accelerator, model: torch.nn.Module, ds: ShardDataset, sampler: TokenBudgetSampler,
              n: int) -> dict[str, float]:
     """Held-out loss, acc_i and simulated accept length (train/metrics.py has the formula)."""
@@ -97,7 +103,8 @@ def evaluate(accelerator: Accelerator, model: torch.nn.Module, ds: ShardDataset,
     model.eval()
     with torch.no_grad():
         for idx in sampler.batches():
-            res = model(**to_device(collate([ds[i] for i in idx]), accelerator.device))
+            batch = collate([ds[i] for i in idx], pad_to_multiple=pad_multiple(accelerator.device))
+            res = model(**to_device(batch, accelerator.device))
             counts.add(res.step_losses, res.correct, res.scored)
     model.train()
     total = accelerator.reduce(counts.flat(), reduction="sum")
@@ -192,7 +199,8 @@ def train(cfg: Any, resume: str) -> int:
         sampler.set_epoch(state["epoch"])
         batches = sampler.batches()[: windows_per_epoch * tc.grad_accum]
         for k in range(state["batch"], len(batches)):
-            batch = to_device(collate([train_ds[i] for i in batches[k]]), accelerator.device)
+            samples = [train_ds[i] for i in batches[k]]
+            batch = to_device(collate(samples, pad_to_multiple=pad_multiple(accelerator.device)), accelerator.device)
             with accelerator.accumulate(model):
                 res = model(**batch)
                 # every process must agree to skip, or DDP would wait for a backward that never comes
