@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from drafter.model import DrafterShape, Eagle3Drafter, rope_parameters
+from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -186,7 +186,13 @@ def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
     for name, (shp, _) in wanted.items():
         if infos[name].shape != shp:
             raise CheckpointError(f"{ckpt_dir}: {name} has shape {infos[name].shape}, expected {shp}")
-    model = Eagle3Drafter(shape)
+    # Built on the meta device and then allocated without random init: at the K2 shape the drafter holds
+    # 2.4 B parameters (the frozen 163840 x 7168 embedding included) that the file overwrites anyway.
+    with torch.device("meta"):
+        model = Eagle3Drafter(shape)
+    model = model.to_empty(device="cpu")
+    model.inv_freq.copy_(rope_inv_freq(shape)[0])  # a non-persistent buffer: not in the file
+    torch.nn.init.zeros_(model.embed_tokens.weight)  # placeholder until set_embeddings(target's)
     model.hf_config_extra = cfg
     state = load_tensors(ckpt_dir, list(wanted))
     state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
