@@ -83,5 +83,10 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
         del model.config.quantization_config
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same conversion first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
     return out
