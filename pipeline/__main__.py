@@ -23,8 +23,9 @@ import yaml
 
 from drafter.builtin import MissingWheelError, builtin_data_path, builtin_gguf
 from drafter.config import ConfigError, RunConfig, dump_config, load_config
+from drafter.target import TargetError, resolve_source
 
-# Bytes per captured token, generously: aux 3H + last hidden H + ids, in the capture dtype.
+# Bytes per element of the captured states (per token: aux 3H + last hidden H, rounded up to 5H).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -35,8 +36,13 @@ def preflight(cfg: RunConfig) -> None:
     for src in [*cfg.data.sources, *cfg.eval.datasets]:
         if src.path == "builtin":
             builtin_data_path(src.kind)
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
+                                    trust_remote_code=cfg.target.trust_remote_code)
     n = cfg.regenerate.num_prompts or 1000
-    need = n * cfg.capture.max_length * 5 * 576 * DTYPE_BYTES[cfg.capture.dtype] + (1 << 30)
+    # Upper bound of one round's store (every sample at max_length) plus 1 GiB for checkpoints.
+    need = n * cfg.capture.max_length * 5 * hf.hidden_size * DTYPE_BYTES[cfg.capture.dtype] + (1 << 30)
     cfg.root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(cfg.root).free
     if free < need:
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = load_config(args.config, args.set)
         preflight(base)
-    except (ConfigError, MissingWheelError) as e:
+    except (ConfigError, MissingWheelError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.time()
