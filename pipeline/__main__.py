@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     (round_dir / "ROUND_DONE").write_text(f"{time.time() - t0:.0f} s\n")
     print("\n" + verdict(Path(cfg.gate.history_file), round_no, cfg.eval_dir))
     print(f"\nround {round_no} took {time.time() - t0:.0f} s. Run the same command again for round {round_no + 1} "
-          "(warm start from the promoted drafter, fresh prompts).")
+          "(warm start from the incumbent, fresh prompts, gated against it).")
     return 0
 
 
