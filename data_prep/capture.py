@@ -35,9 +35,9 @@ from data_prep.store import (
     StoreError,
     sha256_file,
     shard_name,
-    write_atomic,
     write_json_atomic,
 )
+from drafter.atomic import write_bytes_atomic
 from drafter.target import DTYPES, TargetModel
 
 
@@ -269,7 +269,7 @@ def write_target_head(store: Path, target: TargetModel, old_sha: str | None) -> 
     # clone: a tied head shares storage with the embedding, which safetensors refuses to save twice
     data = save({"embed_tokens.weight": target.embed_weight().detach().cpu().clone().contiguous(),
                  "lm_head.weight": target.lm_head_weight().detach().cpu().clone().contiguous()})
-    write_atomic(path, data)
+    write_bytes_atomic(path, data)
     return hashlib.sha256(data).hexdigest()
 
 
@@ -295,7 +295,7 @@ def run_capture(cfg: Any, target: TargetModel | None = None) -> CaptureSummary:
     store.mkdir(parents=True, exist_ok=True)
     old = previous_shards(store, header)
     old_head = json.loads((store / MANIFEST).read_text()).get("target_head_sha256") if old else None
-    for tmp in store.glob("*.tmp"):  # leftovers of a killed write
+    for tmp in [*store.glob("*.tmp"), *store.glob(".*.tmp-*")]:  # leftovers of a killed write
         tmp.unlink()
 
     samples, skipped = render_all(convs, target.tokenizer, cap.max_length)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections import Counter
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from data_prep.readers import Messages, Record, Skip, read_source
+from drafter.atomic import write_text_atomic
 from drafter.builtin import MissingWheelError, builtin_data_path
 from drafter.config import RunConfig, SourceConfig
 
@@ -165,14 +165,7 @@ def json_line(record: dict[str, Any]) -> str:
 
 
 def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json_line(r))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json_line(r) for r in records))
 
 
 def run_ingest(cfg: RunConfig) -> IngestSummary:

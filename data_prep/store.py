@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from drafter.atomic import write_bytes_atomic
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 TARGET_HEAD = "target_head.safetensors"
@@ -44,17 +46,8 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_json_atomic(path: Path, obj: Any) -> None:
-    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 class ShardWriter:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from drafter.atomic import fresh_tmp_dir, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
 
@@ -201,24 +200,6 @@ def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
     return model.to(device)
 
 
-def _atomic_dir(out_dir: Path) -> Path:
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def _commit_dir(tmp: Path, out_dir: Path) -> None:
-    """Swap ``tmp`` into place: readers see the old checkpoint or the new one, never a mix."""
-    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    if old.exists():
-        shutil.rmtree(old)
-
-
 def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfloat16",
                     extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors (no embed_tokens), atomically."""
@@ -226,7 +207,7 @@ def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfl
         raise ValueError(f"save dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPES)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _atomic_dir(out_dir)
+    tmp = fresh_tmp_dir(out_dir)
     torch_dtype = FLOAT_DTYPES[dtype]
     state, own = {}, model.state_dict()
     for name, (_, kind) in expected_tensors(model.shape).items():
@@ -237,7 +218,7 @@ def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfl
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
-    _commit_dir(tmp, out_dir)
+    swap_dir(tmp, out_dir)
     return out_dir
 
 

@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from drafter.atomic import fresh_tmp_dir, swap_dir
+
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
 
 
@@ -57,14 +59,9 @@ def promote(checkpoint: str | Path, promoted_dir: str | Path) -> Path:
     sees the old drafter or the new one, never a mix."""
     src, dst = Path(checkpoint), Path(promoted_dir)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
-    old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(*SERVABLE_SKIP))
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    shutil.rmtree(old, ignore_errors=True)
+    tmp = fresh_tmp_dir(dst)
+    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(*SERVABLE_SKIP), dirs_exist_ok=True)
+    swap_dir(tmp, dst)
     return dst
 
 

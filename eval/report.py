@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from drafter.atomic import write_text_atomic
 
 
 def _clean(x: Any) -> Any:
@@ -19,12 +20,6 @@ def _clean(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_clean(v) for v in x]
     return x
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def _f(x: Any, nd: int = 3) -> str:
@@ -141,8 +136,8 @@ def write_report(r: dict, out_dir: str | Path, wandb_project: str | None = None)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     r = _clean(r)
-    _write(out / "report.json", json.dumps(r, indent=2) + "\n")
-    _write(out / "report.md", markdown(r))
+    write_text_atomic(out / "report.json", json.dumps(r, indent=2) + "\n")
+    write_text_atomic(out / "report.md", markdown(r))
     images = plots(r, out)
     if wandb_project:
         log_wandb(r, wandb_project, images)

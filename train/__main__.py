@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from data_prep.dataset import ShardDataset, TokenBudgetSampler, collate
 from data_prep.store import StoreError
+from drafter.atomic import write_text_atomic
 from drafter.checkpoint import CheckpointError
 from drafter.config import ConfigError, dump_config, load_config
 from drafter.factory import DrafterMismatchError
@@ -80,9 +81,7 @@ class JsonlLog:
         if enabled and path.is_file():
             keep = [line for line in path.read_text().splitlines()
                     if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in keep))
-            os.replace(tmp, path)
+            write_text_atomic(path, "".join(line + "\n" for line in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:

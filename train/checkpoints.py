@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from drafter.atomic import swap_dir, write_text_atomic
 from drafter.checkpoint import save_checkpoint
 from drafter.model import Eagle3Drafter
 
@@ -62,9 +63,7 @@ def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_DIR / TRAINER_FILE).write_text(json.dumps(trainer, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        swap_dir(tmp, final)
     accelerator.wait_for_everyone()
     return final
 
@@ -90,9 +89,7 @@ def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | N
         return False
     _replace_symlink(root / "best", ckpt.name)
     record = {"metric": metric, "value": value, "step": step, "checkpoint": ckpt.name}
-    tmp = root / ".best.json.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, root / "best.json")
+    write_text_atomic(root / "best.json", json.dumps(record, indent=2) + "\n")
     return True
 
 
