@@ -76,3 +76,21 @@ def test_warm_start_mismatch_is_one_line_error(tmp_path, capsys):
     assert main(["--config", str(cfg2), "--set", f"drafter.init_from={ckpt}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "aux" in err[0] and "[0, 1, 3]" in err[0], err
+
+
+def test_wandb_tracking_offline_logs_config_and_metrics_without_secrets(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_API_KEY", "secret-key-never-printed-0123456789abcdef")
+    cfg = make_config(tmp_path, max_steps=4, eval_every=2, save_every=4, log_every=1, report_to="wandb",
+                      wandb_project="eagle3-test")
+    make_store(tmp_path / "run" / "store", n_samples=16, length=20)
+    assert main(["--config", str(cfg)]) == 0
+    out = capsys.readouterr()
+    assert "secret-key-never-printed" not in out.out + out.err
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    # Offline runs keep config and history as records in the run's .wandb file (synced later).
+    records = next(runs[0].glob("run-*.wandb")).read_bytes()
+    for key in (b"ttt_length", b"draft_vocab_size", b"loss", b"train/acc_0", b"holdout/accept_length"):
+        assert key in records, key
+    assert b"secret-key-never-printed" not in records
