@@ -94,3 +94,15 @@ def test_wandb_tracking_offline_logs_config_and_metrics_without_secrets(tmp_path
     for key in (b"ttt_length", b"draft_vocab_size", b"loss", b"train/acc_0", b"holdout/accept_length"):
         assert key in records, key
     assert b"secret-key-never-printed" not in records
+
+
+def test_resume_refuses_a_tampered_training_state(tmp_path, capsys):
+    cfg = make_config(tmp_path, max_steps=2, save_every=2, eval_every=2, holdout_fraction=0.0)
+    make_store(tmp_path / "run" / "store", n_samples=12, length=20)
+    assert main(["--config", str(cfg)]) == 0
+    rng = next((tmp_path / "run" / "checkpoints").glob("step-*/training_state/random_states_0.pkl"))
+    rng.write_bytes(rng.read_bytes() + b"\0")
+    cfg.write_text(cfg.read_text().replace("max_steps: 2", "max_steps: 4"))
+    assert main(["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "random_states_0.pkl" in err and "refusing to unpickle" in err

@@ -168,6 +168,7 @@ def train(cfg: Any, resume: str) -> int:
     accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
     state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0}
     if resume_from is not None:
+        checkpoints.verify_state(resume_from)
         accelerator.load_state(str(resume_from / checkpoints.STATE_DIR))
         state.update(checkpoints.read_trainer_state(resume_from)["position"])
     log = JsonlLog(cfg.root / "train_log.jsonl", accelerator.is_main_process, state["step"])

@@ -17,8 +17,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from data_prep.store import sha256_file
 from drafter.atomic import swap_dir, write_text_atomic
-from drafter.checkpoint import save_checkpoint
+from drafter.checkpoint import CheckpointError, save_checkpoint
 from drafter.model import Eagle3Drafter
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
@@ -49,6 +50,23 @@ def read_trainer_state(ckpt: Path) -> dict[str, Any]:
     return json.loads((ckpt / STATE_DIR / TRAINER_FILE).read_text())
 
 
+def _state_digests(state_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(state_dir)): sha256_file(p) for p in sorted(state_dir.rglob("*"))
+            if p.is_file() and p.name != TRAINER_FILE}
+
+
+def verify_state(ckpt: Path) -> None:
+    """accelerate restores optimizer/RNG states with pickle (``weights_only=False``), so only files this
+    trainer wrote are loaded: their sha256 sums, recorded at save time, must match."""
+    want = read_trainer_state(ckpt).get("state_sha256")
+    got = _state_digests(ckpt / STATE_DIR)
+    if want != got:
+        bad = sorted(k for k in set(want or {}) | set(got) if (want or {}).get(k) != got.get(k))
+        raise CheckpointError(f"{ckpt / STATE_DIR}: training state does not match the checksums recorded when it was "
+                         f"saved ({', '.join(bad) or 'no checksums recorded'}); refusing to unpickle it. "
+                         f"Delete {ckpt} to resume from an older checkpoint, or pass --resume never")
+
+
 def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer: dict[str, Any],
          run_config: dict[str, Any], dtype: str) -> Path:
     """Collective (every process calls it): accelerate gathers sharded states itself."""
@@ -62,7 +80,8 @@ def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer:
     accelerator.save_state(str(tmp / STATE_DIR))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / STATE_DIR / TRAINER_FILE).write_text(json.dumps(trainer, indent=2) + "\n")
+        record = {**trainer, "state_sha256": _state_digests(tmp / STATE_DIR)}
+        (tmp / STATE_DIR / TRAINER_FILE).write_text(json.dumps(record, indent=2) + "\n")
         swap_dir(tmp, final)
     accelerator.wait_for_everyone()
     return final
