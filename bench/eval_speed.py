@@ -16,11 +16,11 @@ import time
 import torch
 
 from drafter.factory import fresh_drafter, shape_for_target
-from drafter.target import default_aux_layer_ids, load_target
+from drafter.target import default_aux_layer_ids, load_target, stop_token_ids
 from drafter.vocab_map import build_vocab_map
 from eval.measure import Settings, measure
 from eval.prompts import load_prompts, render
-from eval.speculative import Eagle3Proposer, Engine, stop_token_ids
+from eval.speculative import Eagle3Proposer, Engine
 
 FULL_QUESTIONS, FULL_TOKENS = 80, 256
 

@@ -23,12 +23,12 @@ from tqdm import tqdm
 
 from drafter.checkpoint import check_checkpoint, load_checkpoint
 from drafter.config import load_config
-from drafter.target import load_target_from_config, resolve_aux_layer_ids
+from drafter.target import load_target_from_config, resolve_aux_layer_ids, stop_token_ids
 from eval import breakeven
 from eval.gate import decide
 from eval.measure import Settings, dataset_stats, measure
 from eval.prompts import load_prompts, render
-from eval.speculative import Eagle3Proposer, Engine, Generation, first_divergence, stop_token_ids
+from eval.speculative import Eagle3Proposer, Engine, Generation, first_divergence
 
 _STATE: dict = {}
 

@@ -54,15 +54,14 @@ class HFBackend:
         import torch
         from transformers import GenerationConfig
 
-        from drafter.target import load_target_from_config
+        from drafter.target import load_target_from_config, stop_token_ids
 
         self.target = load_target_from_config(target_cfg)
         self.tok = self.target.tokenizer
         self.tok.padding_side = "left"
         self.cfg = cfg
         self.batch_size = cfg.batch_size
-        stop = {self.tok.eos_token_id, self.tok.convert_tokens_to_ids("<|im_end|>")}
-        self.stop_ids = sorted(i for i in stop if isinstance(i, int) and i != self.tok.unk_token_id)
+        self.stop_ids = stop_token_ids(self.tok)
         sampling = cfg.temperature > 0
         self.gen = GenerationConfig(
             max_new_tokens=cfg.max_tokens, do_sample=sampling, eos_token_id=self.stop_ids,

@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from drafter.atomic import fresh_tmp_dir
+
 BUILTIN_TARGET = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = {
@@ -72,8 +74,7 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = fresh_tmp_dir(out)
     kwargs = {"gguf_file": gguf_path.name}
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)

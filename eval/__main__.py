@@ -16,14 +16,14 @@ from pathlib import Path
 from drafter.builtin import MissingWheelError
 from drafter.checkpoint import CheckpointError, check_checkpoint, fingerprint, load_checkpoint
 from drafter.config import ConfigError, RunConfig, load_config
-from drafter.target import TargetError, load_target_from_config, resolve_aux_layer_ids, resolve_source
+from drafter.target import TargetError, load_target_from_config, resolve_aux_layer_ids, resolve_source, stop_token_ids
 from eval import breakeven
 from eval.gate import append_history, decide, promote
 from eval.measure import Settings, measure
 from eval.prompts import PromptError, load_prompts, render
 from eval.report import markdown, write_report
 from eval.sglang_client import ServerError, live_eval
-from eval.speculative import Eagle3Proposer, Engine, stop_token_ids
+from eval.speculative import Eagle3Proposer, Engine
 
 EXIT_PASS, EXIT_REJECT, EXIT_ERROR = 0, 1, 2
 

@@ -260,11 +260,3 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
 
-
-def stop_token_ids(tokenizer: Any) -> list[int]:
-    """The tokenizer's EOS plus ChatML's end-of-turn, when the vocabulary has it."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return sorted(ids)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from drafter.atomic import write_text_atomic
 from drafter.builtin import MissingWheelError, builtin_data_path, builtin_gguf
 from drafter.config import ConfigError, RunConfig, dump_config, load_config
 from drafter.target import TargetError, resolve_source
@@ -61,10 +62,7 @@ def slice_prompts(pool: Path, out: Path, start: int, count: int) -> int:
     if not lines:
         raise SystemExit(f"error: {pool} has no prompts left for this round (used {start}); raise "
                          "data.sources[].limit or start over with `make clean-runs`")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(out)
+    write_text_atomic(out, "\n".join(lines) + "\n")
     return len(lines)
 
 

@@ -16,9 +16,10 @@ from data_prep.capture import run_capture
 from data_prep.regenerate import run_regenerate
 from drafter.checkpoint import check_checkpoint, load_checkpoint
 from drafter.config import load_config
+from drafter.target import stop_token_ids
 from eval import metrics
 from eval.prompts import render
-from eval.speculative import Eagle3Proposer, Engine, stop_token_ids
+from eval.speculative import Eagle3Proposer, Engine
 from train.__main__ import main as train_main
 
 PROMPTS = ["Count from 1 to 12.", "List the days of the week.", "Name the months of the year.",
