@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from common.config import parse_config
+from common.wheels import builtin_data_path
 from data_prep.capture import length_batches, render_all, run_capture
 from data_prep.readers import read_source
-from drafter.builtin import builtin_data_path
-from drafter.config import parse_config
 from drafter.target import TargetModel, load_target
 
 AUX = [2, 15, 27]

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from common.config import load_config
 from drafter.checkpoint import check_checkpoint, load_checkpoint
-from drafter.config import load_config
 from drafter.target import load_target_from_config, resolve_aux_layer_ids, stop_token_ids
 from eval import breakeven
 from eval.gate import decide

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="override a config key, e.g. --set capture.dtype=bfloat16 (repeatable)")
     args = parser.parse_args(argv)
 
-    from drafter.config import ConfigError, load_config
+    from common.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.set)

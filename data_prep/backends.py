@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from drafter.config import RegenerateConfig, TargetConfig
+from common.config import RegenerateConfig, TargetConfig
 
 Chat = list[dict[str, str]]
 MAX_BACKOFF_S = 60.0

@@ -25,6 +25,7 @@ from safetensors.torch import save
 from torch import Tensor
 from tqdm import tqdm
 
+from common.files import write_bytes_atomic
 from data_prep.loss_mask import LossMaskError, render_with_mask
 from data_prep.store import (
     IDENTITY,
@@ -37,7 +38,6 @@ from data_prep.store import (
     shard_name,
     write_json_atomic,
 )
-from drafter.atomic import write_bytes_atomic
 from drafter.target import DTYPES, TargetModel
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from common.config import RunConfig, SourceConfig
+from common.files import write_text_atomic
+from common.wheels import MissingWheelError, builtin_data_path
 from data_prep.readers import Messages, Record, Skip, read_source
-from drafter.atomic import write_text_atomic
-from drafter.builtin import MissingWheelError, builtin_data_path
-from drafter.config import RunConfig, SourceConfig
 
 SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "assistant_first",
                 "empty", "too_long", "duplicate")

@@ -18,9 +18,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from common.config import RunConfig
 from data_prep.backends import Chat, ChatBackend, Completion, make_backend
 from data_prep.ingest import json_line
-from drafter.config import RunConfig
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from drafter.atomic import write_bytes_atomic
+from common.files import write_bytes_atomic
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafter.builtin import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
+from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -13,9 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from drafter.builtin import MissingWheelError
+from common.config import ConfigError, RunConfig, load_config
+from common.wheels import MissingWheelError
 from drafter.checkpoint import CheckpointError, check_checkpoint, fingerprint, load_checkpoint
-from drafter.config import ConfigError, RunConfig, load_config
 from drafter.target import TargetError, load_target_from_config, resolve_aux_layer_ids, resolve_source, stop_token_ids
 from eval import breakeven
 from eval.gate import append_history, decide, promote

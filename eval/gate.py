@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafter.atomic import fresh_tmp_dir, swap_dir
+from common.files import fresh_tmp_dir, swap_dir
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
 

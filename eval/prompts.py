@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.wheels import builtin_data_path
 from data_prep.readers import read_source
-from drafter.builtin import builtin_data_path
 
 
 class PromptError(ValueError):

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from drafter.atomic import write_text_atomic
+from common.files import write_text_atomic
 
 
 def _clean(x: Any) -> Any:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from drafter.atomic import write_text_atomic
-from drafter.builtin import MissingWheelError, builtin_data_path, builtin_gguf
-from drafter.config import ConfigError, RunConfig, dump_config, load_config
+from common.config import ConfigError, RunConfig, dump_config, load_config
+from common.files import write_text_atomic
+from common.wheels import MissingWheelError, builtin_data_path, builtin_gguf
 from drafter.target import TargetError, resolve_source
 
 # Bytes per element of the captured states (per token: aux 3H + last hidden H, rounded up to 5H).

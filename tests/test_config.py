@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drafter.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+from common.config import ConfigError, RunConfig, dump_config, load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))

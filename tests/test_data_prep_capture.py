@@ -16,11 +16,11 @@ import pytest
 import torch
 import yaml
 
+from common.config import parse_config
 from data_prep.capture import run_capture
 from data_prep.dataset import ShardDataset, TokenBudgetSampler, collate
 from data_prep.loss_mask import render_with_mask
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
-from drafter.config import parse_config
 
 AUX = [2, 15, 27]
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from common.config import RunConfig, parse_config
 from data_prep.ingest import IngestError, run_ingest
-from drafter.config import RunConfig, parse_config
 
 
 def make_cfg(tmp_path: Path, sources: list[dict[str, Any]], **data: Any) -> RunConfig:

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import yaml
 
+from common.config import RunConfig, parse_config
 from data_prep.backends import BackendError, HFBackend, token_budget_groups
 from data_prep.regenerate import RegenerateError, run_regenerate
-from drafter.config import RunConfig, parse_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -244,7 +244,7 @@ def test_kill9_during_hf_regenerate_then_resume(tmp_path: Path) -> None:
     ids = write_prompts(cfg, [[user(f"Name a fruit that starts with the letter {c}.")] for c in "ABCDEFGHIJ"])
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(tree))
-    code = ("import sys; from drafter.config import load_config; from data_prep.regenerate import run_regenerate; "
+    code = ("import sys; from common.config import load_config; from data_prep.regenerate import run_regenerate; "
             "run_regenerate(load_config(sys.argv[1]))")
     log = tmp_path / "child.log"
     env = os.environ | {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}  # 1 thread: see LlamaServer
@@ -272,7 +272,7 @@ class LlamaServer:
     """``python -m llama_cpp.server`` on loopback with the builtin GGUF; always stopped by the caller."""
 
     def __init__(self, log: Path):
-        from drafter.builtin import builtin_gguf
+        from common.wheels import builtin_gguf
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

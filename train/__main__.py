@@ -21,11 +21,11 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
+from common.config import ConfigError, dump_config, load_config
+from common.files import write_text_atomic
 from data_prep.dataset import ShardDataset, TokenBudgetSampler, collate
 from data_prep.store import StoreError
-from drafter.atomic import write_text_atomic
 from drafter.checkpoint import CheckpointError
-from drafter.config import ConfigError, dump_config, load_config
 from drafter.factory import DrafterMismatchError
 from drafter.target import TargetError
 from train import checkpoints

@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from common.files import swap_dir, write_text_atomic
 from data_prep.store import sha256_file
-from drafter.atomic import swap_dir, write_text_atomic
 from drafter.checkpoint import CheckpointError, save_checkpoint
 from drafter.model import Eagle3Drafter
 

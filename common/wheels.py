@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from drafter.atomic import fresh_tmp_dir
+from common.files import fresh_tmp_dir
 
 BUILTIN_TARGET = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
