@@ -39,7 +39,7 @@ def _runner(step: str) -> Callable[[Any], Any]:
 
 
 def _save_summary(cfg: Any, step: str, summary: Any) -> None:
-    from data_prep.store import write_json_atomic
+    from common.files import write_json_atomic
 
     path = cfg.root / "data_prep_summary.json"
     cfg.root.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from safetensors.torch import save
 from torch import Tensor
 from tqdm import tqdm
 
-from common.files import write_bytes_atomic
+from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from data_prep.loss_mask import LossMaskError, render_with_mask
 from data_prep.store import (
     IDENTITY,
@@ -34,9 +34,7 @@ from data_prep.store import (
     TARGET_HEAD,
     ShardWriter,
     StoreError,
-    sha256_file,
     shard_name,
-    write_json_atomic,
 )
 from drafter.target import DTYPES, TargetModel
 

@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common.config import RunConfig, SourceConfig
-from common.files import write_text_atomic
+from common.files import write_jsonl_atomic
 from common.wheels import MissingWheelError, builtin_data_path
 from data_prep.readers import Messages, Record, Skip, read_source
 
@@ -153,19 +153,6 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
         report.kept += 1
         report.cut_to_max_turns += cut
         out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages})
-
-
-# Legal in JSON strings but line breaks to str.splitlines() and some editors: escape them.
-_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
-
-
-def json_line(record: dict[str, Any]) -> str:
-    """One JSONL line (UTF-8 text kept readable) that every line splitter sees as exactly one line."""
-    return json.dumps(record, ensure_ascii=False).translate(_LINE_BREAKS) + "\n"
-
-
-def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
-    write_text_atomic(path, "".join(json_line(r) for r in records))
 
 
 def run_ingest(cfg: RunConfig) -> IngestSummary:

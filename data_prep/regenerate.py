@@ -19,8 +19,8 @@ from typing import Any
 from tqdm import tqdm
 
 from common.config import RunConfig
+from common.files import append_jsonl
 from data_prep.backends import Chat, ChatBackend, Completion, make_backend
-from data_prep.ingest import json_line
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
@@ -113,13 +113,6 @@ class Conversation:
     def record(self, backend: str) -> dict[str, Any]:
         return {"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
                 "finish_reasons": self.finish_reasons, "backend": backend}
-
-
-def append_record(f: Any, record: dict[str, Any]) -> None:
-    """One whole line per write, on disk before the next: a kill leaves at most a torn last line."""
-    f.write(json_line(record).encode("utf-8"))
-    f.flush()
-    os.fsync(f.fileno())
 
 
 @dataclass
@@ -223,7 +216,7 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                     summary.failed[conv.error] += 1
                     summary.failure_examples.setdefault(conv.error, f"{conv.prompt['id']}: {conv.detail}")
                 else:
-                    append_record(f, conv.record(backend.name))
+                    append_jsonl(f, conv.record(backend.name))
                     summary.written += 1
             bar.update(len(convs))
     summary.seconds = time.perf_counter() - start

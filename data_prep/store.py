@@ -7,7 +7,6 @@ needs RAM for one batch rather than one shard (a shard of a 7168-wide target is 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from common.files import write_bytes_atomic
+from common.files import sha256_file, temp_path
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -38,23 +37,11 @@ def shard_name(k: int) -> str:
     return f"shard-{k:05d}.safetensors"
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
 class ShardWriter:
     """Preallocates a safetensors file for known shapes, takes row ranges, renames into place on finish."""
 
     def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]], metadata: dict[str, str]):
-        self.path, self.tmp = path, path.with_name(path.name + ".tmp")
+        self.path, self.tmp = path, temp_path(path)
         # Wider dtypes first keeps every tensor aligned to its itemsize.
         order = sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))
         header: dict[str, Any] = {"__metadata__": metadata}

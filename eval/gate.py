@@ -8,16 +8,14 @@ output that differs from the target's own greedy output is rejected whatever its
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.files import fresh_tmp_dir, swap_dir
+from common.files import append_jsonl, fresh_tmp_dir, swap_dir
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
 
@@ -69,8 +67,5 @@ def append_history(path: str | Path, record: dict) -> None:
     """One whole JSON line per decision, flushed to disk before returning."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}, sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(line)
-        f.flush()
-        os.fsync(f.fileno())
+    with open(path, "ab") as f:
+        append_jsonl(f, {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}, sort_keys=True)

@@ -17,8 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from common.files import swap_dir, write_text_atomic
-from data_prep.store import sha256_file
+from common.files import sha256_file, swap_dir, temp_path, write_text_atomic
 from drafter.checkpoint import CheckpointError, save_checkpoint
 from drafter.model import Eagle3Drafter
 
@@ -70,7 +69,8 @@ def verify_state(ckpt: Path) -> None:
 def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer: dict[str, Any],
          run_config: dict[str, Any], dtype: str) -> Path:
     """Collective (every process calls it): accelerate gathers sharded states itself."""
-    final, tmp = step_dir(root, step), root / f".step-{step:06d}.tmp"
+    final = step_dir(root, step)
+    tmp = temp_path(final, shared=True)  # every process saves its part of the state into it
     if accelerator.is_main_process:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -88,7 +88,7 @@ def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer:
 
 
 def _replace_symlink(link: Path, target: str) -> None:
-    tmp = link.with_name(f".{link.name}.tmp")
+    tmp = temp_path(link)
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     tmp.symlink_to(target)
@@ -122,6 +122,6 @@ def prune(root: Path, keep_last: int) -> list[Path]:
         if best is None or d.resolve() != best:
             shutil.rmtree(d)
             removed.append(d)
-    for tmp in root.glob(".step-*.tmp"):
+    for tmp in root.glob(".step-*.tmp"):  # temp_path(step_dir, shared=True)
         shutil.rmtree(tmp)
     return removed
