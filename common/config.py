@@ -13,10 +13,11 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from common.dtypes import DTypeName
+
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
-DType = Literal["float32", "bfloat16", "float16"]
 
 
 class ConfigError(ValueError):
@@ -32,7 +33,7 @@ class TargetConfig(Section):
 
     name: str = Field(description="Local dir, hub id, path to a .gguf, or a builtin name.")
     gguf_file: str | None = Field(None, description="GGUF file inside `name` (a dir or hub repo).")
-    dtype: DType = "float32"
+    dtype: DTypeName = "float32"
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu.")
     trust_remote_code: bool = False
     aux_layer_ids: list[int] | None = Field(
@@ -108,7 +109,7 @@ class CaptureConfig(Section):
     backend: Literal["hf", "sglang"] = "hf"
     max_length: PositiveInt = 2048
     batch_tokens: PositiveInt = 16384
-    dtype: DType = "bfloat16"
+    dtype: DTypeName = "bfloat16"
     teacher: Literal["hidden", "topk"] = Field(
         "hidden", description="'hidden': final normed hidden state (exact teacher via lm_head at "
         "train time); 'topk': top-k ids and log-probs (compact, approximate).")

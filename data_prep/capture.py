@@ -25,6 +25,7 @@ from safetensors.torch import save
 from torch import Tensor
 from tqdm import tqdm
 
+from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from data_prep.loss_mask import LossMaskError, render_with_mask
 from data_prep.store import (
@@ -36,7 +37,7 @@ from data_prep.store import (
     StoreError,
     shard_name,
 )
-from drafter.target import DTYPES, TargetModel
+from drafter.target import TargetModel
 
 
 class CaptureError(ValueError):
@@ -217,7 +218,7 @@ def previous_shards(store: Path, header: dict[str, Any]) -> list[dict[str, Any]]
 
 def shard_specs(samples: Sequence[Sample], header: dict[str, Any], cap: Any) -> dict[str, tuple[torch.dtype, tuple]]:
     n, t = len(samples), sum(len(s.input_ids) for s in samples)
-    h, dt = header["target"]["hidden_size"], DTYPES[cap.dtype]
+    h, dt = header["target"]["hidden_size"], torch_dtype(cap.dtype)
     specs = {"offsets": (torch.int64, (n + 1,)), "input_ids": (torch.int32, (t,)), "loss_mask": (torch.uint8, (t,)),
              "aux": (dt, (t, 3 * h)), "target_argmax": (torch.int32, (t,))}
     if cap.teacher == "hidden":
@@ -240,7 +241,7 @@ def capture_shard(backend: CaptureBackend, lm_head: Tensor, samples: list[Sample
         writer.write("offsets", 0, torch.tensor(starts, dtype=torch.int64))
         writer.write("input_ids", 0, torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32))
         writer.write("loss_mask", 0, torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8))
-        store_dt = DTYPES[cap.dtype]
+        store_dt = torch_dtype(cap.dtype)
         for batch in length_batches(lengths, cap.batch_tokens):
             outs = backend.run([samples[i].input_ids for i in batch])
             for i, o in zip(batch, outs, strict=True):

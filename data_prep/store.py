@@ -22,7 +22,6 @@ MANIFEST = "manifest.json"
 TARGET_HEAD = "target_head.safetensors"
 ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.float32: "F32",
              torch.bfloat16: "BF16", torch.float16: "F16"}
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The keys a manifest must carry, and those that must equal the current run's to reuse its shards.
 REQUIRED = ("schema_version", "target", "aux_layer_ids", "teacher", "topk", "dtypes", "max_length", "shards",
             "totals", "complete")

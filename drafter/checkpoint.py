@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
 from common.files import fresh_tmp_dir, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
@@ -24,7 +25,6 @@ from drafter.vocab_map import vocab_map_problems
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-FLOAT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class CheckpointError(ValueError):
@@ -203,16 +203,16 @@ def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
 def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfloat16",
                     extra_files: dict[str, str] | None = None) -> Path:
     """Write config.json + model.safetensors (no embed_tokens), atomically."""
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"save dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPES)}")
+    if dtype not in FLOAT_DTYPE_NAMES:
+        raise ValueError(f"save dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPE_NAMES)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = fresh_tmp_dir(out_dir)
-    torch_dtype = FLOAT_DTYPES[dtype]
+    float_dtype = torch_dtype(dtype)
     state, own = {}, model.state_dict()
     for name, (_, kind) in expected_tensors(model.shape).items():
         t = own[name].detach().cpu()
-        state[name] = t.to(torch_dtype) if kind == "float" else t.to(torch.int64 if kind == "int64" else torch.bool)
+        state[name] = t.to(float_dtype) if kind == "float" else t.to(torch.int64 if kind == "int64" else torch.bool)
     save_file({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     cfg = hf_config(model.shape, getattr(model, "hf_config_extra", None), dtype)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

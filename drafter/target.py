@@ -19,9 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.dtypes import torch_dtype
 from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TargetError(ValueError):
@@ -192,7 +191,7 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
     dev = pick_device(device)
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[dtype],
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype),
                                                      trust_remote_code=trust_remote_code).to(dev)
     except OSError as e:
         raise TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local "

@@ -22,12 +22,10 @@ from pathlib import Path
 import yaml
 
 from common.config import ConfigError, RunConfig, dump_config, load_config
+from common.dtypes import torch_dtype
 from common.files import write_text_atomic
 from common.wheels import MissingWheelError, builtin_data_path, builtin_gguf
 from drafter.target import TargetError, resolve_source
-
-# Bytes per element of the captured states (per token: aux 3H + last hidden H, rounded up to 5H).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -42,8 +40,10 @@ def preflight(cfg: RunConfig) -> None:
     hf = AutoConfig.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
                                     trust_remote_code=cfg.target.trust_remote_code)
     n = cfg.regenerate.num_prompts or 1000
-    # Upper bound of one round's store (every sample at max_length) plus 1 GiB for checkpoints.
-    need = n * cfg.capture.max_length * 5 * hf.hidden_size * DTYPE_BYTES[cfg.capture.dtype] + (1 << 30)
+    # Upper bound of one round's store (every sample at max_length; per token aux 3H + last hidden H,
+    # rounded up to 5H) plus 1 GiB for checkpoints.
+    itemsize = torch_dtype(cfg.capture.dtype).itemsize
+    need = n * cfg.capture.max_length * 5 * hf.hidden_size * itemsize + (1 << 30)
     cfg.root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(cfg.root).free
     if free < need:
