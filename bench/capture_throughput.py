@@ -19,7 +19,8 @@ import torch
 
 from common.config import parse_config
 from common.wheels import builtin_data_path
-from data_prep.capture import length_batches, render_all, run_capture
+from data_prep.batching import length_batches
+from data_prep.capture import render_all, run_capture
 from data_prep.readers import read_source
 from drafter.target import TargetModel, load_target
 

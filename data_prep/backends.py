@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.config import RegenerateConfig, TargetConfig
+from data_prep.batching import length_batches
 
 Chat = list[dict[str, str]]
 MAX_BACKOFF_S = 60.0
@@ -74,7 +75,7 @@ class HFBackend:
                                               **self.cfg.chat_template_kwargs) for chat in batch]
         ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
         results: list[Completion] = [Completion()] * len(ids)
-        for group in token_budget_groups([len(x) + self.cfg.max_tokens for x in ids], self.cfg.batch_tokens):
+        for group in length_batches([len(x) + self.cfg.max_tokens for x in ids], self.cfg.batch_tokens):
             for i, c in zip(group, self._generate([ids[i] for i in group]), strict=True):
                 results[i] = c
         return results
@@ -91,18 +92,6 @@ class HFBackend:
             text = self.tok.decode(row if end is None else row[:end], skip_special_tokens=True)
             results.append(Completion(text=text, finish_reason="length" if end is None else "stop"))
         return results
-
-
-def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped shortest first so that rows x longest row <= budget (a longer row goes alone):
-    a batch padded to one 4k-token prompt would otherwise cost 4k tokens for every short row."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 def chat_url(base: str) -> str:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
+from data_prep.batching import length_batches
 from data_prep.loss_mask import LossMaskError, render_with_mask
 from data_prep.store import (
     IDENTITY,
@@ -126,17 +127,6 @@ def plan_sha256(samples: Sequence[Sample]) -> str:
     for s in samples:
         h.update(json.dumps([s.id, s.input_ids, s.loss_mask]).encode())
     return h.hexdigest()
-
-
-def length_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
-    """Indices sorted by length, cut so that n * longest <= batch_tokens (at least one per batch)."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if batches and lengths[i] * (len(batches[-1]) + 1) <= batch_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 # ---------------------------------------------------------------- the target forward

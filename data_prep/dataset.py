@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset, Sampler
 
+from data_prep.batching import length_batches
 from data_prep.store import read_manifest
 
 PER_TOKEN = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
@@ -93,14 +94,7 @@ class TokenBudgetSampler(Sampler[list[int]]):
             rng.shuffle(order)
         out: list[list[int]] = []
         for w in range(0, len(order), self.window):
-            cur: list[int] = []
-            for i in sorted(order[w:w + self.window], key=lambda i: self.lengths[i]):
-                if cur and self.lengths[i] * (len(cur) + 1) > self.batch_tokens:  # ascending: i is longest
-                    out.append(cur)
-                    cur = []
-                cur.append(i)
-            if cur:
-                out.append(cur)
+            out += length_batches(self.lengths, self.batch_tokens, order[w:w + self.window])
         if self.shuffle:
             rng.shuffle(out)
         usable = len(out) - len(out) % self.num_replicas if self.num_replicas > 1 else len(out)

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from common.config import RunConfig, parse_config
-from data_prep.backends import BackendError, HFBackend, token_budget_groups
+from data_prep.backends import BackendError, HFBackend
 from data_prep.regenerate import RegenerateError, run_regenerate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -340,12 +340,3 @@ def test_real_llama_cpp_server_killed_mid_run_then_resumed(tmp_path: Path) -> No
         assert [m["role"] for m in r["messages"]] == ["user", "assistant", "user", "assistant"]
         assert "dropped" not in [m["content"] for m in r["messages"]]
         assert set(r["finish_reasons"]) <= {"stop", "length"} and r["backend"] == "openai"
-
-
-def test_token_budget_groups_cover_every_row_once_within_budget() -> None:
-    lengths = [10, 500, 20, 5000, 30, 400, 990, 11]
-    groups = token_budget_groups(lengths, 1000)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for g in groups:
-        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 1000
-    assert [3] in groups and len(groups) < len(lengths)
