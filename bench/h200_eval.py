@@ -22,8 +22,9 @@ import torch
 from tqdm import tqdm
 
 from common.config import load_config
-from drafter.checkpoint import check_checkpoint, load_checkpoint
-from drafter.target import load_target_from_config, resolve_aux_layer_ids, stop_token_ids
+from drafter.checkpoint import check_checkpoint
+from drafter.factory import load_for_target
+from drafter.target import load_target_from_config, stop_token_ids
 from eval import breakeven
 from eval.gate import decide
 from eval.measure import Settings, dataset_stats, measure
@@ -37,9 +38,8 @@ def _setup(config: str, checkpoint: str) -> tuple[Engine, Eagle3Proposer, object
     torch.set_num_threads(1)
     cfg = load_config(config)
     target = load_target_from_config(cfg.target)
-    drafter = load_checkpoint(checkpoint, target.num_layers, device=target.device).to(target.dtype)
-    drafter.set_embeddings(target.embed_weight())
-    ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, drafter.shape.aux_layer_ids, target.num_layers)
+    drafter, ids = load_for_target(checkpoint, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
+                                   device=target.device, dtype=target.dtype)
     return Engine(target, ids, stop_token_ids(target.tokenizer)), Eagle3Proposer(drafter, ids), target
 
 

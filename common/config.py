@@ -53,9 +53,6 @@ class DrafterConfig(Section):
 
     init_from: str | None = Field(None, description="SGLang-layout drafter dir to warm-start from.")
     draft_vocab_size: PositiveInt = 32000
-    remap_vocab: bool = Field(
-        False, description="Allow a warm start whose vocab differs from the target's (rebuilds the "
-        "map and re-initialises lm_head).")
     intermediate_size: PositiveInt | None = None
     num_attention_heads: PositiveInt | None = None
     num_key_value_heads: PositiveInt | None = None

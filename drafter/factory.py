@@ -6,8 +6,11 @@ no per-target JSON is needed. Every mismatch that would make serving wrong is a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from drafter.checkpoint import load_checkpoint, read_config, rope_scaling_from, shape_from_config
@@ -38,14 +41,15 @@ def shape_for_target(hf_cfg: Any, draft_vocab_size: int, aux_layer_ids: tuple[in
     )
 
 
-def check_fits_target(shape: DrafterShape, hidden_size: int, vocab_size: int, where: str,
-                      remap_vocab: bool = False) -> None:
+def check_fits_target(shape: DrafterShape, hidden_size: int, vocab_size: int, where: str) -> None:
     if shape.hidden_size != hidden_size:
         raise DrafterMismatchError(f"{where}: drafter hidden_size {shape.hidden_size} differs from the "
                                    f"target's {hidden_size}; the drafter cannot read this target's states")
-    if shape.vocab_size != vocab_size and not remap_vocab:
+    if shape.vocab_size != vocab_size:
         raise DrafterMismatchError(f"{where}: drafter vocab_size {shape.vocab_size} differs from the target's "
-                                   f"{vocab_size}; set drafter.remap_vocab: true to rebuild the map")
+                                   f"{vocab_size}; a drafter keeps its own vocab map (its lm_head rows are tied to "
+                                   "it), so it cannot serve another vocabulary: train one from scratch for this "
+                                   "target (no drafter.init_from)")
 
 
 def drafter_aux_ids(init_from: str | None, num_layers: int) -> tuple[int, int, int] | None:
@@ -55,22 +59,27 @@ def drafter_aux_ids(init_from: str | None, num_layers: int) -> tuple[int, int, i
     return shape_from_config(cfg, f"{init_from}/config.json", num_layers).aux_layer_ids
 
 
-def warm_start(init_from: str, hf_cfg: Any, embed: Tensor, config_aux_ids: tuple[int, ...] | None,
-               remap_vocab: bool = False) -> Eagle3Drafter:
-    """Load a drafter and fit it to the target. Its own d2t/t2d stay: lm_head rows are tied to them."""
-    model = load_checkpoint(init_from, num_target_layers=hf_cfg.num_hidden_layers)
-    resolve_aux_layer_ids(config_aux_ids, model.shape.aux_layer_ids, hf_cfg.num_hidden_layers)
-    check_fits_target(model.shape, hf_cfg.hidden_size, hf_cfg.vocab_size, init_from, remap_vocab)
-    if model.shape.vocab_size != hf_cfg.vocab_size:
-        raise DrafterMismatchError(f"{init_from}: vocab remap to {hf_cfg.vocab_size} ids is requested but "
-                                   "not supported for warm starts yet; train from scratch instead")
+def load_for_target(path: str | Path, embed: Tensor, num_layers: int, config_aux_ids: Sequence[int] | None = None,
+                    device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> tuple[Eagle3Drafter, tuple[int, int, int]]:
+    """A saved drafter fitted to a target, the one way train (warm start), eval and the benchmarks load
+    one. Its own d2t/t2d stay (its lm_head rows are tied to them); its aux ids must agree with
+    ``config_aux_ids`` (target.aux_layer_ids, or the store's ids); the target's embedding is copied in.
+
+    embed: the target's input embedding (vocab_size, hidden_size), whose sizes the drafter must match.
+    Returns the drafter and the resolved aux layer ids.
+    """
+    model = load_checkpoint(path, num_target_layers=num_layers, device=device)
+    if dtype is not None:
+        model = model.to(dtype)
+    aux_ids = resolve_aux_layer_ids(config_aux_ids, model.shape.aux_layer_ids, num_layers)
+    vocab_size, hidden_size = embed.shape
+    check_fits_target(model.shape, hidden_size, vocab_size, str(path))
     model.set_embeddings(embed)
-    return model
+    return model, aux_ids
 
 
 def fresh_drafter(shape: DrafterShape, embed: Tensor, d2t: Tensor, t2d: Tensor, seed: int = 0) -> Eagle3Drafter:
-    import torch
-
     torch.manual_seed(seed)
     model = Eagle3Drafter(shape)
     model.set_embeddings(embed)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from common.config import ConfigError, RunConfig, load_config
 from common.wheels import MissingWheelError
-from drafter.checkpoint import CheckpointError, check_checkpoint, fingerprint, load_checkpoint
-from drafter.target import TargetError, load_target_from_config, resolve_aux_layer_ids, resolve_source, stop_token_ids
+from drafter.checkpoint import CheckpointError, check_checkpoint, fingerprint
+from drafter.factory import load_for_target
+from drafter.target import TargetError, load_target_from_config, resolve_source, stop_token_ids
 from eval import breakeven
 from eval.gate import append_history, decide, promote
 from eval.measure import Settings, measure
@@ -33,12 +34,8 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
     target = load_target_from_config(cfg.target)
     proposers = {}
     for role, path in checkpoints.items():
-        drafter = load_checkpoint(path, target.num_layers, device=target.device).to(target.dtype)
-        ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, drafter.shape.aux_layer_ids, target.num_layers)
-        try:
-            drafter.set_embeddings(target.embed_weight())
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
+        drafter, ids = load_for_target(path, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
+                                       device=target.device, dtype=target.dtype)
         proposers[role] = Eagle3Proposer(drafter, ids)
     prompts = {ds.name: [render(target.tokenizer, p) for p in load_prompts(ds.kind, ds.path, ds.limit)]
                for ds in cfg.eval.datasets}

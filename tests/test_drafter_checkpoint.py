@@ -24,7 +24,7 @@ from drafter.checkpoint import (
     save_checkpoint,
     shape_from_config,
 )
-from drafter.factory import warm_start
+from drafter.factory import load_for_target
 from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.vocab_map import build_vocab_map
 
@@ -224,13 +224,13 @@ def test_aq_layout_loads_warm_starts_and_round_trips(tmp_path: Path, sharded: bo
     src, tensors = write_aq_dir(tmp_path / "aq", sharded)
     assert check_checkpoint(src) == []
     embed = torch.randn(TINY["vocab_size"], TINY["hidden_size"])
-    m = warm_start(str(src), k2_like_target(), embed, config_aux_ids=(2, 30, 58))
+    m, aux_ids = load_for_target(str(src), embed, k2_like_target().num_hidden_layers, config_aux_ids=(2, 30, 58))
     state = m.state_dict()
     for name, t in tensors.items():
         assert torch.equal(state[name].to(t.dtype), t), name
     assert torch.equal(m.d2t, tensors["d2t"]) and torch.equal(m.t2d, tensors["t2d"])  # its own map kept
     assert torch.equal(m.embed_tokens.weight, embed)
-    assert m.shape.aux_layer_ids == (2, 30, 58)
+    assert m.shape.aux_layer_ids == aux_ids == (2, 30, 58)
 
     out = save_checkpoint(m, tmp_path / "ours", dtype="bfloat16")
     src_cfg, our_cfg = (json.loads((d / "config.json").read_text()) for d in (src, out))

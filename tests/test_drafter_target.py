@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from drafter.checkpoint import legacy_aux_layer_ids, save_checkpoint
-from drafter.factory import DrafterMismatchError, drafter_aux_ids, fresh_drafter, shape_for_target, warm_start
+from drafter.factory import DrafterMismatchError, drafter_aux_ids, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
 from drafter.target import TargetError, TargetModel, default_aux_layer_ids, resolve_aux_layer_ids
 from drafter.vocab_map import build_vocab_map
@@ -140,7 +140,8 @@ def drafter_dir(tmp_path: Path, tiny_drafter: Eagle3Drafter) -> Path:
 
 def test_warm_start_fits_and_keeps_map(drafter_dir: Path, tiny_drafter: Eagle3Drafter) -> None:
     embed = torch.randn(97, 32)
-    m = warm_start(str(drafter_dir), target_cfg(), embed, config_aux_ids=None)
+    m, aux_ids = load_for_target(str(drafter_dir), embed, target_cfg().num_hidden_layers, config_aux_ids=None)
+    assert aux_ids == (0, 1, 2)
     assert torch.equal(m.d2t, tiny_drafter.d2t) and torch.equal(m.t2d, tiny_drafter.t2d)
     assert torch.equal(m.embed_tokens.weight, embed)
     assert drafter_aux_ids(str(drafter_dir), 6) == (0, 1, 2) and drafter_aux_ids(None, 6) is None
@@ -148,13 +149,15 @@ def test_warm_start_fits_and_keeps_map(drafter_dir: Path, tiny_drafter: Eagle3Dr
 
 @pytest.mark.parametrize(("kw", "config_ids", "fields"), [
     ({"hidden_size": 64}, None, ("hidden_size", "64", "32")),
-    ({"vocab_size": 100}, None, ("vocab_size", "remap_vocab")),
+    ({"vocab_size": 100}, None, ("vocab_size", "from scratch")),
     ({"num_hidden_layers": 3}, None, ("eagle_aux_hidden_state_layer_ids", "out of range")),
     ({}, (0, 1, 3), ("target.aux_layer_ids", "eagle_aux_hidden_state_layer_ids")),
 ])
 def test_warm_start_mismatches_are_one_line(drafter_dir: Path, kw: dict, config_ids, fields) -> None:
     with pytest.raises((DrafterMismatchError, TargetError)) as e:
-        warm_start(str(drafter_dir), target_cfg(**kw), torch.zeros(97, 32), config_aux_ids=config_ids)
+        cfg = target_cfg(**kw)
+        load_for_target(str(drafter_dir), torch.zeros(cfg.vocab_size, cfg.hidden_size), cfg.num_hidden_layers,
+                        config_aux_ids=config_ids)
     one_line(e, *fields)
 
 

@@ -13,13 +13,13 @@ import torch
 import yaml
 from transformers import LlamaConfig
 
+from common.files import write_json_atomic
 from data_prep.store import (
     MANIFEST,
     SCHEMA_VERSION,
     TARGET_HEAD,
     ShardWriter,
     shard_name,
-    write_json_atomic,
 )
 
 H, V, LAYERS, DRAFT_V, USED = 32, 80, 4, 64, 64

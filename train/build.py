@@ -6,14 +6,13 @@ vocab map from the store's token counts. Mismatches are one-line errors, before 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from data_prep.store import load_target_head, read_manifest, token_counts
-from drafter.factory import DrafterMismatchError, fresh_drafter, shape_for_target, warm_start
+from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
 from drafter.vocab_map import build_vocab_map
 
@@ -35,13 +34,8 @@ def build_drafter(cfg: Any, store_dir: Path) -> tuple[Eagle3Drafter, dict[str, A
     aux_ids = tuple(manifest["aux_layer_ids"])
     head = load_target_head(store_dir)
     embed = head["embed_tokens.weight"]
-    if cfg.drafter.init_from:
-        sizes = SimpleNamespace(num_hidden_layers=tgt["num_layers"], hidden_size=tgt["hidden_size"],
-                                vocab_size=tgt["vocab_size"])
-        model = warm_start(cfg.drafter.init_from, sizes, embed, aux_ids)
-        if tuple(model.shape.aux_layer_ids) != aux_ids:
-            raise DrafterMismatchError(f"{cfg.drafter.init_from}: aux layer ids {list(model.shape.aux_layer_ids)} "
-                                       f"differ from the store's {list(aux_ids)} ({store_dir}/manifest.json)")
+    if cfg.drafter.init_from:  # its aux ids must be the store's: resolving them is an error otherwise
+        model, _ = load_for_target(cfg.drafter.init_from, embed, tgt["num_layers"], aux_ids)
         return model, manifest, f"warm start from {cfg.drafter.init_from}"
     hf = target_hf_config(cfg)
     if (hf.hidden_size, hf.vocab_size) != (tgt["hidden_size"], tgt["vocab_size"]):
