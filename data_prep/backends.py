@@ -46,7 +46,7 @@ class ChatBackend(Protocol):
     def complete(self, batch: list[Chat]) -> list[Completion]: ...
 
 
-class HFBackend:
+class HFChatBackend:
     """The target itself via ``generate``: left padding so every row's answer starts at one column."""
 
     name = "hf"
@@ -111,7 +111,7 @@ class _Retryable(Exception):
         self.detail = detail
 
 
-class OpenAIBackend:
+class OpenAIChatBackend:
     """Requests spread round-robin over the servers by a bounded thread pool; transient failures
     (timeouts, 5xx, 429, refused/reset/dropped connections) are retried with exponential backoff,
     the next attempt going to the next server; other 4xx fail the record at once."""
@@ -191,5 +191,5 @@ class OpenAIBackend:
             return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {raw[:200]!r}")
 
 
-def make_backend(target_cfg: TargetConfig, cfg: RegenerateConfig) -> ChatBackend:
-    return HFBackend(target_cfg, cfg) if cfg.backend == "hf" else OpenAIBackend(cfg)
+def make_chat_backend(target_cfg: TargetConfig, cfg: RegenerateConfig) -> ChatBackend:
+    return HFChatBackend(target_cfg, cfg) if cfg.backend == "hf" else OpenAIChatBackend(cfg)

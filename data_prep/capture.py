@@ -137,7 +137,7 @@ class CaptureBackend(Protocol):
         ...
 
 
-class HFBackend:
+class HFCaptureBackend:
     """Right-padded batches through ``TargetModel.forward`` (hooks on the aux layers only)."""
 
     def __init__(self, target: TargetModel, aux_ids: Sequence[int]):
@@ -262,12 +262,12 @@ def write_target_head(store: Path, target: TargetModel, old_sha: str | None) -> 
     return hashlib.sha256(data).hexdigest()
 
 
-def make_backend(cfg: Any, target: TargetModel, aux_ids: Sequence[int]) -> CaptureBackend:
+def make_capture_backend(cfg: Any, target: TargetModel, aux_ids: Sequence[int]) -> CaptureBackend:
     if cfg.capture.backend == "sglang":
-        from data_prep.capture_sglang import SGLangBackend
+        from data_prep.capture_sglang import SGLangCaptureBackend
 
-        return SGLangBackend(cfg, aux_ids)
-    return HFBackend(target, aux_ids)
+        return SGLangCaptureBackend(cfg, aux_ids)
+    return HFCaptureBackend(target, aux_ids)
 
 
 def run_capture(cfg: Any, target: TargetModel | None = None) -> CaptureSummary:
@@ -292,7 +292,7 @@ def run_capture(cfg: Any, target: TargetModel | None = None) -> CaptureSummary:
     manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
                 "skipped": dict(sorted(skipped.items())), "shards": [], "complete": False}
     summary = CaptureSummary(str(store), skipped=dict(skipped))
-    backend = make_backend(cfg, target, aux_ids)
+    backend = make_capture_backend(cfg, target, aux_ids)
     lm_head = target.lm_head_weight().detach()
     total = sum(len(s.input_ids) for s in samples)
     started, computed = time.perf_counter(), 0

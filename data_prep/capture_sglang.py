@@ -9,7 +9,7 @@ Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLa
 - teacher: SGLang does not return the final hidden state next to the aux states, so only teacher
   'topk' is supported: ``input_top_logprobs`` (position i holds the distribution of token i) plus the
   first output's ``output_top_logprobs`` for the last position.
-Same interface as ``capture.HFBackend.run``, but it returns the teacher signal directly.
+Same interface as ``capture.HFCaptureBackend.run``, but it returns the teacher signal directly.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class SGLangUnavailable(ValueError):
     """sglang is not installed; the message says what to do."""
 
 
-class SGLangBackend:
+class SGLangCaptureBackend:
     def __init__(self, cfg: Any, aux_ids: Sequence[int]):
         try:
             import sglang as sgl

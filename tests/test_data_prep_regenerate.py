@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from common.config import RunConfig, parse_config
-from data_prep.backends import BackendError, HFBackend
+from data_prep.backends import BackendError, HFChatBackend
 from data_prep.regenerate import RegenerateError, run_regenerate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -215,7 +215,7 @@ def test_missing_prompts_is_a_one_line_error(tmp_path: Path) -> None:
 @pytest.mark.real
 def test_hf_backend_left_padding_and_finish_reasons(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, max_tokens=12)
-    backend = HFBackend(cfg.target, cfg.regenerate)
+    backend = HFChatBackend(cfg.target, cfg.regenerate)
     short = [user("What is the capital of France? Answer in one word.")]
     long = [{"role": "system", "content": "You are a storyteller."},
             user("Write a long story about a dragon who learns to write compilers.")]
