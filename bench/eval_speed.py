@@ -19,7 +19,7 @@ from drafter.factory import fresh_drafter, shape_for_target
 from drafter.target import default_aux_layer_ids, load_target, stop_token_ids
 from drafter.vocab_map import build_vocab_map
 from eval.measure import Settings, measure
-from eval.prompts import load_prompts, render
+from eval.prompts import load_eval_prompts, render
 from eval.speculative import Eagle3Proposer, Engine
 
 FULL_QUESTIONS, FULL_TOKENS = 80, 256
@@ -39,7 +39,7 @@ def main() -> None:
     ids = default_aux_layer_ids(target.num_layers)
     d2t, t2d = build_vocab_map(torch.zeros(target.vocab_size), 8192)
     drafter = fresh_drafter(shape_for_target(target.hf_config, 8192, ids), target.embed_weight().detach(), d2t, t2d)
-    prompts = {"mtbench": [render(target.tokenizer, p) for p in load_prompts("mtbench", limit=args.limit)]}
+    prompts = {"mtbench": [render(target.tokenizer, p) for p in load_eval_prompts("mtbench", limit=args.limit)]}
     load_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()

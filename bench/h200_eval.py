@@ -28,7 +28,7 @@ from drafter.target import load_target_from_config, stop_token_ids
 from eval import breakeven
 from eval.gate import decide
 from eval.measure import Settings, dataset_stats, measure
-from eval.prompts import load_prompts, render
+from eval.prompts import rendered_datasets
 from eval.speculative import Eagle3Proposer, Engine, Generation, first_divergence
 
 _STATE: dict = {}
@@ -79,8 +79,7 @@ def main() -> int:
     settings = [(int(s.split(":")[0]), float(s.split(":")[1])) for s in args.settings]
     max_new = cfg.eval.max_new_tokens
     engine, proposer, target = _setup(args.config, args.checkpoint)
-    prompts = {ds.name: [render(target.tokenizer, p) for p in load_prompts(ds.kind, ds.path, args.limit or ds.limit)]
-               for ds in cfg.eval.datasets}
+    prompts = rendered_datasets(target.tokenizer, cfg.eval.datasets, args.limit)
     tasks = [(ds, i, ids, settings, max_new, cfg.eval.seed) for ds, pl in prompts.items() for i, ids in enumerate(pl)]
     t0 = time.time()
     ctx = mp.get_context("spawn")

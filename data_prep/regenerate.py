@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from common.config import RunConfig
 from common.files import append_jsonl
-from data_prep.backends import Chat, ChatBackend, Completion, make_backend
+from data_prep.backends import Chat, ChatBackend, Completion, make_chat_backend
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
@@ -30,7 +30,7 @@ class RegenerateError(ValueError):
     """Unusable input or output file; the message names it."""
 
 
-def load_prompts(path: Path, limit: int | None) -> list[dict[str, Any]]:
+def load_prompt_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
     """The first ``limit`` prompts of prompts.jsonl (written by ingest, so a bad line is an error)."""
     if not path.is_file():
         raise RegenerateError(f"{path}: no prompts file; run `python -m data_prep ingest` first")
@@ -225,8 +225,9 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
 
 
 def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
-    prompts = load_prompts(cfg.prompts_path, cfg.regenerate.num_prompts)  # a bad input fails before the model loads
-    backend = make_backend(cfg.target, cfg.regenerate)
+    # Read first: a bad input fails before the model loads.
+    prompts = load_prompt_records(cfg.prompts_path, cfg.regenerate.num_prompts)
+    backend = make_chat_backend(cfg.target, cfg.regenerate)
     try:
         return regenerate(cfg, prompts, backend)
     finally:

