@@ -28,7 +28,7 @@ from data_prep.store import StoreError
 from drafter.checkpoint import CheckpointError
 from drafter.factory import DrafterMismatchError
 from drafter.target import TargetError
-from train import checkpoints
+from train import checkpointing
 from train.build import build_drafter, teacher_rows
 from train.metrics import Counts
 from train.module import TTTModel
@@ -128,7 +128,7 @@ def train(cfg: Any, resume: str) -> int:
                               log_with="wandb" if tc.report_to == "wandb" else None, project_dir=cfg.run_dir)
     set_seed(tc.seed)
     ckpt_root = cfg.checkpoints_dir
-    resume_from = checkpoints.latest(ckpt_root) if resume == "auto" else None
+    resume_from = checkpointing.latest(ckpt_root) if resume == "auto" else None
 
     # -- data ------------------------------------------------------------------------------------
     train_ds = ShardDataset(cfg.store_dir, "train", tc.holdout_fraction)
@@ -168,9 +168,9 @@ def train(cfg: Any, resume: str) -> int:
     accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
     state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0}
     if resume_from is not None:
-        checkpoints.verify_state(resume_from)
-        accelerator.load_state(str(resume_from / checkpoints.STATE_DIR))
-        state.update(checkpoints.read_trainer_state(resume_from)["position"])
+        checkpointing.verify_state(resume_from)
+        accelerator.load_state(str(resume_from / checkpointing.STATE_DIR))
+        state.update(checkpointing.read_trainer_state(resume_from)["position"])
     log = JsonlLog(cfg.root / "train_log.jsonl", accelerator.is_main_process, state["step"])
     run_config = dump_config(cfg)
     serve_dtype = "bfloat16" if compute_dtype == torch.bfloat16 else "float32"
@@ -180,13 +180,13 @@ def train(cfg: Any, resume: str) -> int:
     def save() -> None:
         metric = last_eval.get("holdout/accept_length")
         trainer = {"position": dict(state), "metrics": last_eval, "store": manifest["target"]["fingerprint"]}
-        ckpt = checkpoints.save(accelerator, accelerator.unwrap_model(model).drafter, ckpt_root, state["step"],
+        ckpt = checkpointing.save(accelerator, accelerator.unwrap_model(model).drafter, ckpt_root, state["step"],
                                 trainer, run_config, serve_dtype)
         if accelerator.is_main_process:
-            checkpoints.update_best(ckpt_root, ckpt, state["step"],
+            checkpointing.update_best(ckpt_root, ckpt, state["step"],
                                     "holdout/accept_length" if metric is not None else "latest (no held-out split)",
                                     metric)
-            checkpoints.prune(ckpt_root, tc.keep_last)
+            checkpointing.prune(ckpt_root, tc.keep_last)
         accelerator.wait_for_everyone()
 
     # -- loop --------------------------------------------------------------------------------------
