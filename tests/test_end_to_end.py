@@ -20,7 +20,7 @@ from drafter.target import stop_token_ids
 from eval import metrics
 from eval.prompts import render
 from eval.speculative import Eagle3Proposer, Engine
-from train.__main__ import main as train_main
+from train.loop import run as run_training
 
 PROMPTS = ["Count from 1 to 12.", "List the days of the week.", "Name the months of the year.",
            "Write the alphabet from A to L.", "Say hello in three languages.", "List five colours."]
@@ -48,7 +48,7 @@ def test_trained_drafter_accepts_and_stays_lossless(smollm2, tmp_path):
     cfg = load_config(cfg_path)
     run_regenerate(cfg)
     run_capture(cfg, target=smollm2)
-    assert train_main(["--config", str(cfg_path)]) == 0
+    assert run_training(cfg_path) == 0
 
     best = cfg.checkpoints_dir / "best"
     assert check_checkpoint(best) == []

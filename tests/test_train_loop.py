@@ -9,7 +9,7 @@ from pathlib import Path
 from train_fixtures import make_config, make_store
 
 from drafter.checkpoint import check_checkpoint
-from train.__main__ import main
+from train.loop import run
 
 
 def _log(root: Path) -> list[dict]:
@@ -20,7 +20,7 @@ def test_training_learns_and_saves_servable_checkpoints(tmp_path):
     cfg = make_config(tmp_path, epochs=8, lr=1e-2, ttt_length=2, save_every=20, eval_every=20, keep_last=1,
                       log_every=1)
     make_store(tmp_path / "run" / "store", n_samples=48, length=20)
-    assert main(["--config", str(cfg)]) == 0
+    assert run(cfg) == 0
     log = _log(tmp_path)
     train_acc = [r["train/acc_0"] for r in log if "train/acc_0" in r]
     held = [r for r in log if "holdout/acc_0" in r]
@@ -44,7 +44,7 @@ def test_training_learns_and_saves_servable_checkpoints(tmp_path):
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path, capsys):
     cfg = make_config(tmp_path, max_steps=6, holdout_fraction=0.0, batch_tokens=20, max_nonfinite_in_row=50)
     make_store(tmp_path / "run" / "store", n_samples=12, length=20, nonfinite_samples=2)
-    assert main(["--config", str(cfg)]) == 0
+    assert run(cfg) == 0
     log = [r for r in _log(tmp_path) if "loss" in r]
     skipped = [r for r in log if r["skipped_nonfinite"]]
     assert 0 < len(skipped) < len(log)
@@ -53,7 +53,7 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, capsys):
     root = tmp_path / "all_bad"
     cfg = make_config(root, max_steps=8, holdout_fraction=0.0, batch_tokens=20, max_nonfinite_in_row=3)
     make_store(root / "run" / "store", n_samples=16, length=20, shard_samples=16, nonfinite_samples=16)
-    assert main(["--config", str(cfg)]) == 2
+    assert run(cfg) == 2
     err = capsys.readouterr().err
     assert "3 non-finite losses/gradients in a row" in err and "last good checkpoint" in err
     assert len(_log(root)) == 3
@@ -62,7 +62,7 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, capsys):
 def test_warm_start_mismatch_is_one_line_error(tmp_path, capsys):
     cfg = make_config(tmp_path, max_steps=2, holdout_fraction=0.0, save_every=2)
     make_store(tmp_path / "run" / "store", n_samples=8, length=12)
-    assert main(["--config", str(cfg)]) == 0
+    assert run(cfg) == 0
     ckpt = tmp_path / "run" / "checkpoints" / "best"
     other = tmp_path / "other"
     cfg2 = make_config(other, max_steps=1)
@@ -73,7 +73,7 @@ def test_warm_start_mismatch_is_one_line_error(tmp_path, capsys):
     manifest["aux_layer_ids"] = [0, 1, 3]
     (other / "run" / "store" / "manifest.json").write_text(json.dumps(manifest))
     capsys.readouterr()
-    assert main(["--config", str(cfg2), "--set", f"drafter.init_from={ckpt}"]) == 2
+    assert run(cfg2, [f"drafter.init_from={ckpt}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "aux" in err[0] and "[0, 1, 3]" in err[0], err
 
@@ -84,7 +84,7 @@ def test_wandb_tracking_offline_logs_config_and_metrics_without_secrets(tmp_path
     cfg = make_config(tmp_path, max_steps=4, eval_every=2, save_every=4, log_every=1, report_to="wandb",
                       wandb_project="eagle3-test")
     make_store(tmp_path / "run" / "store", n_samples=16, length=20)
-    assert main(["--config", str(cfg)]) == 0
+    assert run(cfg) == 0
     out = capsys.readouterr()
     assert "secret-key-never-printed" not in out.out + out.err
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
@@ -99,10 +99,10 @@ def test_wandb_tracking_offline_logs_config_and_metrics_without_secrets(tmp_path
 def test_resume_refuses_a_tampered_training_state(tmp_path, capsys):
     cfg = make_config(tmp_path, max_steps=2, save_every=2, eval_every=2, holdout_fraction=0.0)
     make_store(tmp_path / "run" / "store", n_samples=12, length=20)
-    assert main(["--config", str(cfg)]) == 0
+    assert run(cfg) == 0
     rng = next((tmp_path / "run" / "checkpoints").glob("step-*/training_state/random_states_0.pkl"))
     rng.write_bytes(rng.read_bytes() + b"\0")
     cfg.write_text(cfg.read_text().replace("max_steps: 2", "max_steps: 4"))
-    assert main(["--config", str(cfg)]) == 2
+    assert run(cfg) == 2
     err = capsys.readouterr().err
     assert "random_states_0.pkl" in err and "refusing to unpickle" in err

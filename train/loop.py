@@ -1,0 +1,264 @@
+"""Training-time-test fine-tuning of the EAGLE-3 drafter on the capture store.
+
+    accelerate launch -m train --config FILE      # or: python -m train --config FILE [--set key=value ...]
+
+Reads top to bottom: config → accelerator → data → drafter (resume > warm start > from scratch) →
+optimizer → loop (accumulate, backward, clip, step, log, held-out eval, save) → final save → end_training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm import tqdm
+
+from common.config import ConfigError, dump_config, load_config
+from common.files import write_text_atomic
+from data_prep.dataset import ShardDataset, TokenBudgetSampler, collate
+from data_prep.store import StoreError
+from drafter.checkpoint import CheckpointError
+from drafter.factory import DrafterMismatchError
+from drafter.target import TargetError
+from train import checkpointing
+from train.build import build_drafter, teacher_rows
+from train.metrics import Counts
+from train.module import TTTModel
+from train.optim import make_optimizer, make_scheduler, trainable
+
+BATCH_KEYS = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
+
+
+class TrainingAborted(RuntimeError):
+    pass
+
+
+def mixed_precision(setting: str) -> str | None:
+    """auto: bf16 on CUDA, fp32 on CPU, unless `accelerate launch` already chose (its config wins)."""
+    if setting != "auto":
+        return setting
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        return None
+    return "bf16" if torch.cuda.is_available() else "no"
+
+
+def configure_deepspeed(accelerator: Accelerator, tc: Any) -> None:
+    """DeepSpeed clips and accumulates inside its engine, and wants a micro-batch size even though our
+    batches are token budgets (the number only labels its throughput logs)."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config.update(gradient_clipping=tc.max_grad_norm, train_micro_batch_size_per_gpu=1,
+                                       gradient_accumulation_steps=tc.grad_accum)
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if k in batch}
+
+
+class JsonlLog:
+    """Per-step records for machines (run_dir/train_log.jsonl). On resume, records past the resumed
+    step are dropped so that the file reads as one uninterrupted run."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int):
+        self.path, self.enabled = path, enabled
+        if enabled and path.is_file():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            write_text_atomic(path, "".join(line + "\n" for line in keep))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def pad_multiple(device: torch.device) -> int:
+    """Compiled flex_attention recompiles per sequence length (then falls back to an unfused kernel after
+    torch's recompile limit): on CUDA, round batch lengths up so they repeat. CPU needs no rounding."""
+    return 128 if device.type == "cuda" else 1
+
+
+def holdout_metrics(accelerator: Accelerator, model: torch.nn.Module, ds: ShardDataset,
+                    sampler: TokenBudgetSampler, n: int) -> dict[str, float]:
+    """Held-out loss, acc_i and simulated accept length (train/metrics.py has the formula)."""
+    counts = Counts.zeros(n, accelerator.device)
+    model.eval()
+    with torch.no_grad():
+        for idx in sampler.batches():
+            batch = collate([ds[i] for i in idx], pad_to_multiple=pad_multiple(accelerator.device))
+            res = model(**to_device(batch, accelerator.device))
+            counts.add(res.step_losses, res.correct, res.scored)
+    model.train()
+    total = accelerator.reduce(counts.flat(), reduction="sum")
+    return Counts.from_flat(total, n).summary("holdout/")
+
+
+def run(config: str | Path, overrides: Sequence[str] = (), resume: str = "auto") -> int:
+    """Load the run config and train; a problem the user can fix is one line on stderr and exit code 2."""
+    try:
+        return train(load_config(config, list(overrides)), resume)
+    except (ConfigError, StoreError, CheckpointError, DrafterMismatchError, TargetError, TrainingAborted) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def train(cfg: Any, resume: str) -> int:
+    """``resume``: "auto" continues from the newest complete checkpoint in run_dir/checkpoints, "never"
+    starts over."""
+    tc = cfg.train
+    # -- accelerator -----------------------------------------------------------------------------
+    accelerator = Accelerator(mixed_precision=mixed_precision(tc.mixed_precision),
+                              gradient_accumulation_steps=tc.grad_accum,
+                              log_with="wandb" if tc.report_to == "wandb" else None, project_dir=cfg.run_dir)
+    set_seed(tc.seed)
+    ckpt_root = cfg.checkpoints_dir
+    resume_from = checkpointing.latest(ckpt_root) if resume == "auto" else None
+
+    # -- data ------------------------------------------------------------------------------------
+    train_ds = ShardDataset(cfg.store_dir, "train", tc.holdout_fraction)
+    holdout_ds = ShardDataset(cfg.store_dir, "holdout", tc.holdout_fraction)
+    ranks = {"num_replicas": accelerator.num_processes, "rank": accelerator.process_index}
+    sampler = TokenBudgetSampler(train_ds.lengths, tc.batch_tokens, shuffle=True, seed=tc.seed, **ranks)
+    holdout_sampler = TokenBudgetSampler(holdout_ds.lengths, tc.batch_tokens, shuffle=False, **ranks)
+    windows_per_epoch = len(sampler) // tc.grad_accum
+    if windows_per_epoch == 0:
+        raise TrainingAborted(f"{cfg.store_dir}: {len(train_ds)} training samples make {len(sampler)} batches per "
+                              f"process, fewer than train.grad_accum={tc.grad_accum}; capture more data")
+    total_steps = min(tc.max_steps or math.inf, tc.epochs * windows_per_epoch)
+
+    # -- drafter ---------------------------------------------------------------------------------
+    if resume_from is not None:
+        if cfg.drafter.init_from:
+            accelerator.print(f"resuming from {resume_from}: drafter.init_from {cfg.drafter.init_from} is "
+                              "ignored (a resume continues the run)")
+        cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_from": str(resume_from)})})
+    drafter, manifest, how = build_drafter(cfg, cfg.store_dir)
+    how = f"resume from {resume_from}" if resume_from else how
+    compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
+    rows = teacher_rows(cfg.store_dir, drafter) if manifest["teacher"] == "hidden" else None
+    model = TTTModel(drafter, rows, tc.ttt_length, tc.loss_decay).to_device(accelerator.device, compute_dtype)
+    n_train = sum(p.numel() for p in trainable(model))
+    accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; "
+                      f"{len(train_ds)} train / {len(holdout_ds)} held-out samples; {total_steps} steps")
+
+    # -- optimizer, schedule, state ----------------------------------------------------------------
+    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, fused=accelerator.device.type == "cuda")
+    scheduler = make_scheduler(optimizer, tc.warmup_ratio, int(total_steps))
+    if tc.report_to == "wandb":
+        accelerator.init_trackers(tc.wandb_project, config=dump_config(cfg),
+                                  init_kwargs={"wandb": {"dir": str(cfg.root)}})
+    configure_deepspeed(accelerator, tc)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
+    state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0}
+    if resume_from is not None:
+        checkpointing.verify_state(resume_from)
+        accelerator.load_state(str(resume_from / checkpointing.STATE_DIR))
+        state.update(checkpointing.read_trainer_state(resume_from)["position"])
+    log = JsonlLog(cfg.root / "train_log.jsonl", accelerator.is_main_process, state["step"])
+    run_config = dump_config(cfg)
+    serve_dtype = "bfloat16" if compute_dtype == torch.bfloat16 else "float32"
+    n = tc.ttt_length
+    last_eval: dict[str, float] = {}
+
+    def save() -> None:
+        metric = last_eval.get("holdout/accept_length")
+        trainer = {"position": dict(state), "metrics": last_eval, "store": manifest["target"]["fingerprint"]}
+        ckpt = checkpointing.save(accelerator, accelerator.unwrap_model(model).drafter, ckpt_root, state["step"],
+                                trainer, run_config, serve_dtype)
+        if accelerator.is_main_process:
+            checkpointing.update_best(ckpt_root, ckpt, state["step"],
+                                    "holdout/accept_length" if metric is not None else "latest (no held-out split)",
+                                    metric)
+            checkpointing.prune(ckpt_root, tc.keep_last)
+        accelerator.wait_for_everyone()
+
+    # -- loop --------------------------------------------------------------------------------------
+    counts, window_tokens, window_bad, t0 = Counts.zeros(n, accelerator.device), 0, False, time.perf_counter()
+    window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    bar = tqdm(total=int(total_steps), initial=state["step"], desc="train", unit="step",
+               disable=not accelerator.is_local_main_process)
+    model.train()
+    while state["step"] < total_steps:
+        sampler.set_epoch(state["epoch"])
+        batches = sampler.batches()[: windows_per_epoch * tc.grad_accum]
+        for k in range(state["batch"], len(batches)):
+            samples = [train_ds[i] for i in batches[k]]
+            batch = to_device(collate(samples, pad_to_multiple=pad_multiple(accelerator.device)), accelerator.device)
+            with accelerator.accumulate(model):
+                res = model(**batch)
+                # every process must agree to skip, or DDP would wait for a backward that never comes
+                bad = accelerator.reduce((~torch.isfinite(res.loss)).float(), reduction="sum")
+                if bad == 0:
+                    accelerator.backward(res.loss)
+                    window_loss += res.loss.detach().double() / tc.grad_accum
+                else:
+                    window_bad = True
+                counts.add(res.step_losses, res.correct, res.scored)
+                window_tokens += int(batch["loss_mask"].numel())
+            if not accelerator.sync_gradients:
+                continue
+            grad_norm = None
+            if not window_bad:
+                grad_norm = accelerator.clip_grad_norm_(trainable(model), tc.max_grad_norm)
+                window_bad = grad_norm is not None and not math.isfinite(float(grad_norm))
+            if not window_bad:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            state["step"] += 1
+            state["batch"] = k + 1
+            state["nonfinite_total"] += int(window_bad)
+            state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
+            record = {"step": state["step"], "epoch": state["epoch"],
+                      "loss": float(accelerator.reduce(window_loss, reduction="mean")) if not window_bad else None,
+                      "lr": scheduler.get_last_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
+                      "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
+                      "tokens_per_s": accelerator.reduce(torch.tensor(float(window_tokens),
+                                                                      device=accelerator.device)).item()
+                      / (time.perf_counter() - t0)}
+            log.write(record)
+            bar.update(1)
+            if state["nonfinite_in_row"] >= tc.max_nonfinite_in_row:
+                raise TrainingAborted(
+                    f"{state['nonfinite_in_row']} non-finite losses/gradients in a row (train.max_nonfinite_in_row="
+                    f"{tc.max_nonfinite_in_row}) at step {state['step']}; the last good checkpoint in {ckpt_root} "
+                    "is intact; lower train.lr or check the store for non-finite values")
+            if state["step"] % tc.log_every == 0 or state["step"] == total_steps:
+                summary = Counts.from_flat(accelerator.reduce(counts.flat(), reduction="sum"), n).summary("train/")
+                accelerator.log({**{k2: v for k2, v in record.items() if v is not None and k2 != "step"},
+                                 **summary}, step=state["step"])
+                log.write({"step": state["step"], **summary})
+                bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
+                counts = Counts.zeros(n, accelerator.device)
+            at_end = state["step"] >= total_steps
+            if len(holdout_ds) and (state["step"] % tc.eval_every == 0 or state["step"] % tc.save_every == 0
+                                    or at_end):
+                last_eval = holdout_metrics(accelerator, model, holdout_ds, holdout_sampler, n)
+                accelerator.log(last_eval, step=state["step"])
+                log.write({"step": state["step"], **last_eval})
+                accelerator.print(f"step {state['step']}: " + ", ".join(
+                    f"{k2.split('/')[1]} {v:.3f}" for k2, v in last_eval.items() if "loss_" not in k2))
+            if state["step"] % tc.save_every == 0 or at_end:
+                save()
+            window_loss.zero_()
+            window_bad, window_tokens, t0 = False, 0, time.perf_counter()
+            if at_end:
+                break
+        else:
+            state["epoch"] += 1
+            state["batch"] = 0
+    bar.close()
+    accelerator.print(f"done: {state['step']} steps, {state['nonfinite_total']} skipped as non-finite; "
+                      f"checkpoints in {ckpt_root} (best: {ckpt_root / 'best'})")
+    accelerator.end_training()
+    return 0
