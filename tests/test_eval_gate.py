@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +13,11 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from drafter.checkpoint import save_checkpoint
-from eval.__main__ import main
+from eval.commands import gate_command, run_command
 from eval.gate import append_history, decide, promote
 
 TAU_STAR = 2.0
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("case, tau, incumbent, problems, mismatches, promote_expected, reason", [
@@ -82,15 +85,19 @@ def test_cli_rejects_nan_weights_and_errors_are_exit_2(tmp_path, tiny_drafter, c
     state["fc.weight"][0, 0] = float("nan")
     save_file(state, ckpt / "model.safetensors")
     cfg = write_config(tmp_path)
-    assert main(["gate", "--config", str(cfg), "--checkpoint", str(ckpt)]) == 1
+    assert gate_command(cfg, ckpt) == 1
     row = json.loads((tmp_path / "promotions.jsonl").read_text())
     assert row["decision"] == "rejected" and any("non-finite" in r for r in row["reasons"])
-    assert main(["gate", "--config", str(cfg), "--checkpoint", str(tmp_path / "nope")]) == 2
-    assert main(["run", "--config", str(tmp_path / "missing.yaml"), "--checkpoint", str(ckpt)]) == 2
+    assert gate_command(cfg, tmp_path / "nope") == 2
+    assert run_command(tmp_path / "missing.yaml", ckpt) == 2
     bad = tmp_path / "bad.yaml"
     bad.write_text(cfg.read_text().replace("num_steps: 3", "num_steps: 0"))
-    assert main(["gate", "--config", str(bad), "--checkpoint", str(ckpt)]) == 2
+    assert gate_command(bad, ckpt) == 2
     assert "eval.num_steps" in capsys.readouterr().err
+    # The same through the command line (python -m eval parses the arguments, eval.commands runs them).
+    r = subprocess.run([sys.executable, "-m", "eval", "gate", "--config", str(bad), "--checkpoint", str(ckpt)],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 2 and "eval.num_steps" in r.stderr, r.stderr
 
 
 @pytest.mark.real
@@ -104,7 +111,7 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
     ckpt = save_checkpoint(drafter, tmp_path / "step-1", dtype="float32")
     # Given timings with tau* = 0.5: even a random drafter clears break-even, and there is no incumbent.
     easy = write_config(tmp_path, timings={"decode_ms": 100.0, "cycle_ms": 50.0})
-    assert main(["gate", "--config", str(easy), "--checkpoint", str(ckpt), "--promote"]) == 0
+    assert gate_command(easy, ckpt, promote=True) == 0
     assert (tmp_path / "promoted" / "model.safetensors").is_file()
     report = json.loads((tmp_path / "run" / "eval" / "step-1" / "report.json").read_text())
     assert report["gate"]["decision"] == "promoted" and report["breakeven"]["tau_star"] == 0.5
@@ -113,7 +120,7 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
         assert (tmp_path / "run" / "eval" / "step-1" / f).is_file()
     # Measured timings: a random drafter (tau ~ 1) cannot pay for its cycle; the promoted copy is the incumbent.
     measured = write_config(tmp_path)
-    assert main(["gate", "--config", str(measured), "--checkpoint", str(ckpt), "--name", "again"]) == 1
+    assert gate_command(measured, ckpt, name="again") == 1
     report = json.loads((tmp_path / "run" / "eval" / "again" / "report.json").read_text())
     assert set(report["drafters"]) == {"candidate", "incumbent"} and report["breakeven"]["source"] == "measured"
     assert report["breakeven"]["tau_star"] > 1.0

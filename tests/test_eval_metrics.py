@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from eval import breakeven, metrics
-from eval.__main__ import main
+from eval.commands import breakeven_command
 from eval.speculative import Draft, accept_greedy, accept_sampled, crop_cache, first_divergence
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_alpha_from_histogram_matches_definition_on_hand_made_cycles():
@@ -54,14 +59,17 @@ def test_breakeven_seed_figures():
 
 
 def test_breakeven_cli_prints_json(capsys):
-    assert main(["breakeven", "--decode-ms", "12.1", "--cycle-ms", "29.8"]) == 0
+    assert breakeven_command(12.1, 29.8) == 0
     out = json.loads(capsys.readouterr().out)
     assert round(out["tau_star"], 2) == 2.46 and "alpha_required" not in out
-    assert main(["breakeven", "--decode-ms", "12.1", "--cycle-ms", "29.8", "--steps", "7", "--target-tps", "150"]) == 0
+    assert breakeven_command(12.1, 29.8, steps=7, target_tps=150.0) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0.77 <= out["alpha_required"]["k_infinity"] <= 0.78
     assert 0.77 <= out["alpha_required"]["finite_k"] <= 0.9  # reachable with 7 drafts, needs more alpha
-    assert main(["breakeven", "--decode-ms", "0", "--cycle-ms", "29.8"]) == 2
+    assert breakeven_command(0.0, 29.8) == 2
+    r = subprocess.run([sys.executable, "-m", "eval", "breakeven", "--decode-ms", "12.1", "--cycle-ms", "29.8",
+                        "--steps", "7", "--target-tps", "150"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0 and json.loads(r.stdout)["alpha_required"] == out["alpha_required"]
 
 
 def test_accept_greedy_prefix_and_bonus():

@@ -1,0 +1,69 @@
+"""Measure drafter checkpoints on the eval datasets with real speculative decoding, and write the report.
+
+``evaluate`` loads the HF target and each drafter (candidate, optionally the incumbent), decodes every
+eval prompt plainly and speculatively (``eval.measure``) and adds the break-even τ* from the configured
+or measured timings; ``evaluate_live`` asks a running SGLang server instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from common.config import ConfigError, RunConfig
+from drafter.checkpoint import fingerprint
+from drafter.factory import load_for_target
+from drafter.target import load_target_from_config, resolve_source, stop_token_ids
+from eval import breakeven
+from eval.measure import Settings, measure
+from eval.prompts import rendered_datasets
+from eval.report import markdown, write_report
+from eval.sglang_client import live_eval
+from eval.speculative import Eagle3Proposer, Engine
+
+
+def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
+    """Load the target and each drafter (role -> checkpoint dir), decode every eval prompt, and assemble
+    the report."""
+    target = load_target_from_config(cfg.target)
+    proposers = {}
+    for role, path in checkpoints.items():
+        drafter, ids = load_for_target(path, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
+                                       device=target.device, dtype=target.dtype)
+        proposers[role] = Eagle3Proposer(drafter, ids)
+    prompts = rendered_datasets(target.tokenizer, cfg.eval.datasets)
+    engine = Engine(target, proposers["candidate"].aux_layer_ids, stop_token_ids(target.tokenizer))
+    s = Settings(cfg.eval.num_steps, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.seed)
+    report = {"name": name, "target": cfg.target.name, "device": str(target.device), **measure(engine, prompts,
+                                                                                                proposers, s)}
+    report["checkpoints"] = {role: {"path": str(Path(p).resolve()), "fingerprint": fingerprint(p)}
+                             for role, p in checkpoints.items()}
+    if cfg.eval.timings:
+        decode, cycle, source = cfg.eval.timings.decode_ms, cfg.eval.timings.cycle_ms, "config (eval.timings)"
+    else:
+        decode = report["plain"]["decode_ms"]
+        cycle, source = report["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"], "measured"
+    report["breakeven"] = breakeven.breakeven(decode, cycle, s.num_steps, cfg.eval.target_tps) | {"source": source}
+    return report
+
+
+def save_report(cfg: RunConfig, report: dict) -> Path:
+    """report.{json,md} and the plots under run_dir/eval/<name>; the Markdown is printed too."""
+    out = write_report(report, cfg.eval_dir / report["name"],
+                       cfg.train.wandb_project if cfg.train.report_to == "wandb" else None)
+    print(markdown(json.loads((out / "report.json").read_text())))
+    print(f"report: {out}/report.{{json,md}}, alpha.png, tau.png")
+    return out
+
+
+def evaluate_live(cfg: RunConfig) -> dict:
+    """τ and α_k from a live SGLang server (unverified: see eval/sglang_client.py)."""
+    from transformers import AutoTokenizer
+
+    if cfg.eval.sglang is None:
+        raise ConfigError("eval.sglang: missing (server_url, optional baseline_url) for live mode")
+    tok = AutoTokenizer.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
+                                        trust_remote_code=cfg.target.trust_remote_code)
+    prompts = rendered_datasets(tok, cfg.eval.datasets)
+    return live_eval(cfg.eval.sglang.server_url, cfg.eval.sglang.baseline_url, prompts, cfg.eval.temperature,
+                     cfg.eval.max_new_tokens)
