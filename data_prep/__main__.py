@@ -1,16 +1,15 @@
 """``python -m data_prep {ingest,regenerate,capture,all} --config FILE [--set key=value ...]``.
 
 Each step resumes where a killed run stopped; the closing summary is printed and merged into
-``run_dir/data_prep_summary.json`` (one key per step).
+``run_dir/data_prep_summary.json`` (one key per step). The steps run in data_prep/steps.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable
-from typing import Any
+
+from data_prep.steps import run_steps
 
 STEPS = {
     "ingest": "reads data.sources (ShareGPT / OpenAI messages / MT-Bench / HumanEval / lines); "
@@ -23,31 +22,6 @@ STEPS = {
 }
 
 
-def _runner(step: str) -> Callable[[Any], Any]:
-    # Imported per step: ingest needs neither torch nor the target.
-    if step == "ingest":
-        from data_prep.ingest import run_ingest
-
-        return run_ingest
-    if step == "regenerate":
-        from data_prep.regenerate import run_regenerate
-
-        return run_regenerate
-    from data_prep.capture import run_capture
-
-    return run_capture
-
-
-def _save_summary(cfg: Any, step: str, summary: Any) -> None:
-    from common.files import write_json_atomic
-
-    path = cfg.root / "data_prep_summary.json"
-    cfg.root.mkdir(parents=True, exist_ok=True)
-    merged = json.loads(path.read_text()) if path.is_file() else {}
-    merged[step] = summary.to_dict()
-    write_json_atomic(path, merged)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m data_prep", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -58,23 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set capture.dtype=bfloat16 (repeatable)")
     args = parser.parse_args(argv)
-
-    from common.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(args.config, args.set)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
-        return 2
-    for step in ["ingest", "regenerate", "capture"] if args.step == "all" else [args.step]:
-        try:
-            summary = _runner(step)(cfg)
-        except (ValueError, OSError) as e:  # our errors are ValueErrors with a ready message
-            print(f"data_prep {step}: error: {e}", file=sys.stderr)
-            return 1
-        print(summary)
-        _save_summary(cfg, step, summary)
-    return 0
+    return run_steps(args.step, args.config, args.set)
 
 
 if __name__ == "__main__":
