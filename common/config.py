@@ -11,13 +11,33 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from common.dtypes import DTypeName
 
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
-Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+def _not_bool(value: Any) -> Any:
+    # pydantic reads YAML's true/false as 1/0 for numbers: `epochs: true` would train one epoch.
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not {str(value).lower()}")
+    return value
+
+
+NotBool = BeforeValidator(_not_bool)
+Int = Annotated[int, NotBool]
+PositiveInt = Annotated[int, Field(gt=0), NotBool]
+NonNegativeInt = Annotated[int, Field(ge=0), NotBool]
+PositiveFloat = Annotated[float, Field(gt=0), NotBool]
+NonNegativeFloat = Annotated[float, Field(ge=0.0), NotBool]
+Probability = Annotated[float, Field(ge=0.0, le=1.0), NotBool]
 
 
 class ConfigError(ValueError):
@@ -36,7 +56,7 @@ class TargetConfig(Section):
     dtype: DTypeName = "float32"
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu.")
     trust_remote_code: bool = False
-    aux_layer_ids: list[int] | None = Field(
+    aux_layer_ids: list[Int] | None = Field(
         None, description="Layers whose outputs feed the drafter; default: the drafter's own, "
         "else SGLang's [2, N//2, N-3].")
 
@@ -69,7 +89,7 @@ class DataConfig(Section):
     sources: list[SourceConfig] = Field(min_length=1)
     max_prompt_chars: PositiveInt = 16000
     max_turns: PositiveInt = 4
-    seed: int = 0
+    seed: Int = 0
 
 
 class RegenerateConfig(Section):
@@ -82,18 +102,23 @@ class RegenerateConfig(Section):
     api_key_env: str | None = Field(None, description="Name of the env var holding the API key.")
     concurrency: PositiveInt = 8
     timeout_s: PositiveFloat = 600.0
-    max_retries: Annotated[int, Field(ge=0)] = 5
+    max_retries: NonNegativeInt = 5
     retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
+    max_consecutive_failures: PositiveInt = Field(
+        20, description="Stop, and exit 2, after this many prompts in a row failed (a dead or misconfigured "
+        "server); what finished is kept for the rerun.")
+    max_failure_share: Probability = Field(
+        0.05, description="Exit 2 when more than this share of the prompts tried in a run failed.")
     batch_size: PositiveInt = 16
     batch_tokens: PositiveInt = Field(
         16384, description="hf: most padded tokens (prompt + max_tokens per row) in one generate call; "
         "long prompts go in smaller batches.")
-    temperature: Annotated[float, Field(ge=0.0)] = 0.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: int | None = None
+    temperature: NonNegativeFloat = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 1.0
+    top_k: Int | None = None
     max_tokens: PositiveInt = 512
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    seed: int = 0
+    seed: Int = 0
 
     @model_validator(mode="after")
     def _urls_for_openai(self) -> RegenerateConfig:
@@ -121,11 +146,11 @@ class TrainConfig(Section):
     grad_accum: PositiveInt = 1
     lr: PositiveFloat = 1e-4
     warmup_ratio: Probability = 0.03
-    weight_decay: Annotated[float, Field(ge=0.0)] = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     max_grad_norm: PositiveFloat = 0.5
     ttt_length: PositiveInt = 7
-    loss_decay: Annotated[float, Field(gt=0.0, le=1.0)] = 0.8
-    holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
+    loss_decay: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 0.8
+    holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0), NotBool] = 0.05
     eval_every: PositiveInt = 200
     save_every: PositiveInt = 200
     keep_last: PositiveInt = 2
@@ -134,7 +159,7 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     report_to: Literal["none", "wandb"] = "none"
     wandb_project: str = "eagle3-drafter"
-    seed: int = 0
+    seed: Int = 0
 
 
 class DatasetConfig(Section):
@@ -159,17 +184,17 @@ class SGLangEvalConfig(Section):
 class EvalConfig(Section):
     datasets: list[DatasetConfig] = Field(min_length=1)
     num_steps: PositiveInt = 3
-    temperature: Annotated[float, Field(ge=0.0)] = 0.0
+    temperature: NonNegativeFloat = 0.0
     max_new_tokens: PositiveInt = 256
     timings: TimingsConfig | None = None
     target_tps: PositiveFloat | None = None
     sglang: SGLangEvalConfig | None = None
-    seed: int = 0
+    seed: Int = 0
 
 
 class GateConfig(Section):
-    margin: Annotated[float, Field(ge=0.0)] = 0.0
-    min_delta: Annotated[float, Field(ge=0.0)] = 0.0
+    margin: NonNegativeFloat = 0.0
+    min_delta: NonNegativeFloat = 0.0
     datasets: list[str] | None = Field(None, description="Gate datasets; default: all eval ones.")
     promoted_dir: str = "promoted"
     history_file: str = "promotions.jsonl"

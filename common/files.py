@@ -5,9 +5,12 @@ durable JSONL append (a kill leaves at most a torn last line), one temp-file nam
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import IO, Any
@@ -16,11 +19,39 @@ from typing import IO, Any
 _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
+# Every name temp_path makes (tags "tmp" and "old", with or without a pid), and nothing else.
+_TEMP_NAME = re.compile(r"^\..+\.(tmp|old)(-\d+)?$")
+
+
 def temp_path(path: Path, tag: str = "tmp", shared: bool = False) -> Path:
     """The one temp name: a hidden sibling ``.{name}.{tag}-{pid}``, renamed into place when complete.
     ``shared`` drops the pid, for a directory that every process of one run builds together (a training
     checkpoint: each rank saves its own part of the state into it)."""
     return path.with_name(f".{path.name}.{tag}" + ("" if shared else f"-{os.getpid()}"))
+
+
+def remove_temps(directory: Path) -> list[Path]:
+    """Delete what killed writers left in ``directory`` (files, links or dirs named by ``temp_path``).
+    Only call it while holding the lock of whoever writes there (``common.locking``): a live writer's
+    temp would go too."""
+    removed = []
+    for p in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if _TEMP_NAME.match(p.name):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed
+
+
+def fsync_dir(directory: Path) -> None:
+    """Put a directory's entries (a rename, a new file) on disk: a file's own fsync does not."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -77,6 +108,58 @@ def swap_dir(tmp: Path, dst: Path) -> None:
         os.replace(dst, old)
     os.replace(tmp, dst)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def copy_file_durable(src: Path, dst: Path) -> None:
+    """Copy bytes and fsync them (a plain copy may sit in the page cache when the machine dies)."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        shutil.copyfileobj(fin, fout, 1 << 22)
+        fout.flush()
+        os.fsync(fout.fileno())
+
+
+def replace_symlink(link: Path, target: str) -> None:
+    """Point ``link`` at ``target`` with one rename of a temp link over it: a reader sees the old target or
+    the new one, never no link. ``link`` may not be a real directory (see ``exchange``)."""
+    tmp = temp_path(link)
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE): the only atomic way to replace a real
+    directory by a symlink. False where the kernel, libc or file system cannot; the caller falls back."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def cut_torn_tail(path: Path) -> int:
+    """Truncate a JSONL file after its last newline (what a kill during an append leaves); returns the bytes
+    cut. An append after a torn tail would otherwise glue the new record onto the torn one."""
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        keep = data.rfind(b"\n") + 1
+        if keep < len(data):
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    return len(data) - keep
 
 
 def sha256_file(path: Path) -> str:

@@ -1,0 +1,67 @@
+"""Exit codes and error lines shared by every command: 0 done (or promoted), 1 rejected by the gate,
+2 an error. Python exits 1 on an uncaught exception, which a caller would read as "rejected"; so every
+entry point goes through ``one_line_errors`` and a crash is 2 like any other error.
+
+Our own errors are ``ValueError`` subclasses whose message is ready to show; an ``OSError`` (no permission,
+a read-only or full disk) becomes one line naming the file and the fix; anything else is a bug: its
+traceback is printed, then the same one-line error, exit 2.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import sys
+import traceback
+from collections.abc import Callable
+from typing import ParamSpec
+
+EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
+P = ParamSpec("P")
+
+_OS_HINTS = {
+    errno.ENOSPC: "no space left on the device: free some, or point run_dir at a bigger disk "
+                  "(--set run_dir=/big/disk/run), then rerun (stages resume)",
+    errno.EDQUOT: "disk quota exceeded: free some space, then rerun (stages resume)",
+    errno.EROFS: "read-only file system: point run_dir somewhere writable (--set run_dir=...)",
+    errno.EACCES: "permission denied: make it writable or point run_dir elsewhere (--set run_dir=...)",
+    errno.EPERM: "operation not permitted: make it writable or point run_dir elsewhere (--set run_dir=...)",
+    errno.ENOENT: "no such file or directory",
+    errno.ENOTDIR: "a path component is not a directory",
+}
+
+
+def os_error_line(e: OSError) -> str:
+    """``path: what happened; what to do`` for an OSError."""
+    where = e.filename if e.filename is not None else "?"
+    if e.filename2 is not None:
+        where = f"{where} -> {e.filename2}"
+    return f"{where}: {_OS_HINTS.get(e.errno or 0, e.strerror or str(e))}"
+
+
+def error_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and not isinstance(e, ValueError):
+        return os_error_line(e)
+    return str(e)
+
+
+def one_line_errors(prefix: str = "error") -> Callable[[Callable[P, int]], Callable[P, int]]:
+    """Wrap a command returning its exit code: every exception becomes ``{prefix}: message`` on stderr and
+    exit 2 (with the traceback first when it is not one of ours)."""
+
+    def wrap(command: Callable[P, int]) -> Callable[P, int]:
+        @functools.wraps(command)
+        def run(*args: P.args, **kwargs: P.kwargs) -> int:
+            try:
+                return command(*args, **kwargs)
+            except (ValueError, OSError) as e:
+                print(f"{prefix}: {error_line(e)}", file=sys.stderr)
+            except Exception as e:  # a bug: show where, and still exit as an error, not as "rejected"
+                traceback.print_exc()
+                print(f"{prefix}: unexpected {type(e).__name__}: {e} (the traceback above says where)",
+                      file=sys.stderr)
+            return EXIT_ERROR
+
+        return run
+
+    return wrap
