@@ -45,16 +45,16 @@ def error_line(e: BaseException) -> str:
     return str(e)
 
 
-def one_line_errors(prefix: str = "error") -> Callable[[Callable[P, int]], Callable[P, int]]:
+def one_line_errors(*ours: type[Exception], prefix: str = "error") -> Callable[[Callable[P, int]], Callable[P, int]]:
     """Wrap a command returning its exit code: every exception becomes ``{prefix}: message`` on stderr and
-    exit 2 (with the traceback first when it is not one of ours)."""
+    exit 2, with the traceback first when it is a bug (not a ValueError, an OSError or one of ``ours``)."""
 
     def wrap(command: Callable[P, int]) -> Callable[P, int]:
         @functools.wraps(command)
         def run(*args: P.args, **kwargs: P.kwargs) -> int:
             try:
                 return command(*args, **kwargs)
-            except (ValueError, OSError) as e:
+            except (ValueError, OSError, *ours) as e:
                 print(f"{prefix}: {error_line(e)}", file=sys.stderr)
             except Exception as e:  # a bug: show where, and still exit as an error, not as "rejected"
                 traceback.print_exc()

@@ -30,13 +30,13 @@ def temp_path(path: Path, tag: str = "tmp", shared: bool = False) -> Path:
     return path.with_name(f".{path.name}.{tag}" + ("" if shared else f"-{os.getpid()}"))
 
 
-def remove_temps(directory: Path) -> list[Path]:
-    """Delete what killed writers left in ``directory`` (files, links or dirs named by ``temp_path``).
-    Only call it while holding the lock of whoever writes there (``common.locking``): a live writer's
-    temp would go too."""
+def remove_temps(directory: Path, of: str | None = None) -> list[Path]:
+    """Delete what killed writers left in ``directory`` (files, links or dirs named by ``temp_path``; only
+    those of ``of`` when given). Call it holding the lock of whoever writes there (``common.locking``): a
+    live writer's temp would go too."""
     removed = []
     for p in sorted(directory.iterdir()) if directory.is_dir() else []:
-        if _TEMP_NAME.match(p.name):
+        if _TEMP_NAME.match(p.name) and (of is None or p.name.startswith(f".{of}.")):
             if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
@@ -130,15 +132,29 @@ def read_config(ckpt_dir: str | Path) -> dict:
         raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
 
 
+@contextmanager
+def open_weights(path: Path) -> Iterator[Any]:
+    """``safe_open`` whose failures (a truncated file, a damaged header) are one-line CheckpointErrors."""
+    try:
+        with safe_open(path, "pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({e}); the checkpoint is damaged (a truncated "
+                              "copy?): copy or save it again, or pick another") from None
+
+
 def weight_files(ckpt_dir: str | Path) -> dict[str, Path]:
     """Tensor name -> file, for a single model.safetensors or a sharded index."""
     d = Path(ckpt_dir)
     if (d / INDEX_NAME).is_file():
-        index = json.loads((d / INDEX_NAME).read_text())
-        return {name: d / f for name, f in index["weight_map"].items()}
+        try:
+            index = json.loads((d / INDEX_NAME).read_text())
+            return {name: d / f for name, f in index["weight_map"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{d / INDEX_NAME}: not a safetensors index ({type(e).__name__}: {e})") from None
     if not (d / WEIGHTS_NAME).is_file():
         raise CheckpointError(f"{d}: no {WEIGHTS_NAME} or {INDEX_NAME}")
-    with safe_open(d / WEIGHTS_NAME, "pt") as f:
+    with open_weights(d / WEIGHTS_NAME) as f:
         return {name: d / WEIGHTS_NAME for name in f.keys()}
 
 
@@ -155,7 +171,7 @@ def tensor_infos(ckpt_dir: str | Path) -> dict[str, TensorInfo]:
     for name, f in weight_files(ckpt_dir).items():
         by_file.setdefault(f, []).append(name)
     for f, names in by_file.items():
-        with safe_open(f, "pt") as sf:
+        with open_weights(f) as sf:
             for name in names:
                 sl = sf.get_slice(name)
                 infos[name] = TensorInfo(tuple(sl.get_shape()), sl.get_dtype())
@@ -166,7 +182,7 @@ def load_tensors(ckpt_dir: str | Path, names: list[str] | None = None) -> dict[s
     out: dict[str, torch.Tensor] = {}
     files = weight_files(ckpt_dir)
     for name in names if names is not None else list(files):
-        with safe_open(files[name], "pt") as sf:
+        with open_weights(files[name]) as sf:
             out[name] = sf.get_tensor(name)
     return out
 
@@ -288,9 +304,11 @@ def check_checkpoint(ckpt_dir: str | Path, check_finite: bool = True) -> list[st
     vocab = load_tensors(ckpt_dir, ["d2t", "t2d"])
     problems += [f"{ckpt_dir}: {m}" for m in vocab_map_problems(vocab["d2t"], vocab["t2d"])]
     if check_finite:
-        for name, (_, kind) in wanted.items():
-            if kind == "float":
-                t = load_tensors(ckpt_dir, [name])[name]
-                if not torch.isfinite(t).all():
-                    problems.append(f"{ckpt_dir}: {name} holds non-finite values")
+        problems += [f"{ckpt_dir}: {name} holds non-finite values" for name in nonfinite_tensors(ckpt_dir)]
     return problems
+
+
+def nonfinite_tensors(ckpt_dir: str | Path) -> list[str]:
+    """Names of float tensors holding NaN or inf (one tensor in memory at a time)."""
+    floats = [name for name, info in tensor_infos(ckpt_dir).items() if info.dtype in ("F64", "F32", "F16", "BF16")]
+    return [name for name in sorted(floats) if not torch.isfinite(load_tensors(ckpt_dir, [name])[name]).all()]

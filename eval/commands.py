@@ -1,43 +1,26 @@
 """The ``python -m eval`` commands as functions of their arguments (the entry point only parses them).
 
-Each returns the exit code: 0 pass, 1 rejected by the gate, 2 a problem the user can fix, printed as
-one line on stderr (our errors carry ready messages that name the file or key).
+Each returns the exit code (``common.cli``): 0 pass (or promoted), 1 rejected by the gate, 2 an error,
+printed as one line on stderr (our errors carry ready messages that name the file or key); a crash is 2
+too, never 1. ``run`` and ``gate`` hold the run dir's lock (``common.locking``) while they write there.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import ParamSpec
 
-from common.config import ConfigError, load_config
+from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
+from common.config import load_config
+from common.locking import run_lock
 from common.wheels import MissingWheelError
-from drafter.checkpoint import CheckpointError
-from drafter.target import TargetError
+from drafter.checkpoint import CheckpointError, check_checkpoint, nonfinite_tensors
 from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate
-from eval.prompts import PromptError
 from eval.sglang_client import ServerError
-
-EXIT_PASS, EXIT_REJECT, EXIT_ERROR = 0, 1, 2
-USER_ERRORS = (ConfigError, CheckpointError, TargetError, PromptError, MissingWheelError, ServerError,
-               FileNotFoundError, ValueError)
-P = ParamSpec("P")
-
-
-def _one_line_errors(command: Callable[P, int]) -> Callable[P, int]:
-    @functools.wraps(command)
-    def run(*args: P.args, **kwargs: P.kwargs) -> int:
-        try:
-            return command(*args, **kwargs)
-        except USER_ERRORS as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_ERROR
-    return run
 
 
 def _report_name(checkpoint: str, name: str | None) -> str:
@@ -46,35 +29,48 @@ def _report_name(checkpoint: str, name: str | None) -> str:
     return name or Path(checkpoint).resolve().name
 
 
-@_one_line_errors
+@one_line_errors(MissingWheelError, ServerError)
 def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (),
                 name: str | None = None) -> int:
-    """Speculative decoding against the HF target on the eval datasets; the report only."""
+    """Speculative decoding against the HF target on the eval datasets; the report only. NaN or inf weights
+    are refused (nothing meaningful to measure); other layout problems are warnings, since a legacy
+    drafter (no aux ids in its config) is still worth measuring."""
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
-    save_report(cfg, evaluate(cfg, {"candidate": checkpoint}, _report_name(checkpoint, name)))
-    return EXIT_PASS
+    report_name = _report_name(checkpoint, name)
+    bad = nonfinite_tensors(checkpoint)
+    if bad:
+        raise CheckpointError(f"{checkpoint}: {', '.join(bad)} hold non-finite values (NaN/inf); nothing to measure: "
+                              "pick an earlier checkpoint (training skips non-finite steps, so this one was "
+                              "damaged after it was saved)")
+    for problem in check_checkpoint(checkpoint, check_finite=False):
+        print(f"warning: {problem}", file=sys.stderr)
+    with run_lock(cfg.root, "eval run"):
+        save_report(cfg, evaluate(cfg, {"candidate": checkpoint}, report_name))
+    return EXIT_OK
 
 
-@_one_line_errors
+@one_line_errors(MissingWheelError, ServerError)
 def gate_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (), name: str | None = None,
                  incumbent: str | None = None, promote: bool = False) -> int:
     """Measure, then the ship decision; ``promote`` copies a passing checkpoint to gate.promoted_dir."""
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
-    decision = gate(cfg, checkpoint, incumbent, promote, _report_name(checkpoint, name))
-    return EXIT_REJECT if decision == "rejected" else EXIT_PASS
+    report_name = _report_name(checkpoint, name)
+    with run_lock(cfg.root, "eval gate"):
+        decision = gate(cfg, checkpoint, incumbent, promote, report_name)
+    return EXIT_REJECTED if decision == "rejected" else EXIT_OK
 
 
-@_one_line_errors
+@one_line_errors(MissingWheelError, ServerError)
 def breakeven_command(decode_ms: float, cycle_ms: float, steps: int = 3, target_tps: float | None = None) -> int:
     """τ* and the α a tok/s goal needs, from given timings, as JSON on stdout."""
     print(json.dumps(breakeven.breakeven(decode_ms, cycle_ms, steps, target_tps), indent=2))
-    return EXIT_PASS
+    return EXIT_OK
 
 
-@_one_line_errors
+@one_line_errors(MissingWheelError, ServerError)
 def sglang_command(config: str | Path, overrides: Sequence[str] = ()) -> int:
     """τ and α_k from a live SGLang server, as JSON on stdout."""
     print(json.dumps(evaluate_live(load_config(config, list(overrides))), indent=2))
-    return EXIT_PASS
+    return EXIT_OK

@@ -4,20 +4,39 @@ A candidate ships iff, on every gate dataset, tau >= tau* (1 + margin) — specu
 decoding — and tau >= incumbent tau + min_delta — it must beat what is serving now. A checkpoint
 SGLang would serve wrongly (``check_checkpoint``: layout, vocab map, non-finite weights) or a T=0
 output that differs from the target's own greedy output is rejected whatever its tau.
+
+Promotion layout: ``promoted`` is a symlink to ``promotions/<fingerprint[:16]>/`` beside it, an immutable
+copy of the servable files. The decision record is appended (fsynced) before the link is switched by one
+rename, and ``reconcile`` makes the two agree after a kill (ARCHITECTURE.md, "Promotion").
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.files import append_jsonl, fresh_tmp_dir, swap_dir
+from common.files import (
+    append_jsonl,
+    copy_file_durable,
+    cut_torn_tail,
+    exchange,
+    fsync_dir,
+    remove_temps,
+    replace_symlink,
+    temp_path,
+)
+from drafter.checkpoint import CheckpointError, fingerprint
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
+PROMOTIONS = "promotions"
+FP_CHARS = 16  # fingerprint characters in a promotions/ directory name
+SERVING = ("promoted", "reconciled")  # decisions that say what promoted/ serves
 
 
 @dataclass
@@ -52,20 +71,158 @@ def decide(tau: Mapping[str, float], tau_star: float, margin: float,
     return Decision(ok, reasons)
 
 
-def promote(checkpoint: str | Path, promoted_dir: str | Path) -> Path:
-    """Copy the servable files into ``promoted_dir`` via a temp dir and renames: a server reading it
-    sees the old drafter or the new one, never a mix."""
-    src, dst = Path(checkpoint), Path(promoted_dir)
+class GateError(ValueError):
+    """Promotion state the gate cannot use as is; the message says what to do."""
+
+
+def promotions_dir(promoted_dir: str | Path) -> Path:
+    """Where the immutable promoted copies live: ``promotions/`` beside the ``promoted`` link."""
+    return Path(promoted_dir).parent / PROMOTIONS
+
+
+def read_history(path: str | Path) -> list[dict]:
+    """The decision records, oldest first; a torn last line (a kill mid-append) is left out."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:  # no newline after it: torn by a kill; the next append cuts it off
+                continue
+            raise GateError(f"{path}:{i + 1}: not a JSON record; the history is damaged: fix or move that line "
+                            "away, then rerun") from None
+    return records
+
+
+def serving_record(history_file: str | Path) -> dict | None:
+    """The last record that says which drafter ``promoted`` serves."""
+    return next((r for r in reversed(read_history(history_file)) if r.get("decision") in SERVING), None)
+
+
+def serving_id(promoted_dir: str | Path) -> str | None:
+    """Short fingerprint (``FP_CHARS``) of the drafter at ``promoted_dir``; None when nothing is there. Read
+    from the link for our own layout, hashed for a real directory (older versions) or a foreign link."""
+    path = Path(promoted_dir)
+    if path.is_symlink():
+        target = Path(os.readlink(path))
+        if not target.is_absolute() and target.parent == Path(PROMOTIONS) and (path.parent / target).is_dir():
+            return target.name
+    if not path.is_dir():
+        return None
+    try:
+        return fingerprint(path)[:FP_CHARS]
+    except (CheckpointError, OSError) as e:
+        raise GateError(f"{path}: holds no readable drafter ({e}); move it away, then rerun") from None
+
+
+def _build(checkpoint: Path, dst: Path) -> None:
+    """The immutable copy: servable files copied and fsynced into a temp dir, renamed into place whole."""
+    tmp = temp_path(dst)
+    os.mkdir(tmp)
+    dirs = [tmp]
+    for src in sorted(checkpoint.rglob("*")):
+        rel = src.relative_to(checkpoint)
+        if rel.parts[0] in SERVABLE_SKIP:
+            continue
+        if src.is_dir():
+            os.mkdir(tmp / rel)
+            dirs.append(tmp / rel)
+        else:
+            copy_file_durable(src, tmp / rel)
+            os.chmod(tmp / rel, 0o444)
+    for d in dirs:
+        fsync_dir(d)
+    os.rename(tmp, dst)
+    fsync_dir(dst.parent)
+
+
+def _switch(promoted: Path, name: str) -> None:
+    """Point ``promoted`` at ``promotions/<name>`` in one step. A real directory there (an older version's
+    copy) is exchanged with the new link atomically where the kernel can (renameat2); elsewhere it is renamed
+    away first, and a kill between the two renames leaves the history to ``reconcile`` from."""
+    target = f"{PROMOTIONS}/{name}"
+    if promoted.is_symlink() or not promoted.exists():
+        replace_symlink(promoted, target)
+        return
+    link = temp_path(promoted)
+    link.unlink(missing_ok=True)
+    os.symlink(target, link)
+    if exchange(link, promoted):  # the old directory now sits at the link's temp name
+        fsync_dir(promoted.parent)
+        shutil.rmtree(link)
+        return
+    old = temp_path(promoted, tag="old")
+    os.rename(promoted, old)
+    os.replace(link, promoted)
+    fsync_dir(promoted.parent)
+    shutil.rmtree(old)
+
+
+def reconcile(promoted_dir: str | Path, history_file: str | Path) -> list[str]:
+    """Make the history and ``promoted`` agree after a kill or a hand edit, and clear the temps of killed
+    promotions; returns notes for the report. Call it holding the promotions lock, before deciding.
+
+    - the last serving record names a drafter that ``promoted`` does not serve yet, while it still serves
+      the one the record replaced (or nothing): the switch was interrupted, so it is completed;
+    - ``promoted`` serves something no record names (an older version's promotion, a change by hand): a
+      "reconciled" record says so, and that drafter is the incumbent from now on.
+    """
+    promoted, store = Path(promoted_dir), promotions_dir(promoted_dir)
+    remove_temps(store)
+    remove_temps(promoted.parent, of=promoted.name)
+    record = serving_record(history_file)
+    want = record["fingerprint"][:FP_CHARS] if record and record.get("fingerprint") else None
+    current = serving_id(promoted)
+    if want == current:
+        return []
+    previous = (record or {}).get("previous")
+    if want is not None and (store / want).is_dir() and current in (None, previous):
+        _switch(promoted, want)
+        return [f"completed the promotion of {want} recorded at {record.get('time')} (it was interrupted)"]
+    fp = fingerprint(promoted) if current is not None else None
+    why = (f"{promoted} serves {current}, which no promotion record names (promoted by an older version, or "
+           "changed by hand); recorded as serving" if current is not None else
+           f"{promoted} is empty, and {store / str(want)} is gone; recorded as serving nothing")
+    append_history(history_file, {"decision": "reconciled", "fingerprint": fp, "reasons": [why],
+                                  "checkpoint": str(promoted.resolve()) if current is not None else None})
+    return [why]
+
+
+def promote(checkpoint: str | Path, fp: str, promoted_dir: str | Path, history_file: str | Path,
+            record: dict) -> Path:
+    """Ship ``checkpoint`` (fingerprint ``fp``): its servable files become the immutable
+    ``promotions/<fp[:16]>/``, the decision ``record`` is appended and fsynced, and only then ``promoted``
+    is switched to it with one rename. A kill at any point leaves ``promoted`` serving the old drafter or
+    the new one, and ``reconcile`` finishes the job. Call it holding the promotions lock, after
+    ``reconcile``; returns the immutable directory."""
+    src, promoted = Path(checkpoint), Path(promoted_dir)
+    dst = promotions_dir(promoted) / fp[:FP_CHARS]
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fresh_tmp_dir(dst)
-    shutil.copytree(src, tmp, ignore=shutil.ignore_patterns(*SERVABLE_SKIP), dirs_exist_ok=True)
-    swap_dir(tmp, dst)
+    if not dst.is_dir():
+        _build(src, dst)
+    previous = serving_id(promoted)
+    if previous is not None and not promoted.is_symlink() and not (dst.parent / previous).is_dir():
+        _build(promoted, dst.parent / previous)  # keep an older version's copy, so a rollback can find it
+    append_history(history_file, record | {"decision": "promoted", "fingerprint": fp, "previous": previous,
+                                           "promoted_path": str(dst)})
+    _switch(promoted, dst.name)
     return dst
 
 
 def append_history(path: str | Path, record: dict) -> None:
-    """One whole JSON line per decision, flushed to disk before returning."""
+    """One whole JSON line per decision, on disk before returning (a torn tail of a killed append is cut
+    off first, so it cannot swallow this record)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    cut_torn_tail(path)
     with open(path, "ab") as f:
         append_jsonl(f, {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **record}, sort_keys=True)
+    if new:
+        fsync_dir(path.parent)

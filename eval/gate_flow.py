@@ -3,6 +3,11 @@
 
 A checkpoint that fails ``check_checkpoint`` is rejected without measuring (SGLang would serve it
 wrongly); an incumbent that fails it is dropped, and the candidate is held to break-even only.
+
+The whole gate holds the promotions lock (``promotions/.lock``): the incumbent it measures stays the
+incumbent until its decision is recorded, and no second gate promotes in between. It first reconciles the
+history with what ``promoted`` serves (``eval.gate.reconcile``); a candidate that is already serving (a
+rerun after a kill that came after its promotion) is not measured against itself again.
 """
 
 from __future__ import annotations
@@ -10,13 +15,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import RunConfig
+from common.locking import run_lock
 from drafter.checkpoint import check_checkpoint, fingerprint
 from eval.evaluate import evaluate, save_report
-from eval.gate import append_history, decide, promote
+from eval.gate import FP_CHARS, append_history, decide, promote, promotions_dir, reconcile, serving_record
 
 
 def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
-    """The decision: "promoted" (passed and copied to gate.promoted_dir), "passed" or "rejected"."""
+    """The decision: "promoted" (passed and now served from gate.promoted_dir), "passed" or "rejected"."""
+    with run_lock(promotions_dir(cfg.gate.promoted_dir), "eval gate"):
+        for note in reconcile(cfg.gate.promoted_dir, cfg.gate.history_file):
+            print(f"note: {note}")
+        return _gate(cfg, checkpoint, incumbent, do_promote, name)
+
+
+def _gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
     record: dict = {"checkpoint": str(Path(checkpoint).resolve()), "fingerprint": None, "incumbent": None}
     problems = check_checkpoint(checkpoint)
     if problems:  # nothing to measure: SGLang would serve it wrongly
@@ -26,8 +39,15 @@ def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: boo
         return "rejected"
     record["fingerprint"] = fingerprint(checkpoint)
     notes = []
-    if incumbent is None and (Path(cfg.gate.promoted_dir) / "config.json").is_file():
-        incumbent = cfg.gate.promoted_dir  # what is serving now
+    serving = serving_record(cfg.gate.history_file)
+    if serving is not None and serving.get("fingerprint") == record["fingerprint"]:
+        if do_promote:  # promoted by an earlier run of this gate, killed before its caller saw the exit code
+            print(f"PROMOTED (already: serving since {serving.get('time')}, {cfg.gate.history_file})")
+            return "promoted"
+        notes.append("the candidate is the drafter serving now; compared against break-even only")
+        incumbent = None
+    elif incumbent is None and (Path(cfg.gate.promoted_dir) / "config.json").is_file():
+        incumbent = str(Path(cfg.gate.promoted_dir).resolve())  # what is serving now (its immutable copy)
     if incumbent is not None and check_checkpoint(incumbent, check_finite=False):
         notes.append(f"incumbent {incumbent} fails check_checkpoint; compared against break-even only")
         incumbent = None
@@ -43,15 +63,19 @@ def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: boo
     d = decide(tau, report["breakeven"]["tau_star"], cfg.gate.margin, inc_tau, cfg.gate.min_delta,
                lossless_mismatches=mismatches)
     decision = ("promoted" if do_promote else "passed") if d.promote else "rejected"
-    if d.promote and do_promote:
-        notes.append(f"copied to {promote(checkpoint, cfg.gate.promoted_dir)}")
+    if decision == "promoted":
+        copy = promotions_dir(cfg.gate.promoted_dir) / record["fingerprint"][:FP_CHARS]
+        notes.append(f"{cfg.gate.promoted_dir} -> {copy}")
     report["gate"] = {"decision": decision, "reasons": d.reasons + notes, "datasets": gate_ds,
                       "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
     save_report(cfg, report)
-    append_history(cfg.gate.history_file, record | {
-        "incumbent": report["checkpoints"].get("incumbent"), "tau": tau, "incumbent_tau": inc_tau,
-        "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
-        "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"],
-        "decision": decision, "reasons": d.reasons + notes})
+    record |= {"incumbent": report["checkpoints"].get("incumbent"), "tau": tau, "incumbent_tau": inc_tau,
+               "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
+               "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"],
+               "decision": decision, "reasons": d.reasons + notes}
+    if decision == "promoted":  # the record first (fsynced), then the switch: see eval.gate.promote
+        promote(checkpoint, record["fingerprint"], cfg.gate.promoted_dir, cfg.gate.history_file, record)
+    else:
+        append_history(cfg.gate.history_file, record)
     print(decision.upper())
     return decision

@@ -7,11 +7,18 @@ Every later round warm-starts from the promoted drafter, regenerates *fresh* pro
 the ingested pool) and gates against the promoted drafter as the incumbent: the mission's loop in
 miniature. Each stage runs as the same CLI a user would type, in a subprocess, so a kill at any point
 resumes where it stopped when the command is run again.
+
+Exit codes: 0 the round finished (the gate promoted or rejected: the verdict says which), 2 an error; a
+round is marked done only after its gate exited 0 or 1 and recorded its decision. The pipeline holds the
+locks of the run's root and of the round's dir (``common.locking``) for the whole round, so a second
+pipeline on the same run fails at once naming this one's pid; its stages run under those locks and die
+with it (``common.lifeline``), so a killed pipeline leaves no stage writing behind it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,11 +28,19 @@ from pathlib import Path
 
 import yaml
 
+from common import lifeline
+from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
 from common.config import ConfigError, RunConfig, dump_config, load_config
 from common.dtypes import torch_dtype
 from common.files import write_text_atomic
+from common.locking import inherit_env, run_lock
 from common.wheels import BUILTIN_TARGET, MissingWheelError, builtin_data_path, builtin_gguf
-from drafter.target import TargetError, resolve_source
+from drafter.target import resolve_source
+from eval.gate import read_history
+
+
+class PipelineError(ValueError):
+    """A round that cannot go on; the message says what to do."""
 
 
 def preflight(cfg: RunConfig) -> None:
@@ -50,8 +65,8 @@ def preflight(cfg: RunConfig) -> None:
     cfg.root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(cfg.root).free
     if free < need:
-        raise SystemExit(f"error: {cfg.root} has {free / 2**30:.1f} GiB free, this run needs about "
-                         f"{need / 2**30:.1f} GiB; free space or point elsewhere: --set run_dir=/big/disk/run")
+        raise PipelineError(f"{cfg.root} has {free / 2**30:.1f} GiB free, this run needs about "
+                            f"{need / 2**30:.1f} GiB; free space or point elsewhere: --set run_dir=/big/disk/run")
 
 
 def next_round(root: Path) -> int:
@@ -63,28 +78,35 @@ def slice_prompts(pool: Path, out: Path, start: int, count: int) -> int:
     """This round's fresh prompts: lines [start, start+count) of the ingested pool."""
     lines = pool.read_text().splitlines()[start:start + count]
     if not lines:
-        raise SystemExit(f"error: {pool} has no prompts left for this round (used {start}); raise "
-                         "data.sources[].limit or start over with `make clean-runs`")
+        raise PipelineError(f"{pool} has no prompts left for this round (used {start}); raise "
+                            "data.sources[].limit or start over with `make clean-runs`")
     write_text_atomic(out, "\n".join(lines) + "\n")
     return len(lines)
 
 
-def run_stage(cmd: list[str], log: Path) -> None:
-    """A stage as its own CLI; stdout/stderr go to the terminal (progress bars) and the failure
-    message names the log and the command to rerun."""
+def run_stage(cmd: list[str], log: Path, env: dict[str, str] | None = None, gate: bool = False) -> int:
+    """A stage as its own CLI; stdout/stderr go to the terminal (progress bars) and the failure message
+    names the log and the command to rerun. The stage dies with this process (``common.lifeline``);
+    ``env`` is added to its environment. Exit 0 is success; 1 too for the ``gate`` (a rejection); anything
+    else is an error, and so is a stage killed by a signal."""
     print(f"\n$ {' '.join(cmd)}", flush=True)
     start = time.time()
-    rc = subprocess.call(cmd)
+    with subprocess.Popen(cmd, env=os.environ | (env or {}), **lifeline.stage_kwargs()) as proc:
+        rc = proc.wait()
     with log.open("a") as f:
         f.write(json.dumps({"cmd": cmd, "rc": rc, "seconds": round(time.time() - start, 1)}) + "\n")
-    if rc not in (0, 1) or (rc == 1 and "gate" not in cmd):
-        raise SystemExit(f"error: stage failed (exit {rc}); fix the message above and rerun the same command "
-                         f"(stages resume): {' '.join(cmd)}")
+    if rc != EXIT_OK and not (gate and rc == EXIT_REJECTED):
+        why = f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
+        raise PipelineError(f"stage failed ({why}); fix the message above and rerun the same command "
+                            f"(stages resume): {' '.join(cmd)}")
+    return rc
 
 
 def verdict(history: Path, round_no: int, eval_dir: Path) -> str:
-    """The last gate record, for people: τ per dataset against τ* (and the incumbent), α_k, why."""
-    rec = json.loads(history.read_text().splitlines()[-1])
+    """The last gate decision, for people: τ per dataset against τ* (and the incumbent), α_k, why."""
+    rec = next((r for r in reversed(read_history(history)) if r.get("decision") != "reconciled"), None)
+    if rec is None:
+        raise PipelineError(f"{history}: the gate exited without recording a decision; rerun the same command")
     lines = [f"## Round {round_no} verdict: {rec['decision'].upper()}", ""]
     if rec.get("tau_star") is not None:
         lines.append(f"- break-even τ* = {rec['tau_star']:.3f} (timings: {rec.get('timings_source', '?')})")
@@ -98,32 +120,37 @@ def verdict(history: Path, round_no: int, eval_dir: Path) -> str:
     return "\n".join(lines)
 
 
+@one_line_errors(MissingWheelError)
 def run_round(config: str | Path, overrides: Sequence[str] = ()) -> int:
     """The next round of the run in ``config`` (``overrides``: ``key.sub=value``); a problem the user can
-    fix is one line on stderr and exit code 2, a failed stage exits with the command to rerun."""
-    try:
-        base = load_config(config, list(overrides))
-        preflight(base)
-    except (ConfigError, MissingWheelError, TargetError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    fix is one line on stderr and exit code 2, a failed stage exits 2 with the command to rerun."""
+    base = load_config(config, list(overrides))
+    preflight(base)
+    root = base.root
+    with run_lock(root, "pipeline") as root_lock:
+        round_no = next_round(root)
+        round_dir = root / f"round-{round_no}"
+        with run_lock(round_dir, "pipeline") as round_lock:
+            return _round(config, overrides, base, round_no, round_dir, inherit_env([root_lock, round_lock]))
+
+
+def _round(config: str | Path, overrides: Sequence[str], base: RunConfig, round_no: int, round_dir: Path,
+           env: dict[str, str]) -> int:
     t0 = time.time()
     root, py = base.root, sys.executable
-    round_no = next_round(root)
-    round_dir = root / f"round-{round_no}"
-    # The incumbent is what ships (the promoted drafter); before anything was promoted, the previous
-    # round's best, so every later round must improve on the last one. Training warm-starts from it.
+    # The incumbent is what ships (the promoted drafter, by its immutable copy); before anything was
+    # promoted, the previous round's best, so every later round must improve on the last one. Training
+    # warm-starts from it.
     promoted = Path(base.gate.promoted_dir)
     previous_best = root / f"round-{round_no - 1}" / "checkpoints" / "best"
-    incumbent = next((p for p in (promoted, previous_best) if (p / "config.json").is_file()), None)
+    incumbent = next((p.resolve() for p in (promoted, previous_best) if (p / "config.json").is_file()), None)
     init_from = incumbent
     tree = dump_config(base)
     tree["run_dir"] = str(round_dir)
     if init_from is not None:
         tree["drafter"]["init_from"] = str(init_from)
     round_cfg = round_dir / "config.yaml"
-    round_dir.mkdir(parents=True, exist_ok=True)
-    round_cfg.write_text(yaml.safe_dump(tree, sort_keys=False))
+    write_text_atomic(round_cfg, yaml.safe_dump(tree, sort_keys=False))
     start = f"warm start from {init_from}" if init_from else "from scratch"
     print(f"round {round_no}: {start}; incumbent: {incumbent or 'none'}; config {round_cfg}")
     log = round_dir / "stages.jsonl"
@@ -131,20 +158,21 @@ def run_round(config: str | Path, overrides: Sequence[str] = ()) -> int:
     pool = root / "prompts.jsonl"
     if not pool.is_file():
         sets = [arg for s in overrides for arg in ("--set", s)]
-        run_stage([py, "-m", "data_prep", "ingest", "--config", str(config), *sets], log)
+        run_stage([py, "-m", "data_prep", "ingest", "--config", str(config), *sets], log, env)
     n = base.regenerate.num_prompts
     cfg = load_config(round_cfg)
     slice_prompts(pool, cfg.prompts_path, (round_no - 1) * n, n)
     for step in ("regenerate", "capture"):
-        run_stage([py, "-m", "data_prep", step, "--config", str(round_cfg)], log)
-    run_stage([py, "-m", "train", "--config", str(round_cfg)], log)
+        run_stage([py, "-m", "data_prep", step, "--config", str(round_cfg)], log, env)
+    run_stage([py, "-m", "train", "--config", str(round_cfg)], log, env)
     best = cfg.checkpoints_dir / "best"
     gate = [py, "-m", "eval", "gate", "--config", str(round_cfg), "--checkpoint", str(best), "--promote"]
     if incumbent is not None:
         gate += ["--incumbent", str(incumbent)]
-    run_stage(gate, log)
-    (round_dir / "ROUND_DONE").write_text(f"{time.time() - t0:.0f} s\n")
-    print("\n" + verdict(Path(cfg.gate.history_file), round_no, cfg.eval_dir))
+    run_stage(gate, log, env, gate=True)
+    summary = verdict(Path(cfg.gate.history_file), round_no, cfg.eval_dir)
+    write_text_atomic(round_dir / "ROUND_DONE", f"{time.time() - t0:.0f} s\n")  # only after a recorded decision
+    print("\n" + summary)
     print(f"\nround {round_no} took {time.time() - t0:.0f} s. Run the same command again for round {round_no + 1} "
           "(warm start from the incumbent, fresh prompts, gated against it).")
-    return 0
+    return EXIT_OK

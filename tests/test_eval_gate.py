@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from drafter.checkpoint import save_checkpoint
 from eval.commands import gate_command, run_command
-from eval.gate import append_history, decide, promote
+from eval.gate import append_history, decide
 
 TAU_STAR = 2.0
 REPO = Path(__file__).resolve().parents[1]
@@ -42,21 +42,6 @@ def test_margin_and_min_delta_are_applied():
     assert decide({"a": 2.1}, 2.0, 0.05).promote
     assert not decide({"a": 2.5}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
     assert decide({"a": 2.55}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
-
-
-def test_promote_replaces_atomically_and_skips_training_state(tmp_path):
-    src = tmp_path / "step-1"
-    (src / "training_state").mkdir(parents=True)
-    (src / "config.json").write_text("{}")
-    (src / "model.safetensors").write_bytes(b"new")
-    dst = tmp_path / "promoted"
-    dst.mkdir()
-    (dst / "model.safetensors").write_bytes(b"old")
-    (dst / "stale.txt").write_text("x")
-    promote(src, dst)
-    assert (dst / "model.safetensors").read_bytes() == b"new"
-    assert not (dst / "stale.txt").exists() and not (dst / "training_state").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["promoted", "step-1"]  # no temp dirs left
 
 
 def test_history_appends_whole_lines(tmp_path):
@@ -118,12 +103,49 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
     assert report["drafters"]["candidate"]["lossless"]["ok"] is True
     for f in ("report.md", "alpha.png", "tau.png"):
         assert (tmp_path / "run" / "eval" / "step-1" / f).is_file()
-    # Measured timings: a random drafter (tau ~ 1) cannot pay for its cycle; the promoted copy is the incumbent.
+    assert (tmp_path / "promoted").is_symlink()  # -> promotions/<fingerprint>/, immutable
+    # Gating the serving drafter again with --promote (a rerun after a kill) does not measure it against itself.
+    assert gate_command(easy, ckpt, name="rerun", promote=True) == 0
+    assert not (tmp_path / "run" / "eval" / "rerun").exists()
+    # Measured timings: another random drafter (tau ~ 1) cannot pay for its cycle; the promoted one is the
+    # incumbent.
+    other = save_checkpoint(fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)),
+                                          smollm2.embed_weight().detach(), d2t, t2d, seed=1),
+                            tmp_path / "step-2", dtype="float32")
     measured = write_config(tmp_path)
-    assert gate_command(measured, ckpt, name="again") == 1
+    assert gate_command(measured, other, name="again") == 1
     report = json.loads((tmp_path / "run" / "eval" / "again" / "report.json").read_text())
     assert set(report["drafters"]) == {"candidate", "incumbent"} and report["breakeven"]["source"] == "measured"
     assert report["breakeven"]["tau_star"] > 1.0
     rows = [json.loads(x) for x in (tmp_path / "promotions.jsonl").read_text().splitlines()]
     assert [r["decision"] for r in rows] == ["promoted", "rejected"]
     assert rows[1]["incumbent"]["fingerprint"] == rows[0]["fingerprint"]
+
+
+def test_a_crash_inside_the_gate_exits_2_not_1(tmp_path, tiny_drafter, monkeypatch, capsys):
+    import eval.gate_flow
+
+    def boom(*_a, **_k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(eval.gate_flow, "evaluate", boom)
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    assert gate_command(write_config(tmp_path), ckpt, promote=True) == 2
+    err = capsys.readouterr().err
+    assert "error: unexpected RuntimeError: boom" in err.splitlines()[-1]
+    assert not (tmp_path / "promotions.jsonl").exists() and not (tmp_path / "promoted").exists()
+
+
+def test_an_unwritable_history_is_exit_2_before_anything_is_promoted(tmp_path, tiny_drafter, monkeypatch, capsys):
+    import eval.gate_flow
+
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 9.0, "alpha_conditional": [1.0]}},
+                                         "lossless": {"ok": True}}},
+              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {}}
+    monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *_a: report)
+    monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    (tmp_path / "promotions.jsonl").mkdir()  # the record cannot be written
+    assert gate_command(write_config(tmp_path), ckpt, promote=True) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'promotions.jsonl'}: Is a directory"]
+    assert not (tmp_path / "promoted").exists()  # the record comes first: no record, no promotion

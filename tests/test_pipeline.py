@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections import namedtuple
 from pathlib import Path
 
 import pytest
+import yaml
 
 from common import wheels
 from common.config import ConfigError, load_config
@@ -49,7 +54,7 @@ def test_no_disk_space_names_the_fix(monkeypatch, tmp_path):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 << 30, 10 << 30, 100 << 20))
     cfg = load_config(DEMO, [f"run_dir={tmp_path / 'run'}"])
-    with pytest.raises(SystemExit, match=r"GiB free.*--set run_dir="):
+    with pytest.raises(rounds.PipelineError, match=r"GiB free.*--set run_dir="):
         rounds.preflight(cfg)
 
 
@@ -59,7 +64,7 @@ def test_each_round_takes_fresh_prompts(tmp_path):
     out = tmp_path / "round-2" / "prompts.jsonl"
     assert rounds.slice_prompts(pool, out, 2, 2) == 2
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["p2", "p3"]
-    with pytest.raises(SystemExit, match="no prompts left"):
+    with pytest.raises(rounds.PipelineError, match="no prompts left"):
         rounds.slice_prompts(pool, out, 6, 2)
 
 
@@ -88,3 +93,172 @@ def test_rounds_need_num_prompts_the_config_leaves_unset_by_default(tmp_path):
     cfg = load_config(DEMO, [f"run_dir={tmp_path / 'run'}", "regenerate.num_prompts=null"])
     with pytest.raises(ConfigError, match=r"regenerate\.num_prompts: not set.*--set regenerate\.num_prompts="):
         rounds.preflight(cfg)
+
+
+# ---------------------------------------------------------------- exit codes, the lock, stages dying with it
+def _stage_log(tmp_path: Path) -> Path:
+    return tmp_path / "stages.jsonl"
+
+
+def test_stage_exit_codes_gate_1_is_a_decision_anything_else_an_error(tmp_path):
+    log = _stage_log(tmp_path)
+    exits = [sys.executable, "-c", "import sys; sys.exit(int(sys.argv[1]))"]
+    assert rounds.run_stage([*exits, "0"], log) == 0
+    assert rounds.run_stage([*exits, "1"], log, gate=True) == 1  # rejected
+    for rc, gate in ((1, False), (2, True), (3, True)):
+        with pytest.raises(rounds.PipelineError, match=rf"stage failed \(exit {rc}\)"):
+            rounds.run_stage([*exits, str(rc)], log, gate=gate)
+    with pytest.raises(rounds.PipelineError, match=r"killed by signal 9"):
+        rounds.run_stage([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], log,
+                         gate=True)
+
+
+def _tiny_run(tmp_path: Path, **regen) -> Path:
+    """A run config that needs no model download: a tiny HF target config dir, a lines source, a pool of
+    prompts already ingested at run_dir/prompts.jsonl."""
+    from train_fixtures import make_target
+
+    root = tmp_path / "run"
+    root.mkdir(parents=True)
+    (root / "prompts.jsonl").write_text("".join(
+        json.dumps({"id": f"p{i}", "source": "lines", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+        for i in range(4)))
+    tree = {"run_dir": str(root), "target": {"name": str(make_target(tmp_path)), "aux_layer_ids": [0, 1, 2]},
+            "data": {"sources": [{"kind": "lines", "path": str(tmp_path / "unused.txt")}]},
+            "regenerate": {"num_prompts": 2, **regen}, "capture": {"max_length": 64},
+            "eval": {"datasets": [{"name": "x", "kind": "lines", "path": str(tmp_path / "unused.txt")}]},
+            "gate": {"promoted_dir": str(root / "promoted"), "history_file": str(root / "promotions.jsonl")}}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    return cfg
+
+
+def test_a_crashing_gate_exits_2_and_the_round_is_not_done(tmp_path, tiny_drafter):
+    """The real gate (python -m eval gate) crashes on an unusable history file; every other stage is a stub
+    that succeeds. The pipeline must stop with exit 2 and leave the round to be rerun."""
+    from safetensors.torch import load_file, save_file
+
+    from drafter.checkpoint import save_checkpoint
+
+    cfg = _tiny_run(tmp_path)
+    tree = yaml.safe_load(cfg.read_text())
+    history = tmp_path / "run" / "promotions.jsonl"
+    history.mkdir()  # appending a record to it fails: an OSError inside the gate
+    # The candidate the stub "train" left: NaN weights, so the gate rejects it without a target model, and
+    # then has to record that rejection.
+    best = save_checkpoint(tiny_drafter, tmp_path / "run" / "round-1" / "checkpoints" / "step-000001", "float32")
+    state = load_file(best / "model.safetensors")
+    state["fc.weight"][0, 0] = float("nan")
+    save_file(state, best / "model.safetensors")
+    (best.parent / "best").symlink_to(best.name)
+    fake_py = tmp_path / "python"
+    fake_py.write_text(f'#!/bin/sh\ncase "$*" in *"-m eval gate"*) exec {sys.executable} "$@";; esac\nexit 0\n')
+    fake_py.chmod(0o755)
+    cfg.write_text(yaml.safe_dump(tree))
+    r = subprocess.run([sys.executable, "-c", "import sys; from pipeline import rounds; sys.executable = sys.argv[2]; "
+                        "sys.exit(rounds.run_round(sys.argv[1], []))", str(cfg), str(fake_py)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300, env=_env())
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"{history}: Is a directory" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "stage failed (exit 2)" in r.stderr.splitlines()[-1]
+    assert not (tmp_path / "run" / "round-1" / "ROUND_DONE").exists()
+    assert rounds.next_round(tmp_path / "run") == 1
+
+
+def _env() -> dict[str, str]:
+    return os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(d))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_for(what, limit_s: float, proc=None):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"exited early ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.1)
+    pytest.fail(f"timed out after {limit_s} s")
+
+
+def test_second_pipeline_fails_at_once_and_killing_the_first_kills_its_stage(tmp_path):
+    from common.locking import run_lock
+
+    mute = socket.socket()  # accepts connections (backlog) and never answers: regenerate waits on it
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)
+    url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+    cfg = _tiny_run(tmp_path, backend="openai", server_urls=[url], timeout_s=600, max_retries=0)
+    first = subprocess.Popen([sys.executable, "-m", "pipeline", "--config", str(cfg)], cwd=ROOT, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        stage = _wait_for(lambda: next((k for k in _children(first.pid)
+                                        if "data_prep" in Path(f"/proc/{k}/cmdline").read_text()), None), 120, first)
+        _wait_for(lambda: (tmp_path / "run" / "round-1" / "prompts.jsonl").is_file(), 60, first)
+        second = subprocess.run([sys.executable, "-m", "pipeline", "--config", str(cfg)], cwd=ROOT, env=_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert f"in use by pid {first.pid}" in second.stderr and len(second.stderr.strip().splitlines()) == 1
+        assert _alive(stage)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        _wait_for(lambda: not _alive(stage), 20)  # the stage died with its pipeline
+        with run_lock(tmp_path / "run", "test"):  # and the kernel dropped the lock
+            pass
+    finally:
+        for pid in [first.pid, *(_children(first.pid))]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        mute.close()
+
+
+def test_killing_the_holder_kills_a_stage_tree_under_accelerate_launch(tmp_path):
+    """accelerate launch starts the worker as its own child: the worker must die too, not only the launcher."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    worker = tmp_path / "worker.py"
+    worker.write_text("import os, sys, time\nfrom common.locking import run_lock\n"
+                      "with run_lock(sys.argv[1], 'worker'):\n"
+                      "    open(sys.argv[2], 'w').write(str(os.getpid()))\n    time.sleep(600)\n")
+    pid_file = tmp_path / "worker.pid"
+    run_dir = tmp_path / "run"
+    driver = ("import sys; from pathlib import Path; from common.locking import inherit_env, run_lock; "
+              "from pipeline.rounds import run_stage\n"
+              "with run_lock(sys.argv[1], 'pipeline') as lock:\n"
+              "    run_stage(sys.argv[3:], Path(sys.argv[2]), inherit_env([lock]))\n")
+    cmd = [str(accelerate), "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
+           "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "1", str(worker), str(run_dir),
+           str(pid_file)]
+    proc = subprocess.Popen([sys.executable, "-c", driver, str(run_dir), str(tmp_path / "log"), *cmd], cwd=ROOT,
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    worker_pid = 0
+    try:
+        worker_pid = int(_wait_for(lambda: pid_file.is_file() and pid_file.read_text(), 120, proc))
+        launcher = _children(proc.pid)
+        assert launcher and worker_pid not in launcher  # a grandchild: the launcher's own child
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _wait_for(lambda: not any(_alive(p) for p in [worker_pid, *launcher]), 20)
+    finally:
+        for pid in [proc.pid, *(_children(proc.pid)), worker_pid]:
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
