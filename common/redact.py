@@ -22,11 +22,12 @@ MASK = "[REDACTED]"
 MIN_SECRET = 4  # a shorter value would mask ordinary text and is no secret anyway
 _secrets: set[str] = set()
 
+_VALUE = r"(?!\[REDACTED\])[^\s\"',;&)}\]]+"  # a credential: no spaces, quotes or closing punctuation
 _PATTERNS = [
-    # Authorization: <anything up to the end of the value>, in headers, JSON or repr'd dicts
-    re.compile(r"""(?i)(\bauthorization["']?\s*[:=]\s*["']?)[^"'\r\n,}]+"""),
-    re.compile(r"(?i)(\bbearer\s+)[A-Za-z0-9._~+/=-]+"),
-    re.compile(r"""(?i)(\b(?:x-)?api[_-]?key["']?\s*[:=]\s*["']?)[^"'\s,&}]+"""),
+    # Authorization: [scheme] <credential>, in headers, JSON or repr'd dicts
+    re.compile(r"""(?i)(\bauthorization["']?\s*[:=]\s*["']?(?:[A-Za-z]+\s+)?)""" + _VALUE),
+    re.compile(r"(?i)(\bbearer\s+)" + _VALUE),
+    re.compile(r"""(?i)(\b(?:x-)?api[_-]?key["']?\s*[:=]\s*["']?)""" + _VALUE),
 ]
 
 
@@ -58,6 +59,17 @@ def redact(text: str) -> str:
     for pattern in _PATTERNS:
         text = pattern.sub(lambda m: m.group(1) + MASK, text)
     return text
+
+
+def redact_tree(obj: Any) -> Any:
+    """``redact`` applied to every string of a JSON-like tree (a summary about to be saved)."""
+    if isinstance(obj, str):
+        return redact(obj)
+    if isinstance(obj, dict):
+        return {k: redact_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [redact_tree(v) for v in obj]
+    return obj
 
 
 class _RedactingStream:

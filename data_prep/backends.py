@@ -20,11 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from common import redact
 from common.config import RegenerateConfig, TargetConfig
 from data_prep.batching import length_batches
 
 Chat = list[dict[str, str]]
 MAX_BACKOFF_S = 60.0
+# A refused connection means nothing listens there: no backoff helps. Each server gets this many quick
+# tries per request (a server restarting its listener), then the request fails as "connection_refused".
+REFUSED_TRIES_PER_SERVER = 2
+REFUSED_RETRY_S = 0.2
+ERROR_BODY_BYTES = 1 << 16  # read this much of an error body, redact it, then keep 200 characters
 
 
 class BackendError(ValueError):
@@ -113,8 +119,13 @@ class _Retryable(Exception):
 
 class OpenAIChatBackend:
     """Requests spread round-robin over the servers by a bounded thread pool; transient failures
-    (timeouts, 5xx, 429, refused/reset/dropped connections) are retried with exponential backoff,
-    the next attempt going to the next server; other 4xx fail the record at once."""
+    (timeouts, 5xx, 429, reset/dropped connections) are retried with exponential backoff, the next
+    attempt going to the next server; other 4xx fail the record at once. A refused connection is retried
+    at once on the next server, and after every server refused it twice the record fails: a run against
+    a port where nothing listens ends in seconds, not in hours of backoff.
+
+    The API key (``regenerate.api_key_env``) is only ever sent in the header; error details and answers
+    pass through ``common.redact`` before anyone sees or stores them (a server may echo the header)."""
 
     name = "openai"
 
@@ -128,6 +139,7 @@ class OpenAIChatBackend:
             key = os.environ.get(cfg.api_key_env)
             if not key:
                 raise BackendError(f"regenerate.api_key_env: environment variable {cfg.api_key_env} is not set")
+            redact.register(key)
             self.headers["Authorization"] = f"Bearer {key}"
         self.batch_size = max(cfg.batch_size, cfg.concurrency)
         self._next = itertools.cycle(range(len(self.urls)))
@@ -156,13 +168,23 @@ class OpenAIChatBackend:
 
     def _one(self, chat: Chat) -> Completion:
         data = json.dumps(self.body(chat)).encode()
+        refused, backoffs = 0, 0
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 return self._post(self._url(), data)
             except _Retryable as e:
                 last = e
+            if last.reason == "connection_refused":
+                refused += 1
+                if refused >= REFUSED_TRIES_PER_SERVER * len(self.urls):
+                    return Completion(error=last.reason, detail=f"{last.detail} (every server refused the "
+                                      f"connection {REFUSED_TRIES_PER_SERVER}x: is it running, on that port?)")
+                if attempt < self.cfg.max_retries:
+                    time.sleep(REFUSED_RETRY_S)
+                continue
             if attempt < self.cfg.max_retries:
-                delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * 2 ** attempt)
+                delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * 2 ** backoffs)
+                backoffs += 1
                 time.sleep(delay * (1 + 0.25 * random.random()))
         return Completion(error=last.reason, detail=f"{last.detail} (gave up after {attempt + 1} attempts)")
 
@@ -172,23 +194,26 @@ class OpenAIChatBackend:
             with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
-            detail = f"{url}: HTTP {e.code}: {e.read()[:200].decode('utf-8', 'replace')}"
+            body = " ".join(redact.redact(e.read(ERROR_BODY_BYTES).decode("utf-8", "replace")).split())  # one line
+            detail = f"{url}: HTTP {e.code}: {body[:200]}"
             if e.code == 429 or e.code >= 500:
                 raise _Retryable(f"http_{e.code}", detail) from None
             return Completion(error=f"http_{e.code}", detail=detail)
         except urllib.error.URLError as e:
-            kind = "timeout" if isinstance(e.reason, TimeoutError) else "connection"
-            raise _Retryable(kind, f"{url}: {e.reason}") from None
+            kind = ("timeout" if isinstance(e.reason, TimeoutError) else
+                    "connection_refused" if isinstance(e.reason, ConnectionRefusedError) else "connection")
+            raise _Retryable(kind, redact.redact(f"{url}: {e.reason}")) from None
         except TimeoutError as e:
             raise _Retryable("timeout", f"{url}: {e}") from None
         except (OSError, http.client.HTTPException) as e:  # reset, dropped mid-response, ...
-            raise _Retryable("connection", f"{url}: {type(e).__name__}: {e}") from None
+            raise _Retryable("connection", redact.redact(f"{url}: {type(e).__name__}: {e}")) from None
         try:
             choice = json.loads(raw)["choices"][0]
-            text = choice["message"].get("content") or ""
+            text = redact.redact_secrets(choice["message"].get("content") or "")
             return Completion(text=text, finish_reason=choice.get("finish_reason") or "unknown")
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
-            return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {raw[:200]!r}")
+            body = redact.redact(raw[:ERROR_BODY_BYTES].decode("utf-8", "replace"))
+            return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {body[:200]!r}")
 
 
 def make_chat_backend(target_cfg: TargetConfig, cfg: RegenerateConfig) -> ChatBackend:

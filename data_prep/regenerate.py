@@ -4,12 +4,15 @@ Turn by turn: the chat is system? + user1 -> answer1, then + answer1 + user2 -> 
 answer the target's (the source's answers are dropped). Each finished conversation is appended to
 ``conversations.jsonl`` as one whole line, flushed and fsynced, so after a kill -9 a rerun drops a
 torn last line, skips the ids already there and ends with every id exactly once.
+
+A failed prompt is counted and left for the next run, but failure is not success: the step stops after
+``regenerate.max_consecutive_failures`` prompts in a row failed (a dead server) and exits 2 when more
+than ``regenerate.max_failure_share`` of the prompts it tried failed.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -19,8 +22,9 @@ from typing import Any
 from tqdm import tqdm
 
 from common.config import RunConfig
-from common.files import append_jsonl
+from common.files import append_jsonl, cut_torn_tail
 from data_prep.backends import Chat, ChatBackend, Completion, make_chat_backend
+from data_prep.steps import StepFailed
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
@@ -36,10 +40,15 @@ def load_prompt_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
         raise RegenerateError(f"{path}: no prompts file; run `python -m data_prep ingest` first")
     prompts: list[dict[str, Any]] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
             if limit is not None and len(prompts) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RegenerateError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} of the line; "
+                                      "rerun ingest") from None
             try:
                 p = json.loads(line)
                 pid, messages = p["id"], p["messages"]
@@ -53,6 +62,8 @@ def load_prompt_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
                 raise RegenerateError(f"{path}:{lineno}: prompt {pid} has no user turn; rerun ingest")
             seen.add(pid)
             prompts.append(p)
+    if not prompts:
+        raise RegenerateError(f"{path}: no prompts in it; rerun ingest with data.sources that hold some")
     return prompts
 
 
@@ -60,21 +71,15 @@ def resume(path: Path) -> tuple[set[str], int]:
     """Ids already written, after cutting a torn last line off the file; returns (ids, bytes cut)."""
     if not path.exists():
         return set(), 0
-    with open(path, "rb+") as f:
-        data = f.read()
-        keep = data.rfind(b"\n") + 1
-        if keep < len(data):
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
+    torn = cut_torn_tail(path)
     ids: set[str] = set()
-    for lineno, line in enumerate(data[:keep].splitlines(), 1):
+    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
         try:
             ids.add(json.loads(line)["id"])
         except (ValueError, KeyError, TypeError):
             raise RegenerateError(f"{path}:{lineno}: a whole line that is not a conversation record; "
                                   "the file is damaged: move it away and rerun") from None
-    return ids, len(data) - keep
+    return ids, torn
 
 
 class Conversation:
@@ -126,6 +131,7 @@ class RegenerateSummary:
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
+    stopped: str | None = None  # why the run stopped early (too many failures in a row)
     # Validation of the whole output file as it stands at the end:
     records: int = 0
     duplicate_ids: int = 0
@@ -154,6 +160,8 @@ class RegenerateSummary:
         lines += [f"  - {flag}: {', '.join(ids)}" for flag, ids in self.flagged.items() if ids]
         lines += [f"- failed {reason}: {n} (first: {self.failure_examples.get(reason, '')})"
                   for reason, n in self.failed.items()]
+        if self.stopped:
+            lines.append(f"- stopped early: {self.stopped}")
         return "\n".join(lines)
 
     __str__ = to_markdown
@@ -204,6 +212,8 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
     summary = RegenerateSummary(output=str(out_path), backend=backend.name, selected=len(prompts),
                                 already_done=len(prompts) - len(pending), torn_bytes_dropped=torn, written=0)
     start = time.perf_counter()
+    in_a_row, tried = 0, 0
+    limit = cfg.regenerate.max_consecutive_failures
     with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
                                          unit=" conv") as bar:
         for i in range(0, len(pending), backend.batch_size):
@@ -215,12 +225,28 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                 if conv.error:
                     summary.failed[conv.error] += 1
                     summary.failure_examples.setdefault(conv.error, f"{conv.prompt['id']}: {conv.detail}")
+                    in_a_row += 1
                 else:
                     append_jsonl(f, conv.record(backend.name))
                     summary.written += 1
+                    in_a_row = 0
+            tried += len(convs)
             bar.update(len(convs))
+            if in_a_row >= limit:
+                summary.stopped = (f"{in_a_row} prompts in a row failed (regenerate.max_consecutive_failures="
+                                   f"{limit}); {len(pending) - tried} not tried")
+                break
     summary.seconds = time.perf_counter() - start
     validate(out_path, [p["id"] for p in prompts], summary)
+    failed = sum(summary.failed.values())
+    if summary.stopped or failed > cfg.regenerate.max_failure_share * max(tried, 1):
+        reasons = ", ".join(f"{r}: {n}" for r, n in summary.failed.most_common())
+        first = summary.failure_examples.get(summary.failed.most_common(1)[0][0], "")
+        raise StepFailed(f"{failed} of {tried} prompts failed ({reasons}; e.g. {first})"
+                         + (f"; stopped early: {summary.stopped}" if summary.stopped else
+                            f"; more than regenerate.max_failure_share={cfg.regenerate.max_failure_share}")
+                         + f". Fix the cause and rerun: the {summary.records} finished conversations in {out_path} "
+                         "are kept", summary)
     return summary
 
 

@@ -1,6 +1,7 @@
 """The data_prep steps in order, each resuming where a killed run stopped; ``python -m data_prep`` calls
 ``run_steps``. Each step's closing summary is printed and merged into ``run_dir/data_prep_summary.json``
-(one key per step).
+(one key per step). The steps hold the run dir's lock (``common.locking``). When the config names an API
+key variable, its value is a secret: it is redacted from stdout, stderr and the summary (``common.redact``).
 """
 
 from __future__ import annotations
@@ -11,10 +12,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from common import redact
+from common.cli import EXIT_ERROR, EXIT_OK, error_line, one_line_errors
 from common.config import ConfigError, RunConfig, load_config
 from common.files import write_json_atomic
+from common.locking import run_lock
+from common.wheels import MissingWheelError
 
 ORDER = ("ingest", "regenerate", "capture")
+
+
+class StepFailed(ValueError):
+    """A step that ran but must not count as done (e.g. too many prompts failed); its summary is still
+    printed and saved, so the user sees what happened."""
+
+    def __init__(self, message: str, summary: Any):
+        super().__init__(message)
+        self.summary = summary
 
 
 def _runner(step: str) -> Callable[[RunConfig], Any]:
@@ -36,24 +50,37 @@ def save_summary(cfg: RunConfig, step: str, summary: Any) -> None:
     path = cfg.root / "data_prep_summary.json"
     cfg.root.mkdir(parents=True, exist_ok=True)
     merged = json.loads(path.read_text()) if path.is_file() else {}
-    merged[step] = summary.to_dict()
+    merged[step] = redact.redact_tree(summary.to_dict())
     write_json_atomic(path, merged)
 
 
 def run_steps(step: str, config: str | Path, overrides: Sequence[str] = ()) -> int:
-    """``step`` is one of ORDER or "all". Exit code: 0 done, 1 a step failed, 2 a bad config; the
-    message is one line on stderr."""
+    """``step`` is one of ORDER or "all". Exit code: 0 done, 2 an error (a bad config, a step that failed,
+    the run dir in use); the message is one line on stderr."""
     try:
         cfg = load_config(config, list(overrides))
     except ConfigError as e:
         print(e, file=sys.stderr)
-        return 2
-    for name in ORDER if step == "all" else (step,):
-        try:
-            summary = _runner(name)(cfg)
-        except (ValueError, OSError) as e:  # our errors are ValueErrors with a ready message
-            print(f"data_prep {name}: error: {e}", file=sys.stderr)
-            return 1
-        print(summary)
-        save_summary(cfg, name, summary)
-    return 0
+        return EXIT_ERROR
+    redact.register_env(cfg.regenerate.api_key_env)
+    with redact.redacting_streams():
+        return _run_steps(cfg, ORDER if step == "all" else (step,))
+
+
+@one_line_errors(MissingWheelError, prefix="data_prep: error")
+def _run_steps(cfg: RunConfig, steps: Sequence[str]) -> int:
+    with run_lock(cfg.root, f"data_prep {'+'.join(steps)}"):
+        for name in steps:
+            try:
+                summary = _runner(name)(cfg)
+            except StepFailed as e:
+                print(e.summary)
+                save_summary(cfg, name, e.summary)
+                print(f"data_prep {name}: error: {e}", file=sys.stderr)
+                return EXIT_ERROR
+            except (ValueError, OSError, MissingWheelError) as e:  # ours carry a ready message
+                print(f"data_prep {name}: error: {error_line(e)}", file=sys.stderr)
+                return EXIT_ERROR
+            print(summary)
+            save_summary(cfg, name, summary)
+    return EXIT_OK

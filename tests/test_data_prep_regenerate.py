@@ -26,6 +26,7 @@ import yaml
 from common.config import RunConfig, parse_config
 from data_prep.backends import BackendError, HFChatBackend
 from data_prep.regenerate import RegenerateError, run_regenerate
+from data_prep.steps import StepFailed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +156,9 @@ def test_503_is_retried_with_backoff_until_success(tmp_path: Path, fake: Any) ->
 def test_400_fails_the_record_at_once_and_a_rerun_fills_the_gap(tmp_path: Path, fake: Any) -> None:
     cfg = openai_cfg(tmp_path, [fake.url], max_retries=3)
     ids = write_prompts(cfg, [[user("[400x1] rejected once")], [user("fine")]])
-    first = run_regenerate(cfg)
+    with pytest.raises(StepFailed, match=r"1 of 2 prompts failed \(http_400: 1; .*max_failure_share") as failed:
+        run_regenerate(cfg)  # half the prompts failed: not a success, though the good one is kept
+    first = failed.value.summary
     assert first.failed == {"http_400": 1} and first.written == 1 and first.missing == 1
     assert fake.seen["[400x1] rejected once"] == 1, "a 400 must not be retried"
     assert "failed http_400: 1" in str(first) and "HTTP 400" in first.failure_examples["http_400"]
@@ -171,11 +174,15 @@ def test_refused_connections_fail_over_round_robin_then_count(tmp_path: Path, fa
     summary = run_regenerate(cfg)  # every first attempt hits the dead server, its retry the live one
     assert summary.written == 2 and not summary.failed and len(fake.requests) == 2
     assert_each_id_once(cfg, ids)
-    cfg = openai_cfg(tmp_path / "dead", [dead], max_retries=2)
+    cfg = openai_cfg(tmp_path / "dead", [dead], max_retries=5, retry_backoff_s=30)
     write_prompts(cfg, [[user("a")]])
-    summary = run_regenerate(cfg)
-    assert summary.failed == {"connection": 1} and summary.records == 0 and summary.missing == 1
-    assert "gave up after 3 attempts" in summary.failure_examples["connection"]
+    started = time.monotonic()
+    with pytest.raises(StepFailed, match="connection_refused: 1") as failed:
+        run_regenerate(cfg)
+    assert time.monotonic() - started < 5  # two quick tries, not 30 s + 60 s + ... of backoff
+    summary = failed.value.summary
+    assert summary.failed == {"connection_refused": 1} and summary.records == 0 and summary.missing == 1
+    assert "every server refused the connection 2x" in summary.failure_examples["connection_refused"]
 
 
 def test_torn_last_line_is_cut_and_every_id_ends_once(tmp_path: Path, fake: Any) -> None:
@@ -202,7 +209,9 @@ def test_api_key_comes_from_the_env_and_is_never_shown(tmp_path: Path, fake: Any
     with pytest.raises(BackendError, match="TEST_REGEN_KEY is not set"):
         run_regenerate(cfg)
     monkeypatch.setenv("TEST_REGEN_KEY", "sk-secret-123")
-    summary = run_regenerate(cfg)
+    with pytest.raises(StepFailed) as failed:
+        run_regenerate(cfg)
+    summary = failed.value.summary
     assert fake.requests[-1]["auth"] == "Bearer sk-secret-123"
     assert "sk-secret" not in str(summary) and "sk-secret" not in json.dumps(summary.to_dict())
 
@@ -210,6 +219,102 @@ def test_api_key_comes_from_the_env_and_is_never_shown(tmp_path: Path, fake: Any
 def test_missing_prompts_is_a_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(RegenerateError, match=r"prompts\.jsonl: no prompts file; run `python -m data_prep ingest`"):
         run_regenerate(make_cfg(tmp_path))
+
+
+def test_empty_or_undecodable_prompts_are_errors_naming_file_and_line(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    write_prompts(cfg, [])
+    with pytest.raises(RegenerateError, match=r"prompts\.jsonl: no prompts in it; rerun ingest"):
+        run_regenerate(cfg)
+    write_prompts(cfg, [[user("fine")], [user("also fine")]])
+    with open(cfg.prompts_path, "ab") as f:
+        f.write(b'{"id": "x", "source": "t", "messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    with pytest.raises(RegenerateError, match=r"prompts\.jsonl:3: invalid UTF-8 at byte \d+ of the line"):
+        run_regenerate(cfg)
+
+
+def test_failure_share_and_consecutive_failures(tmp_path: Path, fake: Any) -> None:
+    # 1 failure in 30 prompts (3 %) is within the default 5 %: done, and the rerun retries it.
+    cfg = openai_cfg(tmp_path / "share", [fake.url], concurrency=4, batch_size=4)
+    write_prompts(cfg, [[user("[400x1] once")]] + [[user(f"q{i}")] for i in range(29)])
+    assert run_regenerate(cfg).failed == {"http_400": 1}
+    # 2 in 30 (6.7 %) is not.
+    cfg = openai_cfg(tmp_path / "share2", [fake.url], concurrency=4, batch_size=4)
+    write_prompts(cfg, [[user("[400x1] two")], [user("[400x1] three")]] + [[user(f"r{i}")] for i in range(28)])
+    with pytest.raises(StepFailed, match=r"2 of 30 prompts failed \(http_400: 2"):
+        run_regenerate(cfg)
+    # A dead run stops after max_consecutive_failures prompts in a row, leaving the rest untried.
+    cfg = openai_cfg(tmp_path / "dead", [fake.url], concurrency=2, batch_size=2, max_consecutive_failures=4,
+                     max_failure_share=1.0)
+    write_prompts(cfg, [[user(f"[400x9] q{i}")] for i in range(40)])
+    with pytest.raises(StepFailed, match=r"4 of 4 prompts failed .*stopped early: 4 prompts in a row failed "
+                                         r"\(regenerate\.max_consecutive_failures=4\); 36 not tried") as failed:
+        run_regenerate(cfg)
+    assert "stopped early" in str(failed.value.summary) and len(fake.requests) < 40 + 31 + 31
+
+
+def _regenerate_cli(cfg_tree: dict[str, Any], tmp_path: Path, env: dict[str, str] | None = None,
+                    timeout: float = 60) -> subprocess.CompletedProcess:
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg_tree))
+    return subprocess.run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_file)],
+                          capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env=os.environ | {"PYTHONPATH": str(REPO)} | (env or {}))
+
+
+def test_closed_port_exits_2_within_seconds(tmp_path: Path) -> None:
+    """Nothing listens on the port: with the default retry settings (5 retries, backoff from 1 s, up to
+    60 s) the step must still end at once, with exit 2, instead of retrying every prompt for minutes."""
+    tree = config_tree(tmp_path, backend="openai", server_urls=[f"http://127.0.0.1:{free_port()}"])
+    write_prompts(parse_config(tree), [[user(f"q{i}")] for i in range(300)])
+    started = time.monotonic()
+    r = _regenerate_cli(tree, tmp_path, timeout=120)
+    elapsed = time.monotonic() - started
+    assert r.returncode == 2, r.stderr
+    assert elapsed < 30, elapsed
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("data_prep regenerate: error: ") and "prompts failed (connection_refused: " in last, last
+    assert "stopped early" in last and "Connection refused" in last, last
+
+
+class EchoAuth(BaseHTTPRequestHandler):
+    """A server that puts the request's Authorization header in its 401 body (seen in the wild)."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        auth = self.headers.get("Authorization", "")
+        raw = f"401 Unauthorized: bad token {auth}; raw {auth[7:]}; api_key={auth[7:]}".encode()
+        self.send_response(401)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_server_echoing_the_key_leaves_it_in_no_output_and_no_file(tmp_path: Path) -> None:
+    key = "sk-live-0123456789abcdefSECRET"
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), EchoAuth)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        tree = config_tree(tmp_path, backend="openai", server_urls=[f"http://127.0.0.1:{srv.server_address[1]}"],
+                           api_key_env="TEST_ECHO_KEY", concurrency=2, batch_size=2)
+        write_prompts(parse_config(tree), [[user(f"q{i}")] for i in range(6)])
+        r = _regenerate_cli(tree, tmp_path, env={"TEST_ECHO_KEY": key})
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.returncode == 2
+    assert "HTTP 401" in r.stdout + r.stderr and "[REDACTED]" in r.stdout + r.stderr  # the failure is shown
+    for text in (r.stdout, r.stderr):
+        assert key not in text and key[:12] not in text
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert any(p.name == "data_prep_summary.json" for p in files)
+    for p in files:
+        data = p.read_bytes()
+        assert key.encode() not in data and key[:12].encode() not in data, p
 
 
 @pytest.mark.real
