@@ -84,12 +84,15 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise CaptureError(f"{path}: not found; run `python -m data_prep regenerate` first")
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise CaptureError(f"{path}:{n}: invalid UTF-8 at byte {e.start} of the line; move the file away "
+                                   "and rerun regenerate") from None
             except json.JSONDecodeError as e:
                 raise CaptureError(f"{path}:{n}: not valid JSON ({e.msg})") from None
             msgs = rec.get("messages") if isinstance(rec, dict) else None
@@ -99,6 +102,8 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                     raise CaptureError(f"{path}:{n}: messages must be {{'role': str, 'content': str}} objects")
             out.append(rec)
+    if not out:
+        raise CaptureError(f"{path}: no conversations in it; rerun regenerate")
     return out
 
 
@@ -288,6 +293,9 @@ def run_capture(cfg: Any, target: TargetModel | None = None) -> CaptureSummary:
         tmp.unlink()
 
     samples, skipped = render_all(convs, target.tokenizer, cap.max_length)
+    if not samples:
+        raise CaptureError(f"{cfg.conversations_path}: none of its {len(convs)} conversations gives a training sample "
+                           f"(skipped: {dict(skipped)}); check capture.max_length and the chat template")
     plan = [samples[i:i + cap.shard_samples] for i in range(0, len(samples), cap.shard_samples)]
     manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
                 "skipped": dict(sorted(skipped.items())), "shards": [], "complete": False}

@@ -8,8 +8,10 @@ and a second copy of it is a duplicate. Every dropped record is counted under on
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import zlib
 from collections import Counter
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
@@ -22,6 +24,7 @@ from common.config import RunConfig, SourceConfig
 from common.files import write_jsonl_atomic
 from common.wheels import MissingWheelError, builtin_data_path
 from data_prep.readers import Messages, Record, Skip, read_source
+from data_prep.steps import StepFailed
 
 SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "assistant_first",
                 "empty", "too_long", "duplicate")
@@ -163,9 +166,18 @@ def run_ingest(cfg: RunConfig) -> IngestSummary:
     reports = []
     for src, path in zip(data.sources, paths, strict=True):
         report = SourceReport(source=src.kind, path=str(path))
-        with closing(read_source(src.kind, path)) as records:
-            ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
-                          src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
+        try:
+            with closing(read_source(src.kind, path)) as records:
+                ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
+                              src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # a .gz name on another format, or a cut-off copy
+            raise IngestError(f"{path}: not a readable gzip file ({e}); decompress it and drop the .gz suffix, "
+                              f"or copy it again (data.sources[{len(reports)}].path)") from None
         reports.append(report)
+    summary = IngestSummary(output=str(cfg.prompts_path), sources=reports)
+    if not prompts:  # an empty pool would only fail later, and must not replace a good prompts.jsonl
+        skipped = dict(sum((r.skipped for r in reports), Counter()))
+        raise StepFailed(f"no usable prompt in data.sources ({sum(r.read for r in reports)} records read, skipped: "
+                         f"{skipped or 'none'}); {cfg.prompts_path} left as it was", summary)
     write_jsonl_atomic(cfg.prompts_path, prompts)
-    return IngestSummary(output=str(cfg.prompts_path), sources=reports)
+    return summary

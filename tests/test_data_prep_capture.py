@@ -180,3 +180,16 @@ def test_cli_config_errors_exit_2(tmp_path):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith(str(path)) for line in lines)
+
+
+def test_conversations_that_are_empty_or_not_utf8_are_errors_naming_file_and_line(tmp_path):
+    from data_prep.capture import CaptureError, read_conversations
+
+    path = tmp_path / "conversations.jsonl"
+    path.write_bytes(b"")
+    with pytest.raises(CaptureError, match=r"conversations\.jsonl: no conversations in it; rerun regenerate"):
+        read_conversations(path)
+    good = json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    path.write_bytes(good + b"\n" + good.replace(b"hi", b"h\xffi") + b"\n")
+    with pytest.raises(CaptureError, match=r"conversations\.jsonl:2: invalid UTF-8 at byte \d+ of the line"):
+        read_conversations(path)

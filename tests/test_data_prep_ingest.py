@@ -12,6 +12,7 @@ import pytest
 
 from common.config import RunConfig, parse_config
 from data_prep.ingest import IngestError, run_ingest
+from data_prep.steps import StepFailed
 
 
 def make_cfg(tmp_path: Path, sources: list[dict[str, Any]], **data: Any) -> RunConfig:
@@ -202,3 +203,31 @@ def test_real_sharegpt_wheel_streams_to_the_broken_tail(tmp_path: Path) -> None:
     assert report.kept + sum(report.skipped.values()) == report.read
     assert len(read_prompts(cfg)) == report.kept
     assert seconds < 30, f"ingest of the 125 MB ShareGPT array took {seconds:.1f} s"
+
+
+def test_an_empty_or_all_junk_source_is_an_error_and_keeps_the_old_prompts(tmp_path: Path) -> None:
+    good = tmp_path / "good.txt"
+    good.write_text("a prompt\n")
+    cfg = make_cfg(tmp_path, [{"kind": "lines", "path": str(good)}])
+    run_ingest(cfg)
+    before = cfg.prompts_path.read_bytes()
+    junk = tmp_path / "junk.jsonl"
+    junk.write_bytes(b"not json\n{\"conversations\": 3}\n")
+    for path in (junk, tmp_path / "empty.jsonl"):
+        path.touch()
+        with pytest.raises(StepFailed, match=r"no usable prompt in data\.sources \(\d+ records read, skipped: .*"
+                                             r"prompts\.jsonl left as it was") as e:
+            run_ingest(make_cfg(tmp_path, [{"kind": "sharegpt", "path": str(path)}]))
+        assert e.value.summary.kept == 0
+        assert cfg.prompts_path.read_bytes() == before
+
+
+def test_a_gz_name_on_another_format_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    fake = tmp_path / "prompts.jsonl.gz"
+    fake.write_bytes(b'{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(IngestError, match=rf"{fake}: not a readable gzip file .*data\.sources\[0\]\.path"):
+        run_ingest(make_cfg(tmp_path, [{"kind": "openai", "path": str(fake)}]))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 50)[:40])
+    with pytest.raises(IngestError, match=rf"{cut}: not a readable gzip file"):
+        run_ingest(make_cfg(tmp_path, [{"kind": "openai", "path": str(cut)}]))
