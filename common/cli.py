@@ -55,11 +55,13 @@ def one_line_errors(*ours: type[Exception], prefix: str = "error") -> Callable[[
             try:
                 return command(*args, **kwargs)
             except (ValueError, OSError, *ours) as e:
-                print(f"{prefix}: {error_line(e)}", file=sys.stderr)
+                message = error_line(e)
             except Exception as e:  # a bug: show where, and still exit as an error, not as "rejected"
                 traceback.print_exc()
-                print(f"{prefix}: unexpected {type(e).__name__}: {e} (the traceback above says where)",
-                      file=sys.stderr)
+                message = f"unexpected {type(e).__name__}: {e} (the traceback above says where)"
+            # Printed once the exception is gone: the frames it held are freed first, so a progress bar
+            # they own closes before this line, which stays the last one.
+            print(f"{prefix}: {message}", file=sys.stderr)
             return EXIT_ERROR
 
         return run

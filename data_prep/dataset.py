@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset, Sampler
 
 from data_prep.batching import length_batches
-from data_prep.store import read_manifest
+from data_prep.store import StoreError, read_manifest, verify_store
 
 PER_TOKEN = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
 SPLITS = (None, "train", "holdout")
@@ -32,20 +32,27 @@ def in_holdout(sample_id: str, fraction: float) -> bool:
 
 
 class ShardDataset(Dataset):
-    """Samples of a complete store; ``split`` None = all, 'train' / 'holdout' by ``holdout_fraction``."""
+    """Samples of a complete store; ``split`` None = all, 'train' / 'holdout' by ``holdout_fraction``.
+    Every shard is checked against the manifest's sha256 first (``verify_store``, cached)."""
 
     def __init__(self, store_dir: str | Path, split: str | None = None, holdout_fraction: float = 0.05):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         self.store = Path(store_dir)
         self.manifest = read_manifest(self.store)
+        verify_store(self.store, self.manifest)
         self._files: list[Any] = [None] * len(self.manifest["shards"])
         self.index: list[tuple[int, int, int]] = []  # (shard, token start, token end)
         self.ids: list[str] = []
         for k in range(len(self.manifest["shards"])):
             f = self._file(k)
-            offsets = f.get_tensor("offsets").tolist()
-            for j, sid in enumerate(json.loads(f.metadata()["ids"])):
+            try:
+                offsets = f.get_tensor("offsets").tolist()
+                ids = json.loads(f.metadata()["ids"])
+            except (SafetensorError, ValueError, KeyError, TypeError) as e:
+                raise StoreError(f"{self.store / self.manifest['shards'][k]['file']}: not a shard of this store "
+                                 f"({type(e).__name__}: {e}); rerun `python -m data_prep capture`") from None
+            for j, sid in enumerate(ids):
                 if split is None or in_holdout(sid, holdout_fraction) == (split == "holdout"):
                     self.index.append((k, offsets[j], offsets[j + 1]))
                     self.ids.append(sid)
@@ -54,7 +61,12 @@ class ShardDataset(Dataset):
 
     def _file(self, k: int) -> Any:
         if self._files[k] is None:  # opened lazily: DataLoader workers each open their own handles
-            self._files[k] = safe_open(str(self.store / self.manifest["shards"][k]["file"]), framework="pt")
+            path = self.store / self.manifest["shards"][k]["file"]
+            try:
+                self._files[k] = safe_open(str(path), framework="pt")
+            except SafetensorError as e:
+                raise StoreError(f"{path}: unreadable safetensors file ({e}); rerun `python -m data_prep capture`") \
+                    from None
         return self._files[k]
 
     def __getstate__(self) -> dict[str, Any]:

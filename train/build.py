@@ -43,6 +43,10 @@ def build_drafter(cfg: Any, store_dir: Path) -> tuple[Eagle3Drafter, dict[str, A
                                    f"{tgt['vocab_size']} differ from {cfg.target.name}'s config "
                                    f"{hf.hidden_size}/{hf.vocab_size}; capture again for this target")
     d = cfg.drafter
+    if d.draft_vocab_size > tgt["vocab_size"]:
+        raise DrafterMismatchError(f"drafter.draft_vocab_size {d.draft_vocab_size} is larger than the target's "
+                                   f"vocab_size {tgt['vocab_size']} ({store_dir}/manifest.json); set it to at most "
+                                   f"{tgt['vocab_size']}, e.g. --set drafter.draft_vocab_size={tgt['vocab_size']}")
     shape = shape_for_target(hf, d.draft_vocab_size, aux_ids, d.intermediate_size, d.num_attention_heads,
                              d.num_key_value_heads, d.head_dim)
     d2t, t2d = build_vocab_map(token_counts(store_dir, tgt["vocab_size"]), d.draft_vocab_size)

@@ -11,13 +11,12 @@ named with its value in ``best.json``; pruning keeps the last ``keep_last`` and 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-from common.files import sha256_file, swap_dir, temp_path, write_text_atomic
+from common.files import remove_temps, replace_symlink, sha256_file, swap_dir, temp_path, write_text_atomic
 from drafter.checkpoint import CheckpointError, save_checkpoint
 from drafter.model import Eagle3Drafter
 
@@ -87,14 +86,6 @@ def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer:
     return final
 
 
-def _replace_symlink(link: Path, target: str) -> None:
-    tmp = temp_path(link)
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(target)
-    os.replace(tmp, link)
-
-
 def best_record(root: Path) -> dict[str, Any] | None:
     path = root / "best.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -106,15 +97,15 @@ def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | N
     old = best_record(root)
     if value is not None and old is not None and old.get("value") is not None and value <= old["value"]:
         return False
-    _replace_symlink(root / "best", ckpt.name)
+    replace_symlink(root / "best", ckpt.name)
     record = {"metric": metric, "value": value, "step": step, "checkpoint": ckpt.name}
     write_text_atomic(root / "best.json", json.dumps(record, indent=2) + "\n")
     return True
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints older than the last ``keep_last``, never the best; and temp dirs
-    of killed saves."""
+    """Delete complete checkpoints older than the last ``keep_last``, never the best; and the temp dirs,
+    links and files of killed saves (``common.files.remove_temps``)."""
     best = (root / "best").resolve() if (root / "best").is_symlink() else None
     done = complete_checkpoints(root)
     removed = []
@@ -122,6 +113,5 @@ def prune(root: Path, keep_last: int) -> list[Path]:
         if best is None or d.resolve() != best:
             shutil.rmtree(d)
             removed.append(d)
-    for tmp in root.glob(".step-*.tmp"):  # temp_path(step_dir, shared=True)
-        shutil.rmtree(tmp)
+    remove_temps(root)  # every process has finished the save: what is left is a killed save's
     return removed

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,13 +21,12 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from common.config import ConfigError, dump_config, load_config
-from common.files import write_text_atomic
+from common.cli import one_line_errors
+from common.config import dump_config, load_config
+from common.files import remove_temps, write_text_atomic
+from common.locking import run_lock
+from common.wheels import MissingWheelError
 from data_prep.dataset import ShardDataset, TokenBudgetSampler, collate
-from data_prep.store import StoreError
-from drafter.checkpoint import CheckpointError
-from drafter.factory import DrafterMismatchError
-from drafter.target import TargetError
 from train import checkpointing
 from train.build import build_drafter, teacher_rows
 from train.metrics import Counts
@@ -102,13 +100,14 @@ def holdout_metrics(accelerator: Accelerator, model: torch.nn.Module, ds: ShardD
     return Counts.from_flat(total, n).summary("holdout/")
 
 
+@one_line_errors(TrainingAborted, MissingWheelError)
 def run(config: str | Path, overrides: Sequence[str] = (), resume: str = "auto") -> int:
-    """Load the run config and train; a problem the user can fix is one line on stderr and exit code 2."""
-    try:
-        return train(load_config(config, list(overrides)), resume)
-    except (ConfigError, StoreError, CheckpointError, DrafterMismatchError, TargetError, TrainingAborted) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """Load the run config and train under the run dir's lock (rank 0 holds it for every process of one
+    launch); a problem the user can fix (a bad config, a damaged store or checkpoint, a full disk) is one
+    line on stderr and exit code 2."""
+    cfg = load_config(config, list(overrides))
+    with run_lock(cfg.root, "train", main_process=int(os.environ.get("RANK", "0")) == 0):
+        return train(cfg, resume)
 
 
 def train(cfg: Any, resume: str) -> int:
@@ -121,11 +120,14 @@ def train(cfg: Any, resume: str) -> int:
                               log_with="wandb" if tc.report_to == "wandb" else None, project_dir=cfg.run_dir)
     set_seed(tc.seed)
     ckpt_root = cfg.checkpoints_dir
+    if accelerator.is_main_process:
+        remove_temps(ckpt_root)  # half-built saves of a killed run (we hold the run dir's lock)
     resume_from = checkpointing.latest(ckpt_root) if resume == "auto" else None
 
     # -- data ------------------------------------------------------------------------------------
-    train_ds = ShardDataset(cfg.store_dir, "train", tc.holdout_fraction)
-    holdout_ds = ShardDataset(cfg.store_dir, "holdout", tc.holdout_fraction)
+    with accelerator.main_process_first():  # rank 0 verifies the shards' sha256; the others find it cached
+        train_ds = ShardDataset(cfg.store_dir, "train", tc.holdout_fraction)
+        holdout_ds = ShardDataset(cfg.store_dir, "holdout", tc.holdout_fraction)
     ranks = {"num_replicas": accelerator.num_processes, "rank": accelerator.process_index}
     sampler = TokenBudgetSampler(train_ds.lengths, tc.batch_tokens, shuffle=True, seed=tc.seed, **ranks)
     holdout_sampler = TokenBudgetSampler(holdout_ds.lengths, tc.batch_tokens, shuffle=False, **ranks)
