@@ -40,7 +40,7 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
     report_name = _report_name(checkpoint, name)
     bad = nonfinite_tensors(checkpoint)
     if bad:
-        raise CheckpointError(f"{checkpoint}: {', '.join(bad)} hold non-finite values (NaN/inf); nothing to measure: "
+        raise CheckpointError(f"{checkpoint}: non-finite weights (NaN/inf) in {', '.join(bad)}; nothing to measure: "
                               "pick an earlier checkpoint (training skips non-finite steps, so this one was "
                               "damaged after it was saved)")
     for problem in check_checkpoint(checkpoint, check_finite=False):

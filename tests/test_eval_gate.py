@@ -149,3 +149,44 @@ def test_an_unwritable_history_is_exit_2_before_anything_is_promoted(tmp_path, t
     assert gate_command(write_config(tmp_path), ckpt, promote=True) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {tmp_path / 'promotions.jsonl'}: Is a directory"]
     assert not (tmp_path / "promoted").exists()  # the record comes first: no record, no promotion
+
+
+def test_eval_run_refuses_nan_weights_and_a_truncated_checkpoint_in_one_line(tmp_path, tiny_drafter, capsys):
+    cfg = write_config(tmp_path)
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    weights = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    assert run_command(cfg, ckpt) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {ckpt / 'model.safetensors'}: unreadable safetensors file")
+    state = load_file(save_checkpoint(tiny_drafter, ckpt, dtype="float32") / "model.safetensors")
+    state["midlayer.mlp.up_proj.weight"][1, 2] = float("inf")
+    save_file(state, ckpt / "model.safetensors")
+    assert run_command(cfg, ckpt) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {ckpt}: non-finite weights (NaN/inf) in midlayer.mlp.up_proj.weight; nothing to measure: "
+                   "pick an earlier checkpoint (training skips non-finite steps, so this one was damaged after it was "
+                   "saved)"]
+
+
+def test_eval_unusable_run_dir_and_full_disk_are_one_line(tmp_path, tiny_drafter, monkeypatch, capsys):
+    import errno
+
+    import eval.commands
+
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert run_command(write_config(tmp_path), ckpt, [f"run_dir={blocker / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {blocker / 'run'}") and "not a directory" in err[0], err
+
+    def full(*_a):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "eval" / "x" / "report.json"))
+
+    monkeypatch.setattr(eval.commands, "evaluate", lambda *_a: {"name": "x"})
+    monkeypatch.setattr(eval.commands, "save_report", full)
+    assert run_command(write_config(tmp_path), ckpt) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'run' / 'eval' / 'x' / 'report.json'}: no space left on the device: free some, "
+                   "or point run_dir at a bigger disk (--set run_dir=/big/disk/run), then rerun (stages resume)"]

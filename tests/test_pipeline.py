@@ -262,3 +262,24 @@ def test_killing_the_holder_kills_a_stage_tree_under_accelerate_launch(tmp_path)
         for pid in [proc.pid, *(_children(proc.pid)), worker_pid]:
             if pid and _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_pipeline_unusable_run_dir_and_full_disk_are_one_line(tmp_path, monkeypatch, capsys):
+    import errno
+
+    cfg = _tiny_run(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert rounds.run_round(cfg, [f"run_dir={blocker / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {blocker / 'run'}") and "not a directory" in err[0], err
+
+    def full(path, _text):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(rounds, "write_text_atomic", full)
+    assert rounds.run_round(cfg) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: {tmp_path / 'run' / 'round-1' / 'config.yaml'}: no space left on the device: free "
+                       "some, or point run_dir at a bigger disk (--set run_dir=/big/disk/run), then rerun (stages "
+                       "resume)"), err
