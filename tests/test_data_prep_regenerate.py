@@ -445,3 +445,27 @@ def test_real_llama_cpp_server_killed_mid_run_then_resumed(tmp_path: Path) -> No
         assert [m["role"] for m in r["messages"]] == ["user", "assistant", "user", "assistant"]
         assert "dropped" not in [m["content"] for m in r["messages"]]
         assert set(r["finish_reasons"]) <= {"stop", "length"} and r["backend"] == "openai"
+
+
+def test_a_second_writer_on_the_run_dir_fails_at_once_naming_the_first(tmp_path: Path, fake: Any,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    from data_prep.steps import run_steps
+
+    tree = config_tree(tmp_path, backend="openai", server_urls=[fake.url])
+    write_prompts(parse_config(tree), [[user("q")]])
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(tree))
+    hold = ("import sys, time; from common.locking import run_lock\n"
+            "with run_lock(sys.argv[1], 'data_prep regenerate'):\n    print('held', flush=True); time.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE,
+                              text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert run_steps("regenerate", cfg_file) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{tmp_path / 'run'} is in use by pid {holder.pid}" in err[0], err
+        assert not (tmp_path / "run" / "conversations.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_steps("regenerate", cfg_file) == 0
