@@ -1,7 +1,7 @@
 """python -m eval {run,gate,breakeven,sglang}: measure a drafter checkpoint and decide whether it ships.
 
   run        speculative decoding against the HF target on the eval datasets; report only
-  gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to copy it into place
+  gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to serve it from gate.promoted_dir
   breakeven  tau* and the alpha a tok/s goal needs, from given timings (JSON)
   sglang     tau and alpha_k from a live SGLang server (unverified: see eval/sglang_client.py)
 """
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--name", help="report folder under run_dir/eval (default: the checkpoint's name)")
         if cmd == "gate":
             p.add_argument("--incumbent", help="default: gate.promoted_dir when it holds a drafter")
-            p.add_argument("--promote", action="store_true", help="copy a passing checkpoint to gate.promoted_dir")
+            p.add_argument("--promote", action="store_true",
+                           help="serve a passing checkpoint: gate.promoted_dir -> promotions/<fingerprint>/")
     be = sub.add_parser("breakeven")
     be.add_argument("--decode-ms", type=float, required=True)
     be.add_argument("--cycle-ms", type=float, required=True)

@@ -53,7 +53,7 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
 @one_line_errors(MissingWheelError, ServerError)
 def gate_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (), name: str | None = None,
                  incumbent: str | None = None, promote: bool = False) -> int:
-    """Measure, then the ship decision; ``promote`` copies a passing checkpoint to gate.promoted_dir."""
+    """Measure, then the ship decision; ``promote`` makes gate.promoted_dir serve a passing checkpoint."""
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
