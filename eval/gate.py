@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -155,13 +154,12 @@ def _switch(promoted: Path, name: str) -> None:
     os.symlink(target, link)
     if exchange(link, promoted):  # the old directory now sits at the link's temp name
         fsync_dir(promoted.parent)
-        shutil.rmtree(link)
+        remove_temps(promoted.parent, of=promoted.name)
         return
-    old = temp_path(promoted, tag="old")
-    os.rename(promoted, old)
+    os.rename(promoted, temp_path(promoted, tag="old"))
     os.replace(link, promoted)
     fsync_dir(promoted.parent)
-    shutil.rmtree(old)
+    remove_temps(promoted.parent, of=promoted.name)
 
 
 def reconcile(promoted_dir: str | Path, history_file: str | Path) -> list[str]:
