@@ -190,3 +190,25 @@ def test_eval_unusable_run_dir_and_full_disk_are_one_line(tmp_path, tiny_drafter
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {tmp_path / 'run' / 'eval' / 'x' / 'report.json'}: no space left on the device: free some, "
                    "or point run_dir at a bigger disk (--set run_dir=/big/disk/run), then rerun (stages resume)"]
+
+
+def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_against_itself(tmp_path, tiny_drafter,
+                                                                                           monkeypatch, capsys):
+    """The pipeline was killed after its gate promoted, before it marked the round done; the rerun gates the
+    same candidate with min_delta 0.05: it must not reject what is serving."""
+    import eval.gate_flow
+
+    calls = []
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "alpha_conditional": [0.9]}},
+                                         "lossless": {"ok": True}}},
+              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {}}
+    monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: calls.append(a) or report)
+    monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    cfg = write_config(tmp_path)
+    assert gate_command(cfg, ckpt, ["gate.min_delta=0.05"], promote=True) == 0
+    assert len(calls) == 1 and (tmp_path / "promoted").is_symlink()
+    assert gate_command(cfg, ckpt, ["gate.min_delta=0.05"], incumbent=str(tmp_path / "promoted"), promote=True) == 0
+    assert len(calls) == 1 and "PROMOTED (already: serving since" in capsys.readouterr().out
+    rows = [json.loads(x) for x in (tmp_path / "promotions.jsonl").read_text().splitlines()]
+    assert [r["decision"] for r in rows] == ["promoted"]

@@ -1,0 +1,46 @@
+"""Exit codes and error lines shared by every command: a crash is exit 2 (never 1, the gate's "rejected"),
+and OS errors name the file and the fix in one line."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from common.cli import EXIT_ERROR, one_line_errors
+
+
+class Ours(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("exc, line", [
+    (ValueError("cfg.yaml: train.lr: must be > 0"), "error: cfg.yaml: train.lr: must be > 0"),
+    (Ours("store: something to fix"), "error: store: something to fix"),
+    (PermissionError(errno.EACCES, "Permission denied", "/runs/x/.lock"),
+     "error: /runs/x/.lock: permission denied: make it writable or point run_dir elsewhere (--set run_dir=...)"),
+    (OSError(errno.EROFS, "Read-only file system", "/ro/run"),
+     "error: /ro/run: read-only file system: point run_dir somewhere writable (--set run_dir=...)"),
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/x/store/shard-00003.safetensors"),
+     "error: /runs/x/store/shard-00003.safetensors: no space left on the device: free some, or point run_dir at a "
+     "bigger disk (--set run_dir=/big/disk/run), then rerun (stages resume)"),
+    (FileNotFoundError(errno.ENOENT, "No such file or directory", "/nope"), "error: /nope: no such file or directory"),
+])
+def test_our_errors_and_os_errors_are_one_line_exit_2(capsys, exc, line):
+    @one_line_errors(Ours)
+    def command() -> int:
+        raise exc
+
+    assert command() == EXIT_ERROR
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+
+
+def test_a_bug_shows_its_traceback_then_the_line_and_still_exits_2(capsys):
+    @one_line_errors()
+    def command() -> int:
+        raise KeyError("oops")
+
+    assert command() == EXIT_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("Traceback") and err[-1] == (
+        "error: unexpected KeyError: 'oops' (the traceback above says where)")
