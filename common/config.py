@@ -84,10 +84,18 @@ class RegenerateConfig(Section):
     timeout_s: PositiveFloat = 600.0
     max_retries: Annotated[int, Field(ge=0)] = 5
     retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
-    batch_size: PositiveInt = 16
-    batch_tokens: PositiveInt = Field(
-        16384, description="hf: most padded tokens (prompt + max_tokens per row) in one generate call; "
-        "long prompts go in smaller batches.")
+    batch_size: PositiveInt = Field(
+        16, description="Conversations regenerated together, turn by turn (hf: the pool the engine's slots draw "
+        "from, so make it large on a GPU; openai: at least `concurrency`).")
+    slots: PositiveInt | None = Field(
+        None, description="hf: sequences decoded at once. Default: as many as the GPU's free memory holds for "
+        "the longest prompt + max_tokens (up to 4096); on a CPU, batch_size.")
+    devices: list[str] | None = Field(
+        None, description="hf: devices to spread the prompts over, one process each (e.g. [cuda:0, cuda:1]). "
+        "Default: every visible GPU when target.device is auto or cuda, else target.device alone.")
+    max_context_tokens: PositiveInt | None = Field(
+        None, description="hf: a conversation stops growing once its prompt reaches this many tokens (default: "
+        "the target's max_position_embeddings); later turns are dropped and counted.")
     temperature: Annotated[float, Field(ge=0.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: int | None = None

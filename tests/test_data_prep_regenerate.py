@@ -213,7 +213,7 @@ def test_missing_prompts_is_a_one_line_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.real
-def test_hf_backend_left_padding_and_finish_reasons(tmp_path: Path) -> None:
+def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, max_tokens=12)
     backend = HFChatBackend(cfg.target, cfg.regenerate)
     short = [user("What is the capital of France? Answer in one word.")]
@@ -221,7 +221,7 @@ def test_hf_backend_left_padding_and_finish_reasons(tmp_path: Path) -> None:
             user("Write a long story about a dragon who learns to write compilers.")]
     alone = backend.complete([short])[0]
     story, padded = backend.complete([long, short])
-    assert padded == alone, "left padding changed a greedy answer"
+    assert padded == alone, "batching with a longer chat changed a greedy answer"
     assert alone.finish_reason == "stop" and "Paris" in alone.text and "<|im_end|>" not in alone.text
     assert story.finish_reason == "length" and story.text.strip()
 
