@@ -23,8 +23,8 @@ from common.files import write_jsonl_atomic
 from common.wheels import MissingWheelError, builtin_data_path
 from data_prep.readers import Messages, Record, Skip, read_source
 
-SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "assistant_first",
-                "empty", "too_long", "duplicate")
+SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "empty", "too_long",
+                "duplicate")
 
 
 class IngestError(ValueError):
@@ -38,6 +38,7 @@ class SourceReport:
     read: int = 0
     kept: int = 0
     cut_to_max_turns: int = 0
+    leading_assistant_dropped: int = 0  # kept records that opened with an assistant turn (that turn dropped)
     stopped_at_limit: bool = False
     skipped: Counter[str] = field(default_factory=Counter)
     first_skip: dict[str, str] = field(default_factory=dict)  # reason -> "where: detail" of its first case
@@ -64,11 +65,12 @@ class IngestSummary:
 
     def to_markdown(self) -> str:
         lines = [f"## Ingest: {self.kept} prompts -> {self.output}", "",
-                 "| source | path | read | kept | cut to max_turns | " + " | ".join(SKIP_REASONS) + " |",
-                 "|---" * (5 + len(SKIP_REASONS)) + "|"]
+                 "| source | path | read | kept | cut to max_turns | opening assistant turn dropped | "
+                 + " | ".join(SKIP_REASONS) + " |", "|---" * (6 + len(SKIP_REASONS)) + "|"]
         for s in self.sources:
             read = f"{s.read} (stopped at limit)" if s.stopped_at_limit else str(s.read)
             lines.append(f"| {s.source} | {Path(s.path).name} | {read} | {s.kept} | {s.cut_to_max_turns} | "
+                         f"{s.leading_assistant_dropped} | "
                          + " | ".join(str(s.skipped[r]) for r in SKIP_REASONS) + " |")
         notes = [f"- {s.source}: broken tail: {s.broken_tail}" for s in self.sources if s.broken_tail]
         notes += [f"- {s.source}: first {r}: {w}" for s in self.sources for r, w in s.first_skip.items()
@@ -107,8 +109,6 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
                 cut = True
                 break
             users += 1
-        elif m["role"] == "assistant" and users == 0:
-            raise Skip("assistant_first", "an assistant turn before any user turn")
         if m["role"] == "user" and not content:
             raise Skip("empty", f"user turn {users} is empty")
         out.append({"role": m["role"], "content": content})
@@ -118,6 +118,15 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
     if prompt_chars > max_chars:
         raise Skip("too_long", f"{prompt_chars} prompt chars > data.max_prompt_chars {max_chars}")
     return out, cut
+
+
+def drop_leading_assistant(messages: Messages) -> tuple[Messages, bool]:
+    """ShareGPT splits long chats into records, and a continuation opens with the assistant's turn. That
+    turn answers nothing we have, but the user turns after it are good prompts: drop only the opening
+    assistant turns (system turns stay). Returns the messages and whether any were dropped."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    kept = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+    return kept, len(kept) < len(messages)
 
 
 def content_hash(messages: Messages) -> str:
@@ -142,7 +151,8 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
                 if rec.tail:
                     report.broken_tail = f"{rec.where}: {rec.detail}"
                 raise Skip(rec.skip, rec.detail)
-            messages, cut = normalise(rec.messages or [], max_turns, max_chars)
+            messages, dropped = drop_leading_assistant(rec.messages or [])
+            messages, cut = normalise(messages, max_turns, max_chars)
             digest = content_hash(messages)
             if digest in seen:
                 raise Skip("duplicate", f"same prompt as an earlier record (sha1 {digest[:16]})")
@@ -152,6 +162,7 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
         seen.add(digest)
         report.kept += 1
         report.cut_to_max_turns += cut
+        report.leading_assistant_dropped += dropped
         out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages})
 
 

@@ -41,7 +41,7 @@ def test_sharegpt_jsonl_counts_every_malformed_record(tmp_path: Path) -> None:
         {"conversations": [{"value": "no role"}]},                       # missing_field (turn)
         {"id": "x"},                                                     # missing_field (conversations)
         sg(("robot", "beep")),                                           # unknown_role
-        sg(("gpt", "I speak first"), ("human", "hi")),                   # assistant_first
+        sg(("gpt", "I speak first"), ("human", "hi")),                   # kept, opening turn dropped
         sg(("human", "   "), ("gpt", "?")),                              # empty
         b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}\n',  # invalid_utf8
         sg(("human", ["a", "list"])),                                    # non_text
@@ -52,13 +52,14 @@ def test_sharegpt_jsonl_counts_every_malformed_record(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, [{"kind": "sharegpt", "path": str(path)}], max_prompt_chars=100)
     summary = run_ingest(cfg)
     report = summary.sources[0]
-    assert dict(report.skipped) == {"bad_json": 1, "missing_field": 2, "unknown_role": 1, "assistant_first": 1,
+    assert dict(report.skipped) == {"bad_json": 1, "missing_field": 2, "unknown_role": 1,
                                     "empty": 1, "invalid_utf8": 1, "non_text": 1, "too_long": 1, "duplicate": 1}
-    assert report.read == 12 and report.kept == 2 and summary.kept == 2
+    assert report.read == 12 and report.kept == 3 and summary.kept == 3 and report.leading_assistant_dropped == 1
     assert report.first_skip["bad_json"].startswith("sg.jsonl:2")
     assert report.first_skip["invalid_utf8"].startswith("sg.jsonl:8")
     prompts = read_prompts(cfg)
-    assert prompts[1]["messages"] == [{"role": "system", "content": "Be brief."},
+    assert prompts[1]["messages"] == [{"role": "user", "content": "hi"}]
+    assert prompts[2]["messages"] == [{"role": "system", "content": "Be brief."},
                                       {"role": "user", "content": "Name a colour."},
                                       {"role": "assistant", "content": "Red"},
                                       {"role": "assistant", "content": "Blue"}]
@@ -198,7 +199,7 @@ def test_real_sharegpt_wheel_streams_to_the_broken_tail(tmp_path: Path) -> None:
     assert 17000 <= whole <= 18500
     assert report.broken_tail and "at byte" in report.broken_tail and f"{whole} whole records" in report.broken_tail
     assert report.skipped["bad_json"] == 1
-    assert report.skipped["assistant_first"] > 0 and report.skipped["duplicate"] > 0
+    assert report.leading_assistant_dropped > 800 and report.skipped["duplicate"] > 0
     assert report.kept + sum(report.skipped.values()) == report.read
     assert len(read_prompts(cfg)) == report.kept
     assert seconds < 30, f"ingest of the 125 MB ShareGPT array took {seconds:.1f} s"
