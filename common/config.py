@@ -123,6 +123,10 @@ class CaptureConfig(Section):
 
 
 class TrainConfig(Section):
+    source: Literal["store", "online"] = Field(
+        "store", description="store: the capture store (run_dir/store); online: conversations.jsonl, with the "
+        "target run on the training GPU(s) for every batch (no store, no disk ceiling; the target must fit "
+        "beside the drafter).")
     epochs: PositiveInt = 1
     max_steps: PositiveInt | None = None
     batch_tokens: PositiveInt = 8192

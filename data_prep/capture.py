@@ -28,7 +28,7 @@ from tqdm import tqdm
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from data_prep.batching import length_batches
-from data_prep.loss_mask import LossMaskError, render_with_mask
+from data_prep.loss_mask import LossMaskError, render_many
 from data_prep.store import (
     IDENTITY,
     MANIFEST,
@@ -103,21 +103,23 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
 
 
 def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int) -> tuple[list[Sample], Counter]:
-    samples, skipped, seen = [], Counter(), set()
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    unique = []
     for rec in convs:
         if rec["id"] in seen:
             skipped["duplicate_id"] += 1
             continue
         seen.add(rec["id"])
-        try:
-            r = render_with_mask(tokenizer, rec["messages"], max_length)
-        except LossMaskError as e:
-            skipped[e.reason] += 1
-            continue
-        if r.num_loss_tokens == 0:
+        unique.append(rec)
+    samples = []
+    for rec, r in zip(unique, render_many(tokenizer, [rec["messages"] for rec in unique], max_length), strict=True):
+        if isinstance(r, LossMaskError):
+            skipped[r.reason] += 1
+        elif r.num_loss_tokens == 0:
             skipped["no_loss_tokens"] += 1
-            continue
-        samples.append(Sample(rec["id"], r.input_ids, r.loss_mask))
+        else:
+            samples.append(Sample(rec["id"], r.input_ids, r.loss_mask))
     return samples, skipped
 
 
