@@ -144,7 +144,8 @@ def train(cfg: Any, resume: str) -> int:
     rows = teacher_rows(data, drafter) if data.teacher == "hidden" else None
     model = TTTModel(drafter, rows, tc.ttt_length, tc.loss_decay).to_device(accelerator.device, compute_dtype)
     n_train = sum(p.numel() for p in trainable(model))
-    accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; "
+    accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; {accelerator.num_processes} "
+                      f"process{'es' if accelerator.num_processes > 1 else ''}; "
                       f"{len(train_ds)} train / {len(holdout_ds)} held-out samples ({data.source}); "
                       f"{total_steps} steps")
 
