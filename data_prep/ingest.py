@@ -3,7 +3,8 @@
 Records are cut to ``data.max_turns`` user turns and checked once here, so regeneration can trust its
 input. Ids are ``<source>-<sha1[:16]>`` of the prompt turns (system and user, not the source's
 answers, which regeneration replaces): the same prompt gets the same id in every run and every file,
-and a second copy of it is a duplicate. Every dropped record is counted under one reason.
+and a second copy of it is a duplicate. Every dropped record is counted under one reason. The records
+come from ``data_prep.sources`` (files, `datasets` sources, hub ids, column mappings).
 """
 
 from __future__ import annotations
@@ -18,17 +19,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common.config import RunConfig, SourceConfig
+from common.config import RunConfig
 from common.files import write_jsonl_atomic
-from common.wheels import MissingWheelError, builtin_data_path
-from data_prep.readers import Messages, Record, Skip, read_source
+from data_prep.readers import Messages, Record, Skip
+from data_prep.sources import open_source
 
 SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "empty", "too_long",
                 "duplicate")
-
-
-class IngestError(ValueError):
-    """A source that cannot be read at all; the message names the file."""
 
 
 @dataclass
@@ -78,20 +75,6 @@ class IngestSummary:
         return "\n".join(lines + ([""] + notes if notes else []))
 
     __str__ = to_markdown
-
-
-def resolve_path(src: SourceConfig, index: int) -> Path:
-    """The file behind a source; a cheap one-line error now rather than a traceback mid-run."""
-    where = f"data.sources[{index}] ({src.kind})"
-    if src.path == "builtin":
-        try:
-            return builtin_data_path(src.kind)
-        except (ValueError, MissingWheelError) as e:
-            raise IngestError(f"{where}: {e}") from None
-    path = Path(src.path)
-    if not path.is_file():
-        raise IngestError(f"{path}: no such file ({where}.path)")
-    return path
 
 
 def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messages, bool]:
@@ -168,13 +151,13 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
 
 def run_ingest(cfg: RunConfig) -> IngestSummary:
     data = cfg.data
-    paths = [resolve_path(src, i) for i, src in enumerate(data.sources)]
+    opened = [open_source(src, f"data.sources[{i}]") for i, src in enumerate(data.sources)]  # all checked first
     seen: set[str] = set()
     prompts: list[dict[str, Any]] = []
     reports = []
-    for src, path in zip(data.sources, paths, strict=True):
-        report = SourceReport(source=src.kind, path=str(path))
-        with closing(read_source(src.kind, path)) as records:
+    for src, (where, records) in zip(data.sources, opened, strict=True):
+        report = SourceReport(source=src.kind, path=where)
+        with closing(records):
             ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
                           src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
         reports.append(report)

@@ -1,4 +1,6 @@
-"""Readers for the prompt sources: each turns one file into chat messages, record by record.
+"""Readers for prompt files (JSON, JSON Lines, text; .gz too): each turns one file into chat messages,
+record by record. ``data_prep.sources`` picks the reader for a configured source (and hands what these
+files are not to ``data_prep.hf_datasets``).
 
 A reader never raises on a bad record: it yields a ``Record`` carrying a skip reason, so ingest can
 count every record it drops. JSON containers are streamed (a JSON array is decoded element by element
@@ -215,15 +217,20 @@ JSON_FORMATS: dict[str, Callable[[Any], Messages]] = {
 }
 
 
-def read_json_source(kind: str, path: Path) -> Iterator[Record]:
-    convert = JSON_FORMATS[kind]
+def to_record(where: str, value: Any, convert: Callable[[Any], Messages]) -> Record:
+    """One decoded record (a JSON value or a `datasets` row) as messages, or the reason it is skipped."""
+    try:
+        if isinstance(value, Skip):
+            raise value
+        return Record(where, messages=convert(value))
+    except Skip as s:
+        return Record(where, skip=s.reason, detail=s.detail, tail=s.tail)
+
+
+def read_json_source(path: Path, convert: Callable[[Any], Messages]) -> Iterator[Record]:
+    """``convert``: one of JSON_FORMATS, or one behind a column mapping (data_prep.sources)."""
     for where, value in iter_json_values(path):
-        try:
-            if isinstance(value, Skip):
-                raise value
-            yield Record(where, messages=convert(value))
-        except Skip as s:
-            yield Record(where, skip=s.reason, detail=s.detail, tail=s.tail)
+        yield to_record(where, value, convert)
 
 
 def read_lines(path: Path) -> Iterator[Record]:
@@ -238,11 +245,3 @@ def read_lines(path: Path) -> Iterator[Record]:
                 continue
             if text:
                 yield Record(where, messages=[{"role": "user", "content": text}])
-
-
-def read_source(kind: str, path: Path) -> Iterator[Record]:
-    if kind == "lines":
-        return read_lines(path)
-    if kind not in JSON_FORMATS:
-        raise ValueError(f"{path}: unknown source kind {kind!r}; known: {sorted([*JSON_FORMATS, 'lines'])}")
-    return read_json_source(kind, path)

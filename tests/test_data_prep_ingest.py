@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from common.config import RunConfig, parse_config
-from data_prep.ingest import IngestError, run_ingest
+from data_prep.ingest import run_ingest
+from data_prep.sources import SourceError
 
 
 def make_cfg(tmp_path: Path, sources: list[dict[str, Any]], **data: Any) -> RunConfig:
@@ -182,9 +183,9 @@ def test_ids_stable_dedupe_across_sources_and_limit_counts_kept(tmp_path: Path) 
 
 def test_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, [{"kind": "sharegpt", "path": str(tmp_path / "nope.json")}])
-    with pytest.raises(IngestError, match=r"nope\.json: no such file \(data\.sources\[0\] \(sharegpt\)\.path\)"):
+    with pytest.raises(SourceError, match=r"nope\.json: no such file \(data\.sources\[0\] \(sharegpt\)\.path\)"):
         run_ingest(cfg)
-    with pytest.raises(IngestError, match="no builtin dataset of kind 'lines'"):
+    with pytest.raises(SourceError, match="no builtin dataset of kind 'lines'"):
         run_ingest(make_cfg(tmp_path, [{"kind": "lines", "path": "builtin"}]))
 
 

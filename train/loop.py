@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from common.config import ConfigError, dump_config, load_config
 from common.files import write_text_atomic
+from common.tracking import TrackerError, flat_config, make_trackers
 from data_prep.capture import CaptureError
 from data_prep.dataset import TokenBudgetSampler
 from data_prep.store import StoreError
@@ -102,7 +103,7 @@ def run(config: str | Path, overrides: Sequence[str] = (), resume: str = "auto")
     """Load the run config and train; a problem the user can fix is one line on stderr and exit code 2."""
     try:
         return train(load_config(config, list(overrides)), resume)
-    except (ConfigError, StoreError, CaptureError, CheckpointError, DrafterMismatchError, TargetError,
+    except (ConfigError, StoreError, CaptureError, CheckpointError, DrafterMismatchError, TargetError, TrackerError,
             TrainingAborted) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -115,7 +116,8 @@ def train(cfg: Any, resume: str) -> int:
     # -- accelerator -----------------------------------------------------------------------------
     accelerator = Accelerator(mixed_precision=mixed_precision(tc.mixed_precision),
                               gradient_accumulation_steps=tc.grad_accum,
-                              log_with="wandb" if tc.report_to == "wandb" else None, project_dir=cfg.run_dir)
+                              log_with=make_trackers(cfg.tracking, cfg.tracking_dir, "train") or None,
+                              project_dir=cfg.run_dir)
     set_seed(tc.seed)
     ckpt_root = cfg.checkpoints_dir
     resume_from = checkpointing.latest(ckpt_root) if resume == "auto" else None
@@ -152,9 +154,7 @@ def train(cfg: Any, resume: str) -> int:
     # -- optimizer, schedule, state ----------------------------------------------------------------
     optimizer = make_optimizer(model, tc.lr, tc.weight_decay, fused=accelerator.device.type == "cuda")
     scheduler = make_scheduler(optimizer, tc.warmup_ratio, int(total_steps))
-    if tc.report_to == "wandb":
-        accelerator.init_trackers(tc.wandb_project, config=dump_config(cfg),
-                                  init_kwargs={"wandb": {"dir": str(cfg.root)}})
+    accelerator.init_trackers(cfg.tracking.project, config=flat_config(dump_config(cfg)))
     configure_deepspeed(accelerator, tc)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
