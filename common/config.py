@@ -53,6 +53,9 @@ class DrafterConfig(Section):
     """Where the drafter starts: a checkpoint (warm start) or a shape derived from the target."""
 
     init_from: str | None = Field(None, description="SGLang-layout drafter dir to warm-start from.")
+    init: Literal["random", "target"] = Field(
+        "random", description="A fresh drafter's weights: random, or copied from the target where the shapes "
+        "allow (lm_head rows, final norm, last layer, fc passing the top aux layer through).")
     draft_vocab_size: PositiveInt = 32000
     intermediate_size: PositiveInt | None = None
     num_attention_heads: PositiveInt | None = None
@@ -153,6 +156,9 @@ class TrainConfig(Section):
         "store", description="store: the capture store (run_dir/store); online: conversations.jsonl, with the "
         "target run on the training GPU(s) for every batch (no store, no disk ceiling; the target must fit "
         "beside the drafter).")
+    max_train_samples: PositiveInt | None = Field(
+        None, description="Train on the first N training samples only (the held-out split stays whole): "
+        "learning curves over data size.")
     epochs: PositiveInt = 1
     max_steps: PositiveInt | None = None
     batch_tokens: PositiveInt = 8192

@@ -127,3 +127,13 @@ def test_resume_refuses_a_tampered_training_state(tmp_path, capsys):
     assert run(cfg) == 2
     err = capsys.readouterr().err
     assert "random_states_0.pkl" in err and "refusing to unpickle" in err
+
+
+def test_max_train_samples_trains_on_a_prefix_and_keeps_the_holdout(tmp_path, capsys):
+    cfg = make_config(tmp_path, epochs=1, holdout_fraction=0.25, max_train_samples=10, batch_tokens=40,
+                      eval_every=1000, save_every=1000)
+    make_store(tmp_path / "run" / "store", n_samples=48, length=20)
+    assert run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "10 train / " in out and "(first 10 training samples)" in out
+    assert [r["step"] for r in _log(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5]  # 10 samples, 2 a batch

@@ -44,7 +44,15 @@ def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
                              d.num_key_value_heads, d.head_dim)
     d2t, t2d = build_vocab_map(data.token_counts(tgt["vocab_size"]), d.draft_vocab_size)
     model = fresh_drafter(shape, embed, d2t, t2d, seed=cfg.train.seed)
-    return model, "from scratch, shaped like the target"
+    if d.init == "random":
+        return model, "from scratch, shaped like the target"
+    from drafter.target import resolve_source
+    from drafter.target_init import init_from_target, last_layer_names, target_tensors
+
+    n = tgt["num_layers"]
+    set_ = init_from_target(model, target_tensors(resolve_source(cfg.target.name, cfg.target.gguf_file),
+                                                  last_layer_names(n)), data.head["lm_head.weight"], n)
+    return model, f"from scratch, initialised from the target ({len(set_)} tensors: {', '.join(set_)})"
 
 
 def teacher_rows(data: TrainingData, model: Eagle3Drafter) -> Tensor:

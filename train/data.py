@@ -40,6 +40,9 @@ class SampleDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def head(self, n: int) -> SampleDataset:
+        return SampleDataset(self.samples[:n])
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         s = self.samples[i]
         return {"input_ids": torch.tensor(s.input_ids, dtype=torch.int32),
@@ -136,4 +139,9 @@ def online_data(cfg: Any, device: torch.device) -> TrainingData:
 
 
 def training_data(cfg: Any, device: torch.device) -> TrainingData:
-    return online_data(cfg, device) if cfg.train.source == "online" else store_data(cfg)
+    data = online_data(cfg, device) if cfg.train.source == "online" else store_data(cfg)
+    n = cfg.train.max_train_samples
+    if n is not None and n < len(data.train):
+        data.train = data.train.head(n)
+        data.source += f" (first {n} training samples)"
+    return data
