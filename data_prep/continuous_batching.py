@@ -40,6 +40,7 @@ class Sampling:
 class Generated:
     tokens: list[int]  # the answer, without its stop token
     finish_reason: str  # "stop" | "length"
+    stop_token: int | None = None  # the stop token that ended it
 
 
 def plan_slots(target: BatchedTarget, max_len: int, wanted: int, cpu_slots: int, slots: int | None = None) -> int:
@@ -50,6 +51,7 @@ def plan_slots(target: BatchedTarget, max_len: int, wanted: int, cpu_slots: int,
     if target.device.type != "cuda":
         return max(1, min(wanted, cpu_slots))
     free, _ = torch.cuda.mem_get_info(target.device)
+    free += torch.cuda.memory_reserved(target.device) - torch.cuda.memory_allocated(target.device)  # cached, unused
     logits_row = target.lm_head.weight.shape[0] * 4 * 3  # fp32 logits and sampling temporaries per row
     per_slot = max_len * target.kv_bytes_per_token() + logits_row
     return max(1, min(wanted, MAX_SLOTS, int(free * MEMORY_SHARE) // per_slot))
@@ -142,14 +144,14 @@ class _Run:
         """Append one token to a slot's answer; free the slot when the answer ends."""
         r = self.request[slot]
         if tok in self.stop_ids:
-            self._finish(slot, "stop")
+            self._finish(slot, "stop", tok)
             return
         self.tokens[slot].append(tok)
         if len(self.tokens[slot]) >= self.max_new[r]:
             self._finish(slot, "length")
 
-    def _finish(self, slot: int, reason: str) -> None:
-        self.out[self.request[slot]] = Generated(self.tokens[slot], reason)
+    def _finish(self, slot: int, reason: str, stop_token: int | None = None) -> None:
+        self.out[self.request[slot]] = Generated(self.tokens[slot], reason, stop_token)
         self.request[slot] = -1
         self.pos[slot] = 0  # a free row below the last live one still runs: its writes stay at position 0
         self.alive[slot] = 0

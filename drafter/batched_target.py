@@ -137,7 +137,8 @@ class BatchedTarget:
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
         batch_index = torch.arange(b, device=ids.device)[:, None]
-        span = None if fresh else int(positions.max()) + 1
+        # Keys read per row: up to the furthest position in the batch, rounded up (aligned key blocks).
+        span = None if fresh else min(cache.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
         keep: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             residual = h

@@ -75,7 +75,7 @@ def test_per_prompt_budgets_and_stop_tokens() -> None:
     for p, budget, o in zip(ps, [3, 5, 1], outs, strict=True):
         assert (o.tokens, o.finish_reason) == plain_greedy(model, p, budget)
         assert len(o.tokens) <= budget
-    assert outs[0] == cb.Generated([], "stop")
+    assert outs[0] == cb.Generated([], "stop", 2)
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:

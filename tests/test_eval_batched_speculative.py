@@ -19,6 +19,9 @@ V, AUX, K, NEW = 12, (0, 1, 2), 3, 30
 class _Tok:
     pad_token_id, eos_token_id, unk_token_id = 0, 1, None
 
+    def convert_tokens_to_ids(self, token: str) -> None:
+        return None
+
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[LlamaForCausalLM, object]:
@@ -54,3 +57,17 @@ def test_batched_rows_equal_the_batch1_engine(pair, temperature: float) -> None:
 def test_prefill_groups_respect_the_token_budget() -> None:
     assert _groups([5, 5, 5, 9, 2], 16) == [(0, 3), (3, 4), (4, 5)]
     assert _groups([30], 16) == [(0, 1)]
+
+
+def test_acceptance_report_is_lossless_against_batched_greedy(pair) -> None:
+    from eval.batched_eval import acceptance, greedy_references
+
+    target, drafter = pair
+    tm = TargetModel(target, _Tok(), "tiny", None)
+    g = torch.Generator().manual_seed(2)
+    prompts = {"a": [torch.randint(2, V, (int(n),), generator=g).tolist() for n in (3, 9, 15)], "b": [[4, 5, 6]]}
+    refs = greedy_references(tm, prompts, NEW)
+    report = acceptance(tm, drafter, AUX, prompts, K, 0.0, NEW, refs)
+    assert set(report) == {"a", "b"} and report["a"]["prompts"] == 3
+    assert report["a"]["lossless_mismatches"] == [] and report["b"]["lossless_mismatches"] == []
+    assert report["a"]["cycles"] == sum(report["a"]["histogram"]) > 0
