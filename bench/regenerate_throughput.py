@@ -84,40 +84,39 @@ def main() -> int:
     args = ap.parse_args()
 
     target = load_target("smollm2-135m-instruct", dtype=args.dtype, device=args.device)
-    dev, stops = target.device, stop_token_ids(target.tokenizer)
     prompts = sharegpt_prompts(target.tokenizer, args.prompts)
+    figures = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "max_tokens": args.max_tokens,
+               **speed(target, prompts, args)}
+    target = load_target("smollm2-135m-instruct", dtype="float32", device=args.device)
+    figures |= exactness(target, prompts[: args.exact_prompts], args.exact_max_tokens)
+    record("regenerate", figures)
+    return 0
+
+
+def speed(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    dev, stops = target.device, stop_token_ids(target.tokenizer)
     engine = BatchedTarget(target.model)
     base_set = prompts[: args.baseline_prompts]
     generate(engine, base_set[:8], 8, stops, desc="warm-up")
-
     plain, plain_s = timed(lambda: plain_generate(target, base_set, args.max_tokens, args.baseline_batch), dev)
     fast, fast_s = timed(lambda: generate(engine, base_set, args.max_tokens, stops, desc="same set"), dev)
     plain_tokens, fast_tokens = sum(map(len, plain)), sum(len(o.tokens) for o in fast)
     big, big_s = timed(lambda: generate(engine, prompts, args.max_tokens, stops, desc="full set"), dev)
-    big_tokens = sum(len(o.tokens) for o in big)
     lengths = sorted(len(o.tokens) for o in big)
+    return {"prompts": len(prompts), "gen_tokens": sum(lengths), "seconds": round(big_s, 2),
+            "gen_tokens_per_s": round(sum(lengths) / big_s, 1), "answer_tokens_p50": lengths[len(lengths) // 2],
+            "answers_at_cap": sum(n >= args.max_tokens for n in lengths),
+            "baseline_prompts": len(base_set), "baseline_batch": args.baseline_batch,
+            "baseline_gen_tokens_per_s": round(plain_tokens / plain_s, 1),
+            "fast_same_set_tokens_per_s": round(fast_tokens / fast_s, 1),
+            "speedup": round((fast_tokens / fast_s) / (plain_tokens / plain_s), 2)}
 
-    del engine, target
-    exact_target = load_target("smollm2-135m-instruct", dtype="float32", device=args.device)
-    ex_prompts = prompts[: args.exact_prompts]
-    ref = plain_generate(exact_target, ex_prompts, args.exact_max_tokens, len(ex_prompts))
-    got = generate(BatchedTarget(exact_target.model), ex_prompts, args.exact_max_tokens, stops, desc="fp32 check")
-    matches = sum(r == g.tokens for r, g in zip(ref, got, strict=True))
 
-    figures = {
-        "model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "max_tokens": args.max_tokens,
-        "prompts": len(prompts), "gen_tokens": big_tokens, "seconds": round(big_s, 2),
-        "gen_tokens_per_s": round(big_tokens / big_s, 1),
-        "answer_tokens_p50": lengths[len(lengths) // 2], "answers_at_cap": sum(n >= args.max_tokens for n in lengths),
-        "baseline_prompts": len(base_set), "baseline_batch": args.baseline_batch,
-        "baseline_gen_tokens_per_s": round(plain_tokens / plain_s, 1),
-        "fast_same_set_tokens_per_s": round(fast_tokens / fast_s, 1),
-        "speedup": round((fast_tokens / fast_s) / (plain_tokens / plain_s), 2),
-        "exact_prompts": len(ex_prompts), "exact_max_tokens": args.exact_max_tokens, "exact_matches": matches,
-        "exact_dtype": "float32",
-    }
-    record("regenerate", figures)
-    return 0
+def exactness(target: TargetModel, prompts: list[list[int]], max_new: int) -> dict:
+    ref = plain_generate(target, prompts, max_new, len(prompts))
+    got = generate(BatchedTarget(target.model), prompts, max_new, stop_token_ids(target.tokenizer), desc="exact")
+    return {"exact_prompts": len(prompts), "exact_max_tokens": max_new, "exact_dtype": str(target.dtype),
+            "exact_matches": sum(r == g.tokens for r, g in zip(ref, got, strict=True))}
 
 
 if __name__ == "__main__":

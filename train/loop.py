@@ -158,7 +158,7 @@ def train(cfg: Any, resume: str) -> int:
     configure_deepspeed(accelerator, tc)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
-    state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0}
+    state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0, "tokens_seen": 0}
     if resume_from is not None:
         checkpointing.verify_state(resume_from)
         accelerator.load_state(str(resume_from / checkpointing.STATE_DIR))
@@ -178,11 +178,12 @@ def train(cfg: Any, resume: str) -> int:
             checkpointing.update_best(ckpt_root, ckpt, state["step"],
                                     "holdout/accept_length" if metric is not None else "latest (no held-out split)",
                                     metric)
-            checkpointing.prune(ckpt_root, tc.keep_last)
+            checkpointing.prune(ckpt_root, tc.keep_last, tc.save_at)
         accelerator.wait_for_everyone()
 
     # -- loop --------------------------------------------------------------------------------------
-    counts, window_tokens, window_bad, t0 = Counts.zeros(n, accelerator.device), 0, False, time.perf_counter()
+    counts, window_bad, t0 = Counts.zeros(n, accelerator.device), False, time.perf_counter()
+    window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     bar = tqdm(total=int(total_steps), initial=state["step"], desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
@@ -204,6 +205,7 @@ def train(cfg: Any, resume: str) -> int:
                     window_bad = True
                 counts.add(res.step_losses, res.correct, res.scored)
                 window_tokens += int(batch["loss_mask"].numel())
+                window_real += int(raw["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
             grad_norm = None
@@ -218,13 +220,14 @@ def train(cfg: Any, resume: str) -> int:
             state["batch"] = k + 1
             state["nonfinite_total"] += int(window_bad)
             state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
+            padded, real = accelerator.reduce(torch.tensor([float(window_tokens), float(window_real)],
+                                                           device=accelerator.device)).tolist()
+            state["tokens_seen"] += int(real)
             record = {"step": state["step"], "epoch": state["epoch"],
                       "loss": float(accelerator.reduce(window_loss, reduction="mean")) if not window_bad else None,
                       "lr": scheduler.get_last_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
                       "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
-                      "tokens_per_s": accelerator.reduce(torch.tensor(float(window_tokens),
-                                                                      device=accelerator.device)).item()
-                      / (time.perf_counter() - t0)}
+                      "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"]}
             log.write(record)
             bar.update(1)
             if state["nonfinite_in_row"] >= tc.max_nonfinite_in_row:
@@ -240,17 +243,18 @@ def train(cfg: Any, resume: str) -> int:
                 bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
                 counts = Counts.zeros(n, accelerator.device)
             at_end = state["step"] >= total_steps
+            milestone = state["step"] in tc.save_at
             if len(holdout_ds) and (state["step"] % tc.eval_every == 0 or state["step"] % tc.save_every == 0
-                                    or at_end):
+                                    or milestone or at_end):
                 last_eval = holdout_metrics(accelerator, model, data, holdout_sampler, n)
                 accelerator.log(last_eval, step=state["step"])
                 log.write({"step": state["step"], **last_eval})
                 accelerator.print(f"step {state['step']}: " + ", ".join(
                     f"{k2.split('/')[1]} {v:.3f}" for k2, v in last_eval.items() if "loss_" not in k2))
-            if state["step"] % tc.save_every == 0 or at_end:
+            if state["step"] % tc.save_every == 0 or milestone or at_end:
                 save()
             window_loss.zero_()
-            window_bad, window_tokens, t0 = False, 0, time.perf_counter()
+            window_bad, window_tokens, window_real, t0 = False, 0, 0, time.perf_counter()
             if at_end:
                 break
         else:
