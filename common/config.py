@@ -172,9 +172,9 @@ class TrainConfig(Section):
     holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     eval_every: PositiveInt = 200
     save_every: PositiveInt = 200
-    save_at: list[PositiveInt] = Field(
-        default_factory=list, description="Further steps to evaluate and checkpoint at, kept whatever keep_last "
-        "says (points of a learning curve).")
+    save_at: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
+        default_factory=list, description="Fractions of the run's steps at which to also evaluate and keep a "
+        "checkpoint, whatever keep_last says (the points of a learning curve).")
     keep_last: PositiveInt = 2
     log_every: PositiveInt = 10
     max_nonfinite_in_row: PositiveInt = 5

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -39,6 +40,8 @@ from data_prep.store import (
     shard_name,
 )
 from drafter.target import TargetModel
+
+RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
 
 
 class CaptureError(ValueError):
@@ -102,7 +105,18 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int) -> tuple[list[Sample], Counter]:
+def _render_chunk(job: tuple[Any, list[list[dict]], int]) -> list[tuple[list[int], list[int]] | str]:
+    """A worker's share: (ids, mask) per chat, or the LossMaskError reason (exceptions with extra
+    arguments do not survive pickling)."""
+    tokenizer, chats, max_length = job
+    return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask)
+            for r in render_many(tokenizer, chats, max_length)]
+
+
+def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
+               workers: int | None = None) -> tuple[list[Sample], Counter]:
+    """Samples in conversation order (first of each id). Many chats are rendered by a pool of forked
+    workers (``workers``, default: the cores, at most 16): the chat template is Python, one core a chat."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     unique = []
@@ -112,14 +126,25 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int) -> 
             continue
         seen.add(rec["id"])
         unique.append(rec)
+    chats = [rec["messages"] for rec in unique]
+    workers = workers or min(16, os.cpu_count() or 1)
+    if workers > 1 and len(chats) >= RENDER_POOL_MIN:
+        import multiprocessing as mp
+
+        size = -(-len(chats) // (workers * 4))
+        jobs = [(tokenizer, chats[a:a + size], max_length) for a in range(0, len(chats), size)]
+        with mp.get_context("fork").Pool(workers) as pool:
+            rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
+    else:
+        rendered = _render_chunk((tokenizer, chats, max_length))
     samples = []
-    for rec, r in zip(unique, render_many(tokenizer, [rec["messages"] for rec in unique], max_length), strict=True):
-        if isinstance(r, LossMaskError):
-            skipped[r.reason] += 1
-        elif r.num_loss_tokens == 0:
+    for rec, r in zip(unique, rendered, strict=True):
+        if isinstance(r, str):
+            skipped[r] += 1
+        elif sum(r[1]) == 0:
             skipped["no_loss_tokens"] += 1
         else:
-            samples.append(Sample(rec["id"], r.input_ids, r.loss_mask))
+            samples.append(Sample(rec["id"], r[0], r[1]))
     return samples, skipped
 
 

@@ -133,6 +133,7 @@ def train(cfg: Any, resume: str) -> int:
         raise TrainingAborted(f"{data.source}: {len(train_ds)} training samples make {len(sampler)} batches per "
                               f"process, fewer than train.grad_accum={tc.grad_accum}; capture more data")
     total_steps = min(tc.max_steps or math.inf, tc.epochs * windows_per_epoch)
+    milestones = sorted({max(1, round(f * total_steps)) for f in tc.save_at})
 
     # -- drafter ---------------------------------------------------------------------------------
     if resume_from is not None:
@@ -178,7 +179,7 @@ def train(cfg: Any, resume: str) -> int:
             checkpointing.update_best(ckpt_root, ckpt, state["step"],
                                     "holdout/accept_length" if metric is not None else "latest (no held-out split)",
                                     metric)
-            checkpointing.prune(ckpt_root, tc.keep_last, tc.save_at)
+            checkpointing.prune(ckpt_root, tc.keep_last, milestones)
         accelerator.wait_for_everyone()
 
     # -- loop --------------------------------------------------------------------------------------
@@ -243,7 +244,7 @@ def train(cfg: Any, resume: str) -> int:
                 bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
                 counts = Counts.zeros(n, accelerator.device)
             at_end = state["step"] >= total_steps
-            milestone = state["step"] in tc.save_at
+            milestone = state["step"] in milestones
             if len(holdout_ds) and (state["step"] % tc.eval_every == 0 or state["step"] % tc.save_every == 0
                                     or milestone or at_end):
                 last_eval = holdout_metrics(accelerator, model, data, holdout_sampler, n)
