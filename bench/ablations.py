@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> int:
     from eval.batched_eval import acceptance, greedy_references
     from train.loop import train
 
-    cfg, target, prompts = setup(args.config)
+    cfg, target, prompts = setup(args.config, args.limit)
     refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
     for name in args.rows.split(","):
         overrides = json.loads(args.overrides)[name]
@@ -103,6 +103,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--margin", type=float, default=0.02)
+    ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
     ap.add_argument("--rows", help=argparse.SUPPRESS)  # worker mode
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -126,6 +127,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--config", args.config, "--conversations", str(args.conversations),
                "--out", str(args.out), "--samples", str(args.samples), "--steps", str(args.steps),
                "--rows", ",".join(mine), "--overrides", json.dumps(rows)]
+        cmd += ["--limit", str(args.limit)] if args.limit else []
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g)} if torch.cuda.is_available() else dict(os.environ)
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(args.out / f"gpu{g}.log", "w"),
                                       stderr=subprocess.STDOUT))

@@ -41,10 +41,11 @@ from train.checkpointing import read_trainer_state  # noqa: E402
 CURVE_PNG = Path(__file__).resolve().with_name("learning_curve.png")
 
 
-def setup(config: str) -> tuple[RunConfig, TargetModel, dict[str, list[list[int]]]]:
+def setup(config: str, limit: int | None = None) -> tuple[RunConfig, TargetModel, dict[str, list[list[int]]]]:
+    """The config, the fp32 target and every eval prompt (``limit`` per dataset: smoke runs only)."""
     cfg = load_config(config, ["target.dtype=float32"])
     target = load_target_from_config(cfg.target)
-    datasets = [ds.model_copy(update={"limit": None}) for ds in cfg.eval.datasets]
+    datasets = [ds.model_copy(update={"limit": limit}) for ds in cfg.eval.datasets]
     return cfg, target, rendered_datasets(target.tokenizer, datasets)
 
 
@@ -74,7 +75,7 @@ def timings(target: TargetModel, drafter, aux_ids, prompts: list[list[int]], ks:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    cfg, target, prompts = setup(args.config)
+    cfg, target, prompts = setup(args.config, args.limit)
     drafter, aux_ids = load_drafter(target, cfg, args.checkpoint)
     max_new = cfg.eval.max_new_tokens
     refs = greedy_references(target, prompts, max_new)
@@ -100,7 +101,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_curve(args: argparse.Namespace) -> int:
-    cfg, target, prompts = setup(args.config)
+    cfg, target, prompts = setup(args.config, args.limit)
     run_dir = Path(args.run_dir)
     ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
     max_new = cfg.eval.max_new_tokens
@@ -158,6 +159,8 @@ def main() -> int:
     c = sub.add_parser("curve")
     c.add_argument("--config", required=True)
     c.add_argument("--run-dir", required=True)
+    for p in (e, c):
+        p.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; figures are for all)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     return cmd_eval(args) if args.cmd == "eval" else cmd_curve(args)
