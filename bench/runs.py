@@ -59,8 +59,9 @@ def step_records(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def median_tokens_per_s(run_dir: Path, skip: int = 5) -> float:
-    """Median over steps after the first ``skip`` (compilation and warm-up)."""
-    return statistics.median(r["tokens_per_s"] for r in step_records(run_dir)[skip:])
+    """Median over steps after the first ``skip`` (compilation and warm-up; fewer for short smoke runs)."""
+    recs = step_records(run_dir)
+    return statistics.median(r["tokens_per_s"] for r in recs[min(skip, len(recs) - 1):])
 
 
 def holdout_at(run_dir: Path, step: int) -> dict[str, float]:
