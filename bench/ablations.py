@@ -7,7 +7,8 @@ Every row trains online on the first --samples regenerated conversations (the he
 for --steps steps from scratch,
 then is measured like the shipped drafter (k=3, T=0, every MT-Bench and HumanEval prompt, fp32 target).
 Rows: the baseline recipe (the config's), then one lever each: initialisation from the target, a 3x
-learning rate, TTT length 3, an 8k draft vocab, and the data itself cut to first turns with answers of at
+learning rate, TTT length 3, a 32k draft vocab (the config's 16k is what fits the 32 MB the shipped
+drafter may weigh: this row is its tau cost), and the data itself cut to first turns with answers of at
 most 256 tokens (what the old data engine produced; with greedy decoding a 256-token answer is the first
 256 tokens of the longer one). Rows run on every visible GPU in parallel, one process each.
 
@@ -37,7 +38,7 @@ ROWS = {
     "init_from_target": ["drafter.init=target"],
     "lr_x3": None,  # filled from the config: 3 x train.lr
     "ttt_3": ["train.ttt_length=3"],
-    "draft_vocab_8k": ["drafter.draft_vocab_size=8192"],
+    "draft_vocab_32k": ["drafter.draft_vocab_size=32000"],
     "first_turn_short_answers": [],  # a data change, not an override
 }
 SHORT_ANSWER_TOKENS = 256

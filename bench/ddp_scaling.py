@@ -1,9 +1,9 @@
 """Both GPUs of a node against one: regeneration throughput and DDP training, in one run.
 
     python bench/ddp_scaling.py --config configs/smollm2-135m-h200.yaml \
-        --conversations runs/smollm2-h200/conversations.jsonl          # on a 2-GPU machine
+        --conversations runs/smollm2-h200/conversations.jsonl --prompts-file runs/smollm2-h200/prompts.jsonl
 
-Regeneration: the batched engine answers --regen-prompts ShareGPT first turns on one GPU, then the same
+Regeneration: the batched engine answers --regen-prompts first turns of --prompts-file on one GPU, then the same
 prompts split over two GPUs (one process each, started together once both have loaded the model);
 regenerate_speedup_2gpu compares generated tokens/s. Training: the same online training (first
 --samples conversations, --steps steps) on one GPU accumulating 2 batches per step and on two GPUs with
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.regenerate_throughput import sharegpt_prompts  # noqa: E402
+from bench.regenerate_throughput import first_turn_prompts  # noqa: E402
 from bench.results import record  # noqa: E402
 from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
 
@@ -70,6 +70,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--precision", default="no", choices=["no", "bf16"])
+    ap.add_argument("--prompts-file", type=Path, required=True, help="an ingested prompts.jsonl")
     ap.add_argument("--regen-prompts", type=int, default=3000)
     ap.add_argument("--regen-max-tokens", type=int, default=512)
     ap.add_argument("--dtype", default="bfloat16")
@@ -81,7 +82,7 @@ def main() -> int:
     from drafter.target import load_target
 
     tok = load_target("smollm2-135m-instruct", device="cpu").tokenizer
-    prompts = sharegpt_prompts(tok, args.regen_prompts)
+    prompts = first_turn_prompts(tok, args.regen_prompts, args.prompts_file)
     one = regeneration(prompts, args.regen_max_tokens, args.dtype, ["cuda:0"])
     two = regeneration(prompts, args.regen_max_tokens, args.dtype, ["cuda:0", "cuda:1"])
 

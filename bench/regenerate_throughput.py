@@ -1,11 +1,12 @@
 """Regeneration speed of the hf backend's batched engine against plain ``model.generate``, in one run.
 
-    python bench/regenerate_throughput.py                   # on a GPU: SmolLM2-135M-Instruct, ShareGPT
-    python bench/regenerate_throughput.py --prompts 24 --baseline-prompts 8 --max-tokens 16 --exact-prompts 4 \
-        --exact-max-tokens 8 --baseline-batch 4              # a CPU smoke run (figures not for quoting)
+    python bench/regenerate_throughput.py --prompts-file runs/smollm2-h200/prompts.jsonl   # on a GPU
+    python bench/regenerate_throughput.py --prompts-file P --prompts 24 --baseline-prompts 8 --max-tokens 16 \
+        --exact-prompts 4 --exact-max-tokens 8 --baseline-batch 4     # a CPU smoke run (figures not for quoting)
 
-Prompts are ShareGPT first user turns under the chat template, answered greedily up to --max-tokens (a
-realistic mix: answers from a few tokens to the cap). Figures, written to bench/results.json "regenerate":
+Prompts are the first user turns of an ingested ShareGPT prompts.jsonl (--prompts-file) under the chat
+template, answered greedily up to --max-tokens (a realistic mix: answers from a few tokens to the cap).
+Figures, written to bench/results.json "regenerate":
 - baseline_gen_tokens_per_s: plain ``model.generate`` on --baseline-prompts prompts, sorted by length and
   left-padded in batches of --baseline-batch (the old backend at its best setting);
 - fast_same_set_tokens_per_s and speedup: the engine on those very prompts;
@@ -17,6 +18,7 @@ realistic mix: answers from a few tokens to the cap). Figures, written to bench/
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,15 +28,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
-from common.config import DatasetConfig  # noqa: E402
 from data_prep.continuous_batching import generate  # noqa: E402
 from drafter.batched_target import BatchedTarget  # noqa: E402
 from drafter.target import TargetModel, load_target, stop_token_ids  # noqa: E402
-from eval.prompts import load_eval_prompts, render  # noqa: E402
+from eval.prompts import render  # noqa: E402
 
 
-def sharegpt_prompts(tok, n: int) -> list[list[int]]:
-    texts = load_eval_prompts(DatasetConfig(name="sharegpt", kind="sharegpt", path="builtin"), n)
+def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:
+    """The first user turn of the first ``n`` records of an ingested prompts.jsonl, chat-templated (prompts
+    over 2,048 tokens left out)."""
+    texts = []
+    with open(prompts_file) as f:
+        for line in f:
+            if len(texts) >= n:
+                break
+            texts.append(next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"))
     return [ids for ids in (render(tok, t) for t in texts) if len(ids) <= 2048]
 
 
@@ -73,6 +81,7 @@ def timed(fn, device: torch.device):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts-file", type=Path, required=True, help="an ingested prompts.jsonl")
     ap.add_argument("--prompts", type=int, default=6000)
     ap.add_argument("--baseline-prompts", type=int, default=512)
     ap.add_argument("--baseline-batch", type=int, default=256)
@@ -84,7 +93,7 @@ def main() -> int:
     args = ap.parse_args()
 
     target = load_target("smollm2-135m-instruct", dtype=args.dtype, device=args.device)
-    prompts = sharegpt_prompts(target.tokenizer, args.prompts)
+    prompts = first_turn_prompts(target.tokenizer, args.prompts, args.prompts_file)
     figures = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "max_tokens": args.max_tokens,
                **speed(target, prompts, args)}
     target = load_target("smollm2-135m-instruct", dtype="float32", device=args.device)
