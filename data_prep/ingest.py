@@ -24,7 +24,7 @@ from common.wheels import MissingWheelError, builtin_data_path
 from data_prep.readers import Messages, Record, Skip, read_source
 
 SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "assistant_first",
-                "empty", "too_long", "duplicate")
+                "orphan_tool_result", "empty", "too_long", "duplicate")
 
 
 class IngestError(ValueError):
@@ -94,7 +94,9 @@ def resolve_path(src: SourceConfig, index: int) -> Path:
 
 def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messages, bool]:
     """Strip, drop empty system turns, keep up to the ``max_turns``-th user turn and its answer.
-    Returns the messages and whether they were cut; raises Skip for a record that is no prompt."""
+    An assistant's reasoning_content and tool_calls and a tool turn's tool_call_id/name are kept; a tool
+    result must answer an assistant's tool calls. Returns the messages and whether they were cut; raises
+    Skip for a record that is no prompt."""
     out: Messages = []
     users = 0
     cut = False
@@ -109,9 +111,11 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
             users += 1
         elif m["role"] == "assistant" and users == 0:
             raise Skip("assistant_first", "an assistant turn before any user turn")
+        elif m["role"] == "tool" and not (out and (out[-1]["role"] == "tool" or out[-1].get("tool_calls"))):
+            raise Skip("orphan_tool_result", "a tool result that follows no assistant tool call")
         if m["role"] == "user" and not content:
             raise Skip("empty", f"user turn {users} is empty")
-        out.append({"role": m["role"], "content": content})
+        out.append({**m, "content": content})
     if users == 0:
         raise Skip("empty", "no user turn")
     prompt_chars = sum(len(m["content"]) for m in out if m["role"] != "assistant")
@@ -120,8 +124,10 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
     return out, cut
 
 
-def content_hash(messages: Messages) -> str:
-    prompt = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+def content_hash(messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
+    prompt: list[Any] = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+    if tools:  # the same turns with other tools on offer are another prompt (ids of tool-less records unchanged)
+        prompt.append(["tools", tools])
     try:
         data = json.dumps(prompt, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:  # lone surrogates: undecodable bytes in a JSON array, or bad escapes
@@ -143,7 +149,7 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
                     report.broken_tail = f"{rec.where}: {rec.detail}"
                 raise Skip(rec.skip, rec.detail)
             messages, cut = normalise(rec.messages or [], max_turns, max_chars)
-            digest = content_hash(messages)
+            digest = content_hash(messages, rec.tools)
             if digest in seen:
                 raise Skip("duplicate", f"same prompt as an earlier record (sha1 {digest[:16]})")
         except Skip as s:
@@ -152,7 +158,8 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
         seen.add(digest)
         report.kept += 1
         report.cut_to_max_turns += cut
-        out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages})
+        out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages}
+                   | ({"tools": rec.tools} if rec.tools else {}))
 
 
 def run_ingest(cfg: RunConfig) -> IngestSummary:

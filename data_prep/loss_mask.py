@@ -10,6 +10,8 @@ Character spans map to tokens through the prefix tokenization when it is a token
 
 from __future__ import annotations
 
+import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,27 @@ class Rendered:
     @property
     def num_loss_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+def as_server_renders(messages: list[dict]) -> list[dict]:
+    """The messages as SGLang's chat endpoint hands them to the chat template: an assistant's tool-call
+    ``function.arguments`` parsed from its JSON string into an object, a null content as "" (sglang
+    srt/entrypoints/openai/serving_chat.py, ``normalize_assistant_tool_call_arguments``). Rendering our
+    stored turns this way gives the tokens the server rendered when it produced them."""
+    out = copy.deepcopy(messages)
+    for m in out:
+        if m.get("content") is None:
+            m["content"] = ""
+        for call in m.get("tool_calls") or () if m.get("role") == "assistant" else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    parsed = json.loads(fn["arguments"])
+                except ValueError:
+                    continue  # not JSON: the template gets the string, as a lenient server would pass it
+                if isinstance(parsed, dict):
+                    fn["arguments"] = parsed
+    return out
 
 
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, kwargs: dict) -> str:
@@ -56,8 +79,11 @@ def _boundary(tokenizer: Any, text: str, char_pos: int, full_ids: list[int], off
 
 def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
                      template_kwargs: dict | None = None) -> Rendered:
-    """Render ``messages`` with the tokenizer's chat template; mask = assistant content + end-of-turn."""
+    """Render ``messages`` with the tokenizer's chat template; mask = each assistant turn (its reasoning, content
+    and tool calls, as the template renders them) + end-of-turn. ``template_kwargs``: the target's
+    chat_template_kwargs and the chat's ``tools``."""
     kwargs = template_kwargs or {}
+    messages = as_server_renders(messages)
     text = _render(tokenizer, messages, False, kwargs)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]

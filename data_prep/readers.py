@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import IO, Any
 
 CHUNK_BYTES = 1 << 22
-Messages = list[dict[str, str]]
+# {"role", "content": str}; an assistant turn may add "reasoning_content" (str) and "tool_calls" (OpenAI's
+# [{"id", "type": "function", "function": {"name", "arguments": JSON str}}]), a tool turn "tool_call_id"/"name".
+Messages = list[dict[str, Any]]
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                   "assistant": "assistant", "bing": "assistant", "system": "system"}
-OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class Skip(Exception):
@@ -38,6 +40,7 @@ class Skip(Exception):
 class Record:
     where: str  # "file:line" (JSONL, lines) or "file[index]" (JSON array)
     messages: Messages | None = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions the chat template renders
     skip: str | None = None
     detail: str = ""
     tail: bool = False  # the file ends in a broken record: ``detail`` says where and what was cut
@@ -191,13 +194,53 @@ def _openai_content(role: Any, content: Any) -> Any:
     return content
 
 
+def _tool_calls(calls: Any) -> list[dict[str, Any]]:
+    """OpenAI tool calls with string arguments (a dict is serialised, as the API sends it)."""
+    if not isinstance(calls, list):
+        raise Skip("missing_field", f"'tool_calls' is {type(calls).__name__}, expected a list")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise Skip("missing_field", "a tool call lacks function.name")
+        args = fn.get("arguments", "{}")
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call = {"id": c["id"], **call}
+        out.append(call)
+    return out
+
+
 def openai_messages(obj: Any) -> Messages:
+    """OpenAI chat messages, keeping what the chat template renders: an assistant's reasoning_content and
+    tool_calls, tool results with their tool_call_id (K2.5 traffic is mostly thinking and agentic)."""
     out = []
     for m in _field(obj, "messages", list):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
             raise Skip("missing_field", "a message lacks 'role' or 'content'")
-        out.append(_turn(OPENAI_ROLES, m["role"], _openai_content(m["role"], m["content"])))
+        turn: dict[str, Any] = _turn(OPENAI_ROLES, m["role"], _openai_content(m["role"], m.get("content")))
+        if turn["role"] == "assistant":
+            for key in ("reasoning_content", "reasoning"):  # vLLM names it "reasoning"
+                if isinstance(m.get(key), str) and m[key]:
+                    turn["reasoning_content"] = m[key]
+                    break
+            if m.get("tool_calls"):
+                turn["tool_calls"] = _tool_calls(m["tool_calls"])
+        elif turn["role"] == "tool":
+            turn |= {k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)}
+        out.append(turn)
     return out
+
+
+def openai_tools(obj: Any) -> list[dict[str, Any]] | None:
+    """The record's tool definitions (rendered into the prompt by the chat template), if any."""
+    tools = obj.get("tools") if isinstance(obj, dict) else None
+    if tools is None:
+        return None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise Skip("missing_field", "'tools' must be a list of objects")
+    return tools or None
 
 
 def mtbench_messages(obj: Any) -> Messages:
@@ -221,7 +264,7 @@ def read_json_source(kind: str, path: Path) -> Iterator[Record]:
         try:
             if isinstance(value, Skip):
                 raise value
-            yield Record(where, messages=convert(value))
+            yield Record(where, messages=convert(value), tools=openai_tools(value) if kind == "openai" else None)
         except Skip as s:
             yield Record(where, skip=s.reason, detail=s.detail, tail=s.tail)
 

@@ -78,41 +78,78 @@ def resume(path: Path) -> tuple[set[str], int]:
 
 
 class Conversation:
-    """One prompt being regenerated: its user turns (with any system turns before each) fed one at a time."""
+    """One prompt being regenerated: the target answers after each user turn and after each run of tool results.
+
+    The source's assistant turns are dropped; its tool results stay, since no tool is run here. A run of tool
+    results answers the source's tool calls, so it is fed only when the target's own previous answer made the
+    same calls (function names in order); they are then attached to the target's call ids. When the target
+    chose otherwise, the conversation ends after its answer (``diverged``): a result for a call never made
+    would teach the drafter a conversation that cannot happen."""
 
     def __init__(self, prompt: dict[str, Any]):
         self.prompt = prompt
-        self.segments: list[Chat] = []
+        self.tools = prompt.get("tools")
+        self.segments: list[Chat] = []  # the non-assistant turns before each answer
+        self.answers_calls: list[list[dict[str, Any]] | None] = []  # per segment: the source calls it answers
         pending: Chat = []
-        for m in prompt["messages"]:
+        calls = None
+        msgs = prompt["messages"]
+        for i, m in enumerate(msgs):
             if m["role"] == "assistant":
+                calls = m.get("tool_calls")
                 continue
-            pending.append({"role": m["role"], "content": m["content"]})
-            if m["role"] == "user":
+            pending.append(dict(m))
+            after = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
+            if m["role"] == "user" or (m["role"] == "tool" and after != "tool"):
                 self.segments.append(pending)
+                self.answers_calls.append(calls if m["role"] == "tool" else None)
                 pending = []
         self.chat: Chat = []
         self.finish_reasons: list[str] = []
         self.error: str | None = None
         self.detail = ""
+        self.diverged = False
 
     def wants_more(self) -> bool:
-        return self.error is None and len(self.finish_reasons) < len(self.segments)
+        return self.error is None and not self.diverged and len(self.finish_reasons) < len(self.segments)
 
     def request(self) -> Chat:
-        self.chat += self.segments[len(self.finish_reasons)]
+        n = len(self.finish_reasons)
+        segment = self.segments[n]
+        if self.answers_calls[n] is not None:
+            segment = self._attach(segment, self.answers_calls[n])
+        self.chat += segment
         return list(self.chat)
+
+    def _attach(self, results: Chat, source_calls: list[dict[str, Any]]) -> Chat:
+        """Tool results re-addressed to the target's own calls (by position among the source's calls)."""
+        own = self.chat[-1].get("tool_calls") or [] if self.chat and self.chat[-1]["role"] == "assistant" else []
+        position = {c.get("id"): i for i, c in enumerate(source_calls)}
+        out = []
+        for j, r in enumerate(results):
+            i = position.get(r.get("tool_call_id"), j)
+            out.append(r | ({"tool_call_id": own[i]["id"]} if i < len(own) and "id" in own[i] else {}))
+        return out
+
+    def _same_calls(self, n: int) -> bool:
+        source = self.answers_calls[n]
+        own = self.chat[-1].get("tool_calls") or []
+        return [c["function"]["name"] for c in own] == [c["function"]["name"] for c in source]
 
     def accept(self, c: Completion) -> None:
         if c.error:
             self.error, self.detail = c.error, c.detail
             return
-        self.chat.append({"role": "assistant", "content": c.text})
+        self.chat.append(c.message())
         self.finish_reasons.append(c.finish_reason)
+        n = len(self.finish_reasons)
+        if n < len(self.segments) and self.answers_calls[n] is not None and not self._same_calls(n):
+            self.diverged = True
 
     def record(self, backend: str) -> dict[str, Any]:
-        return {"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
-                "finish_reasons": self.finish_reasons, "backend": backend}
+        return ({"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
+                 "finish_reasons": self.finish_reasons, "backend": backend}
+                | ({"tools": self.tools} if self.tools else {}))
 
 
 @dataclass
@@ -123,6 +160,7 @@ class RegenerateSummary:
     already_done: int  # found in the file at start
     torn_bytes_dropped: int
     written: int  # this run
+    tool_calls_diverged: int = 0  # this run: ended early, the target made other tool calls than the source's
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -145,7 +183,8 @@ class RegenerateSummary:
         lines = [
             f"## Regenerate ({self.backend}): {self.records} conversations in {self.output}", "",
             f"- this run: {self.written} written in {self.seconds:.1f} s; {self.already_done} already done; "
-            f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes",
+            f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes; "
+            f"{self.tool_calls_diverged} ended where the target's tool calls differ from the source's",
             f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
             f"{self.duplicate_ids} duplicate ids",
             f"- {self.turns} answers: finish reasons {dict(self.finish_reasons)}; chars {pct}",
@@ -166,6 +205,12 @@ def percentiles(values: list[int]) -> dict[str, int]:
     return {str(p): ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in PERCENTILES}
 
 
+def answer_text(message: dict[str, Any]) -> str:
+    """What an answer says: its reasoning, content and tool calls (an agentic turn may have no content)."""
+    calls = "".join(json.dumps(c, ensure_ascii=False) for c in message.get("tool_calls") or ())
+    return (message.get("reasoning_content") or "") + message["content"] + calls
+
+
 def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> None:
     """Re-read the output as the next stage will, and fill in the checks and answer statistics."""
     counts: Counter[str] = Counter()
@@ -175,7 +220,7 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
         for line in f:
             rec = json.loads(line)
             counts[rec["id"]] += 1
-            answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+            answers = [answer_text(m) for m in rec["messages"] if m["role"] == "assistant"]
             lengths += [len(a) for a in answers]
             summary.finish_reasons.update(rec["finish_reasons"])
             empty = sum(not a.strip() for a in answers)
@@ -209,7 +254,10 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
         for i in range(0, len(pending), backend.batch_size):
             convs = [Conversation(p) for p in pending[i: i + backend.batch_size]]
             while active := [c for c in convs if c.wants_more()]:
-                for conv, completion in zip(active, backend.complete([c.request() for c in active]), strict=True):
+                chats = [c.request() for c in active]
+                tools = [c.tools for c in active]
+                for conv, completion in zip(active, backend.complete(chats, tools if any(tools) else None),
+                                            strict=True):
                     conv.accept(completion)
             for conv in convs:
                 if conv.error:
@@ -218,6 +266,7 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                 else:
                     append_jsonl(f, conv.record(backend.name))
                     summary.written += 1
+                    summary.tool_calls_diverged += conv.diverged
             bar.update(len(convs))
     summary.seconds = time.perf_counter() - start
     validate(out_path, [p["id"] for p in prompts], summary)

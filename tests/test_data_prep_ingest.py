@@ -100,13 +100,14 @@ def test_openai_messages_reader(tmp_path: Path) -> None:
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "two "},
                                                    {"type": "text", "text": "parts"}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},  # non_text
-        {"messages": [{"role": "tool", "content": "{}"}]},  # unknown_role
+        {"messages": [{"role": "function", "content": "{}"}]},  # unknown_role
+        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"}]},  # orphan_tool_result
         {"messages": [{"content": "no role"}]},  # missing_field
         {"prompt": "not chat"},  # missing_field
     ]))
     cfg = make_cfg(tmp_path, [{"kind": "openai", "path": str(path)}])
     report = run_ingest(cfg).sources[0]
-    assert dict(report.skipped) == {"non_text": 1, "unknown_role": 1, "missing_field": 2}
+    assert dict(report.skipped) == {"non_text": 1, "unknown_role": 1, "missing_field": 2, "orphan_tool_result": 1}
     prompts = read_prompts(cfg)
     assert [m["role"] for m in prompts[0]["messages"]] == ["system", "user", "assistant", "user"]
     assert prompts[1]["messages"] == [{"role": "user", "content": "two parts"}]
