@@ -133,7 +133,7 @@ def test_dotted_overrides_apply(tmp_path: Path, base_tree: dict) -> None:
                              "run_dir=elsewhere", "eval.timings.decode_ms=10", "eval.timings.cycle_ms={3: 25}"])
     assert cfg.train.lr == 5e-4 and cfg.target.aux_layer_ids == [3, 14, 26]
     assert cfg.drafter.init_from == "ckpt/a" and cfg.checkpoints_dir == Path("elsewhere/checkpoints")
-    assert cfg.eval.timings is not None and cfg.eval.timings.decode_ms == 10.0 and cfg.eval.timings.cycle_ms == {3: 25.0}
+    assert cfg.eval.timings is not None and (cfg.eval.timings.decode_ms, cfg.eval.timings.cycle_ms) == (10.0, {3: 25.0})
     assert load_config(path, ["drafter.init_from=null"]).drafter.init_from is None
     assert load_config(path).train.lr == base_tree["train"]["lr"]  # the file itself is untouched
 
