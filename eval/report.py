@@ -31,7 +31,9 @@ def markdown(r: dict) -> str:
     k = s["num_steps"]
     lines = [f"# Eval report: {r['name']}", "",
              f"Target `{r['target']}` on {r['device']}, batch size 1, k = {k} chained drafts "
-             f"(up to {k + 1} tokens per cycle), T = {s['temperature']}, max_new_tokens = {s['max_new_tokens']}, "
+             f"(up to {k + 1} tokens per cycle), T = {s['temperature']}"
+             + (f" (acceptance: {s.get('acceptance')})" if s["temperature"] > 0 else "")
+             + f", max_new_tokens = {s['max_new_tokens']}, "
              f"prompts: " + ", ".join(f"{n} {d}" for d, n in r["prompts"].items()) + ".", "",
              "## Break-even", "",
              f"- tau* = {_f(be['tau_star'])} = cycle {_f(be['cycle_ms'], 2)} ms / decode {_f(be['decode_ms'], 2)} ms "
@@ -67,6 +69,12 @@ def markdown(r: dict) -> str:
             lines.append(f"- lossless (T=0, {ll['prompts']} prompts): {verdict}")
             lines += [f"  - {m['dataset']} prompt {m['prompt']}: first divergence at token {m['first_divergence']} "
                       f"(greedy {m['greedy']} vs speculative {m['speculative']})" for m in ll["mismatches"]]
+            if ll.get("near_ties"):
+                lines.append(f"- near-ties (top-1/top-2 logit margin < {ll['tie_epsilon']}; not failures): "
+                             f"{len(ll['near_ties'])} prompt(s)")
+                lines += [f"  - {m['dataset']} prompt {m['prompt']}: token {m['first_divergence']}, margin "
+                          f"{_f(m['margin'], 5)} (greedy {m['greedy']} vs speculative {m['speculative']})"
+                          for m in ll["near_ties"]]
         else:
             lines.append(f"- lossless: not checked ({ll['reason']})")
         lines.append("")
