@@ -83,8 +83,8 @@ class Conversation:
     The source's assistant turns are dropped; its tool results stay, since no tool is run here. A run of tool
     results answers the source's tool calls, so it is fed only when the target's own previous answer made the
     same calls (function names in order); they are then attached to the target's call ids. When the target
-    chose otherwise, the conversation ends after its answer (``diverged``): a result for a call never made
-    would teach the drafter a conversation that cannot happen."""
+    chose otherwise (other calls, or calls where the source made none), the conversation ends after its answer
+    (``diverged``): a result for a call never made would teach the drafter a conversation that cannot happen."""
 
     def __init__(self, prompt: dict[str, Any]):
         self.prompt = prompt
@@ -131,10 +131,17 @@ class Conversation:
             out.append(r | ({"tool_call_id": own[i]["id"]} if i < len(own) and "id" in own[i] else {}))
         return out
 
-    def _same_calls(self, n: int) -> bool:
+    def _can_continue(self, n: int) -> bool:
+        """Whether segment n can follow the target's last answer: its tool results answer exactly the calls the
+        target made (same function names in order, one result each), or it has no tool results and the target
+        made no call. SGLang refuses a chat with an unanswered call (``_tool_call_pairing_error`` in sglang
+        srt/entrypoints/openai/serving_chat.py), and a result for a call never made would be fiction."""
+        own = [c["function"]["name"] for c in self.chat[-1].get("tool_calls") or ()]
         source = self.answers_calls[n]
-        own = self.chat[-1].get("tool_calls") or []
-        return [c["function"]["name"] for c in own] == [c["function"]["name"] for c in source]
+        if source is None:
+            return not own
+        results = [m for m in self.segments[n] if m["role"] == "tool"]
+        return own == [c["function"]["name"] for c in source] and len(results) == len(own)
 
     def accept(self, c: Completion) -> None:
         if c.error:
@@ -143,7 +150,7 @@ class Conversation:
         self.chat.append(c.message())
         self.finish_reasons.append(c.finish_reason)
         n = len(self.finish_reasons)
-        if n < len(self.segments) and self.answers_calls[n] is not None and not self._same_calls(n):
+        if n < len(self.segments) and not self._can_continue(n):
             self.diverged = True
 
     def record(self, backend: str) -> dict[str, Any]:

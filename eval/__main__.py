@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--config", help="measure on eval.sglang.server_url + sweep_urls and baseline_url")
     sw.add_argument("--table", help="a cost table JSON instead of measuring (see eval/serving_sweep.py)")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    sw.add_argument("--out", help="output folder (default: run_dir/eval/sweep)")
+    sw.add_argument("--out", help="output folder (default: run_dir/eval/sweep; with --table alone, beside it)")
     be = sub.add_parser("breakeven")
     be.add_argument("--decode-ms", type=float, required=True)
     be.add_argument("--cycle-ms", type=float, required=True)

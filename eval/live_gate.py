@@ -271,11 +271,11 @@ def markdown(r: dict) -> str:
 
 
 def write_live_report(cfg: RunConfig, report: dict) -> Path:
-    from eval.report import _clean
+    from eval.report import json_safe
 
     out = cfg.eval_dir / report["name"]
     out.mkdir(parents=True, exist_ok=True)
-    clean = _clean(report)
+    clean = json_safe(report)
     write_text_atomic(out / "report.json", json.dumps(clean, indent=2) + "\n")
     write_text_atomic(out / "report.md", markdown(clean))
     print(markdown(clean))

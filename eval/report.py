@@ -11,14 +11,14 @@ from typing import Any
 from common.files import write_text_atomic
 
 
-def _clean(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     """NaN/inf become null: strict JSON readers reject the bare NaN that json.dumps writes."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -143,7 +143,7 @@ def log_wandb(r: dict, project: str, images: list[Path]) -> None:
 def write_report(r: dict, out_dir: str | Path, wandb_project: str | None = None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    r = _clean(r)
+    r = json_safe(r)
     write_text_atomic(out / "report.json", json.dumps(r, indent=2) + "\n")
     write_text_atomic(out / "report.md", markdown(r))
     images = plots(r, out)

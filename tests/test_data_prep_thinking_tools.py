@@ -177,11 +177,18 @@ def test_reasoning_and_tool_calls_survive_ingest_regenerate_capture(tmp_path, k2
         assert text.count("<think></think>") == 2 and "<think>\n" not in text and "The user wants" not in text
 
 
-def test_a_different_tool_call_ends_the_conversation_there(tmp_path):
-    """The target called another tool than the source recorded: no result exists for its call, so the
-    conversation is kept up to its answer and counted."""
+PLAIN = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."},
+         {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": "Rain."}]
+
+
+@pytest.mark.parametrize(("messages", "called"), [
+    (SOURCE["messages"], "search_web"),  # the source called get_weather: its result answers no call made here
+    (PLAIN, "get_weather"),  # the source made no call: SGLang refuses a chat with an unanswered call
+])
+def test_other_tool_calls_end_the_conversation_there(tmp_path, messages, called):
+    """No result exists for the target's call, so the conversation is kept up to its answer and counted."""
     srv: Any = ThreadingHTTPServer(("127.0.0.1", 0), Replay)
-    srv.bodies, srv.requests = sglang_chat(True, name="search_web"), []
+    srv.bodies, srv.requests = sglang_chat(True, name=called), []
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     cfg = parse_config({"run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct"},
                         "data": {"sources": [{"kind": "lines", "path": "unused"}]},
@@ -190,13 +197,13 @@ def test_a_different_tool_call_ends_the_conversation_there(tmp_path):
                         "eval": {"datasets": [{"name": "x", "kind": "lines"}]}})
     cfg.root.mkdir(parents=True)
     cfg.prompts_path.write_text(json.dumps({"id": "p", "source": "openai", "tools": TOOLS,
-                                            "messages": SOURCE["messages"]}) + "\n")
+                                            "messages": messages}) + "\n")
     try:
         summary = run_regenerate(cfg)
     finally:
         srv.shutdown()
         srv.server_close()
     (conv,) = [json.loads(line) for line in cfg.conversations_path.read_text().splitlines()]
-    assert len(srv.requests) == 1 and summary.tool_calls_diverged == 1
-    assert [m["role"] for m in conv["messages"]] == ["system", "user", "assistant"]
-    assert conv["messages"][-1]["tool_calls"][0]["function"]["name"] == "search_web"
+    assert len(srv.requests) == 1 and summary.tool_calls_diverged == 1 and summary.written == 1
+    assert [m["role"] for m in conv["messages"]][-2:] == ["user", "assistant"]
+    assert conv["messages"][-1]["tool_calls"][0]["function"]["name"] == called
