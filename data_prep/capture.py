@@ -147,7 +147,7 @@ def plan_sha256(samples: Sequence[Sample]) -> str:
 
 # ---------------------------------------------------------------- the target forward
 class CaptureBackend(Protocol):
-    def run(self, batch: Sequence[Sample]) -> list[dict[str, Tensor]]:
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
         """Per sample: ``aux`` (L, 3H) and either ``last_hidden`` (L, H) or the teacher signal itself
         (``target_argmax``, ``topk_ids``, ``topk_logprobs``), float, on any device."""
         ...
@@ -175,8 +175,7 @@ class HFCaptureBackend:
     def __init__(self, target: TargetModel, aux_ids: Sequence[int]):
         self.target, self.aux_ids = target, list(aux_ids)
 
-    def run(self, samples: Sequence[Sample]) -> list[dict[str, Tensor]]:
-        batch = [s.input_ids for s in samples]
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
         longest = max(map(len, batch))
         ids = torch.full((len(batch), longest), self.target.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -266,7 +265,7 @@ def capture_shard(backend: CaptureBackend, lm_head: Tensor, samples: list[Sample
         writer.write("loss_mask", 0, torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.uint8))
         store_dt = torch_dtype(cap.dtype)
         for batch in length_batches(lengths, cap.batch_tokens):
-            outs = backend.run([samples[i] for i in batch])
+            outs = backend.run([samples[i].input_ids for i in batch])
             for i, o in zip(batch, outs, strict=True):
                 writer.write("aux", starts[i], o["aux"].to(store_dt))
                 if "last_hidden" in o:
@@ -327,11 +326,16 @@ def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
         samples, skipped = source.samples()
         return samples, skipped, source
     samples, skipped = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs)
-    if cap.backend == "sglang":
+    return samples, skipped, make_capture_backend(cfg, target, aux_ids)
+
+
+def make_capture_backend(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int]) -> CaptureBackend:
+    """The forward for rendered samples: the HF model, or a stock SGLang engine."""
+    if cfg.capture.backend == "sglang":
         from data_prep.capture_sglang import SGLangCaptureBackend
 
-        return samples, skipped, SGLangCaptureBackend(cfg)
-    return samples, skipped, HFCaptureBackend(target, aux_ids)  # type: ignore[arg-type]
+        return SGLangCaptureBackend(cfg)
+    return HFCaptureBackend(target, aux_ids)  # type: ignore[arg-type]
 
 
 def run_capture(cfg: Any, target: CaptureTarget | None = None) -> CaptureSummary:

@@ -18,7 +18,6 @@ Same interface as ``capture.HFCaptureBackend.run``, but it returns the teacher s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,8 +44,7 @@ class SGLangCaptureBackend:
                                  enable_return_hidden_states=True, speculative_algorithm="EAGLE3",
                                  speculative_draft_model_path=cfg.drafter.init_from)
 
-    def run(self, samples: Sequence[Any]) -> list[dict[str, Tensor]]:
-        batch = [s.input_ids for s in samples]
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
         outs = self.engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
                                     return_hidden_states=True, return_logprob=True, logprob_start_len=0,
                                     top_logprobs_num=self.topk)

@@ -42,6 +42,7 @@ count is reported. Samples are named ``specforge-<i>`` and kept in ``i`` order.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import re
 from collections import Counter
@@ -123,7 +124,7 @@ class SpecForgeImport:
             raise CaptureError(f"capture.specforge_dir: {root} holds no rows_*/data_<i>.ckpt[.gz] files; run "
                                "SpecForge's scripts/prepare_hidden_states.py with --output-path there first")
         self.dropped_tail_tokens = 0
-        self._paths: dict[str, Path] = {}
+        self._paths: dict[bytes, Path] = {}  # digest of a sample's tokens -> its file
 
     @staticmethod
     def sample_id(index: int) -> str:
@@ -146,21 +147,26 @@ class SpecForgeImport:
             if int(mask[:keep].sum()) == 0:
                 skipped["no_loss_tokens"] += 1
                 continue
-            sid = self.sample_id(i)
-            self._paths[sid] = path
-            out.append(Sample(sid, ids[:keep].tolist(), [int(m != 0) for m in mask[:keep].tolist()]))
+            tokens = ids[:keep].tolist()
+            self._paths.setdefault(_digest(tokens), path)  # equal tokens have equal states: either file will do
+            out.append(Sample(self.sample_id(i), tokens, [int(m != 0) for m in mask[:keep].tolist()]))
         return out, Counter({k: v for k, v in skipped.items() if v})
 
-    def run(self, batch: Sequence[Sample]) -> list[dict[str, Tensor]]:
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
+        """The stored states of each sample (``capture.CaptureBackend``: samples come as their tokens)."""
         outs = []
-        for s in batch:
-            path = self._paths[s.id]
+        for tokens in batch:
+            path = self._paths[_digest(tokens)]
             ids, _, aux, last = checked(read_file(path), path, self.hidden_size)
-            n = len(s.input_ids)
-            if ids[:n].tolist() != s.input_ids:
+            n = len(tokens)
+            if ids[:n].tolist() != list(tokens):
                 raise CaptureError(f"{path}: changed since its tokens were read; rerun capture")
             outs.append({"aux": aux[:n], "last_hidden": last[:n]})
         return outs
+
+
+def _digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.sha1(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()).digest()
 
 
 def export_for_specforge(conversations: Sequence[dict[str, Any]], path: Path) -> int:
