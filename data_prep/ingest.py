@@ -3,7 +3,8 @@
 Records are cut to ``data.max_turns`` user turns and checked once here, so regeneration can trust its
 input. Ids are ``<source>-<sha1[:16]>`` of the prompt turns (system and user, not the source's
 answers, which regeneration replaces): the same prompt gets the same id in every run and every file,
-and a second copy of it is a duplicate. Every dropped record is counted under one reason.
+and a second copy of it is a duplicate. Every dropped record is counted under one reason. The records
+come from ``data_prep.sources`` (files, `datasets` sources, hub ids, column mappings).
 """
 
 from __future__ import annotations
@@ -18,17 +19,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common.config import RunConfig, SourceConfig
+from common.config import RunConfig
 from common.files import write_jsonl_atomic
-from common.wheels import MissingWheelError, builtin_data_path
-from data_prep.readers import Messages, Record, Skip, read_source
+from data_prep.readers import Messages, Record, Skip
+from data_prep.sources import open_source
 
-SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "assistant_first",
-                "orphan_tool_result", "empty", "too_long", "duplicate")
-
-
-class IngestError(ValueError):
-    """A source that cannot be read at all; the message names the file."""
+SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "orphan_tool_result",
+                "empty", "too_long", "duplicate")
 
 
 @dataclass
@@ -38,6 +35,7 @@ class SourceReport:
     read: int = 0
     kept: int = 0
     cut_to_max_turns: int = 0
+    leading_assistant_dropped: int = 0  # kept records that opened with an assistant turn (that turn dropped)
     stopped_at_limit: bool = False
     skipped: Counter[str] = field(default_factory=Counter)
     first_skip: dict[str, str] = field(default_factory=dict)  # reason -> "where: detail" of its first case
@@ -64,11 +62,12 @@ class IngestSummary:
 
     def to_markdown(self) -> str:
         lines = [f"## Ingest: {self.kept} prompts -> {self.output}", "",
-                 "| source | path | read | kept | cut to max_turns | " + " | ".join(SKIP_REASONS) + " |",
-                 "|---" * (5 + len(SKIP_REASONS)) + "|"]
+                 "| source | path | read | kept | cut to max_turns | opening assistant turn dropped | "
+                 + " | ".join(SKIP_REASONS) + " |", "|---" * (6 + len(SKIP_REASONS)) + "|"]
         for s in self.sources:
             read = f"{s.read} (stopped at limit)" if s.stopped_at_limit else str(s.read)
             lines.append(f"| {s.source} | {Path(s.path).name} | {read} | {s.kept} | {s.cut_to_max_turns} | "
+                         f"{s.leading_assistant_dropped} | "
                          + " | ".join(str(s.skipped[r]) for r in SKIP_REASONS) + " |")
         notes = [f"- {s.source}: broken tail: {s.broken_tail}" for s in self.sources if s.broken_tail]
         notes += [f"- {s.source}: first {r}: {w}" for s in self.sources for r, w in s.first_skip.items()
@@ -76,20 +75,6 @@ class IngestSummary:
         return "\n".join(lines + ([""] + notes if notes else []))
 
     __str__ = to_markdown
-
-
-def resolve_path(src: SourceConfig, index: int) -> Path:
-    """The file behind a source; a cheap one-line error now rather than a traceback mid-run."""
-    where = f"data.sources[{index}] ({src.kind})"
-    if src.path == "builtin":
-        try:
-            return builtin_data_path(src.kind)
-        except (ValueError, MissingWheelError) as e:
-            raise IngestError(f"{where}: {e}") from None
-    path = Path(src.path)
-    if not path.is_file():
-        raise IngestError(f"{path}: no such file ({where}.path)")
-    return path
 
 
 def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messages, bool]:
@@ -109,8 +94,6 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
                 cut = True
                 break
             users += 1
-        elif m["role"] == "assistant" and users == 0:
-            raise Skip("assistant_first", "an assistant turn before any user turn")
         elif m["role"] == "tool" and not (out and (out[-1]["role"] == "tool" or out[-1].get("tool_calls"))):
             raise Skip("orphan_tool_result", "a tool result that follows no assistant tool call")
         if m["role"] == "user" and not content:
@@ -122,6 +105,23 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
     if prompt_chars > max_chars:
         raise Skip("too_long", f"{prompt_chars} prompt chars > data.max_prompt_chars {max_chars}")
     return out, cut
+
+
+def drop_leading_assistant(messages: Messages) -> tuple[Messages, bool]:
+    """ShareGPT splits long chats into records, and a continuation opens with the assistant's turn. That
+    turn answers nothing we have, but the user turns after it are good prompts: drop only the opening
+    assistant turns and the tool results answering their calls (system turns stay). Returns the messages
+    and whether any were dropped."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    kept: Messages = []
+    answered = False  # an opening assistant turn was dropped: the tool results after it go with it
+    for m in messages[:first_user]:
+        if m["role"] == "assistant" or (m["role"] == "tool" and answered):
+            answered = True
+            continue
+        kept.append(m)
+    kept += messages[first_user:]
+    return kept, len(kept) < len(messages)
 
 
 def content_hash(messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
@@ -148,7 +148,8 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
                 if rec.tail:
                     report.broken_tail = f"{rec.where}: {rec.detail}"
                 raise Skip(rec.skip, rec.detail)
-            messages, cut = normalise(rec.messages or [], max_turns, max_chars)
+            messages, dropped = drop_leading_assistant(rec.messages or [])
+            messages, cut = normalise(messages, max_turns, max_chars)
             digest = content_hash(messages, rec.tools)
             if digest in seen:
                 raise Skip("duplicate", f"same prompt as an earlier record (sha1 {digest[:16]})")
@@ -158,19 +159,20 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
         seen.add(digest)
         report.kept += 1
         report.cut_to_max_turns += cut
+        report.leading_assistant_dropped += dropped
         out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages}
                    | ({"tools": rec.tools} if rec.tools else {}))
 
 
 def run_ingest(cfg: RunConfig) -> IngestSummary:
     data = cfg.data
-    paths = [resolve_path(src, i) for i, src in enumerate(data.sources)]
+    opened = [open_source(src, f"data.sources[{i}]") for i, src in enumerate(data.sources)]  # all checked first
     seen: set[str] = set()
     prompts: list[dict[str, Any]] = []
     reports = []
-    for src, path in zip(data.sources, paths, strict=True):
-        report = SourceReport(source=src.kind, path=str(path))
-        with closing(read_source(src.kind, path)) as records:
+    for src, (where, records) in zip(data.sources, opened, strict=True):
+        report = SourceReport(source=src.kind, path=where)
+        with closing(records):
             ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
                           src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
         reports.append(report)

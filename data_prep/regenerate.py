@@ -8,6 +8,7 @@ torn last line, skips the ids already there and ends with every id exactly once.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -18,9 +19,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common.config import RunConfig
+from common.config import RunConfig, dump_config, parse_config
 from common.files import append_jsonl
-from data_prep.backends import Chat, ChatBackend, Completion, make_chat_backend
+from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
@@ -109,6 +110,7 @@ class Conversation:
         self.error: str | None = None
         self.detail = ""
         self.diverged = False
+        self.turns_dropped = 0  # prompt turns (a user turn, or a run of tool results) left out: context full
 
     def wants_more(self) -> bool:
         return self.error is None and not self.diverged and len(self.finish_reasons) < len(self.segments)
@@ -147,6 +149,16 @@ class Conversation:
         if c.error:
             self.error, self.detail = c.error, c.detail
             return
+        if c.finish_reason == CONTEXT_FULL:  # the target's context is full: the conversation ends here
+            done = len(self.finish_reasons)
+            if done == 0:
+                self.error, self.detail = "prompt_exceeds_context", "the first user turn alone fills the context"
+                return
+            self.chat = self.chat[: len(self.chat) - len(self.segments[done])]
+            self.turns_dropped = len(self.segments) - done
+            self.segments = self.segments[:done]
+            self.answers_calls = self.answers_calls[:done]
+            return
         self.chat.append(c.message())
         self.finish_reasons.append(c.finish_reason)
         n = len(self.finish_reasons)
@@ -168,6 +180,8 @@ class RegenerateSummary:
     torn_bytes_dropped: int
     written: int  # this run
     tool_calls_diverged: int = 0  # this run: ended early, the target made other tool calls than the source's
+    # this run: later turns left out, the target's context being full (a run of tool results counts as one)
+    turns_dropped_context_full: int = 0
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -191,7 +205,8 @@ class RegenerateSummary:
             f"## Regenerate ({self.backend}): {self.records} conversations in {self.output}", "",
             f"- this run: {self.written} written in {self.seconds:.1f} s; {self.already_done} already done; "
             f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes; "
-            f"{self.tool_calls_diverged} ended where the target's tool calls differ from the source's",
+            f"{self.tool_calls_diverged} ended where the target's tool calls differ from the source's; "
+            f"{self.turns_dropped_context_full} later user turns left out (context full)",
             f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
             f"{self.duplicate_ids} duplicate ids",
             f"- {self.turns} answers: finish reasons {dict(self.finish_reasons)}; chars {pct}",
@@ -245,9 +260,11 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
     summary.flagged = flagged
 
 
-def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend) -> RegenerateSummary:
-    """The loop, for any backend: chunks of prompts, every chunk advanced one turn per backend call."""
-    out_path = cfg.conversations_path
+def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend,
+               out_path: Path | None = None) -> RegenerateSummary:
+    """The loop, for any backend: chunks of prompts, every chunk advanced one turn per backend call.
+    ``out_path``: conversations.jsonl, or one device's part file when several devices share the work."""
+    out_path = out_path or cfg.conversations_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done, torn = resume(out_path)
     pending = [p for p in prompts if p["id"] not in done]
@@ -274,15 +291,105 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                     append_jsonl(f, conv.record(backend.name))
                     summary.written += 1
                     summary.tool_calls_diverged += conv.diverged
+                    summary.turns_dropped_context_full += conv.turns_dropped
             bar.update(len(convs))
     summary.seconds = time.perf_counter() - start
     validate(out_path, [p["id"] for p in prompts], summary)
     return summary
 
 
+def hf_devices(cfg: RunConfig) -> list[str]:
+    """Where the hf backend runs: regenerate.devices, else every visible GPU when the target may use one."""
+    if cfg.regenerate.backend != "hf":
+        return []
+    if cfg.regenerate.devices:
+        return list(cfg.regenerate.devices)
+    import torch
+
+    if cfg.target.device in ("auto", "cuda") and torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [cfg.target.device]
+
+
+def part_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.stem}.part-{rank}{out.suffix}")
+
+
+def merge_parts(out: Path) -> int:
+    """Fold the per-device part files into ``out`` (ids already there are skipped), then delete them.
+    Idempotent: a kill mid-merge leaves at most a torn last line, and the rerun merges the rest."""
+    parts = sorted(out.parent.glob(f"{out.stem}.part-*{out.suffix}"))
+    if not parts:
+        return 0
+    done, _ = resume(out)
+    added = 0
+    with open(out, "ab") as f:
+        for part in parts:
+            resume(part)  # drops a torn last line
+            for line in part.read_bytes().splitlines(keepends=True):
+                rid = json.loads(line)["id"]
+                if rid not in done:
+                    f.write(line)
+                    done.add(rid)
+                    added += 1
+        f.flush()
+        os.fsync(f.fileno())
+    for part in parts:
+        part.unlink()
+    return added
+
+
+def share_of(prompt_id: str, n: int) -> int:
+    """The device a prompt goes to: stable across reruns, so a resumed part file is never re-asked."""
+    return int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) % n
+
+
+def _device_worker(tree: dict[str, Any], prompts: list[dict[str, Any]], device: str, part: str) -> dict[str, Any]:
+    """One device's share, in its own process (spawned: CUDA cannot be forked)."""
+    cfg = parse_config(tree)
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": device})})
+    backend = make_chat_backend(cfg.target, cfg.regenerate)
+    return regenerate(cfg, prompts, backend, Path(part)).to_dict()
+
+
+def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices: list[str]) -> RegenerateSummary:
+    """The prompts split over ``devices`` (one process and one part file each), merged at the end."""
+    import multiprocessing as mp
+
+    out = cfg.conversations_path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    merge_parts(out)  # leftovers of a killed run
+    done, torn = resume(out)
+    pending = [p for p in prompts if p["id"] not in done]
+    shares = [[p for p in pending if share_of(p["id"], len(devices)) == r] for r in range(len(devices))]
+    tree = dump_config(cfg)
+    start = time.perf_counter()
+    with mp.get_context("spawn").Pool(len(devices)) as pool:
+        parts = pool.starmap(_device_worker, [(tree, share, dev, str(part_path(out, r)))
+                                              for r, (share, dev) in enumerate(zip(shares, devices, strict=True))])
+    merge_parts(out)
+    summary = RegenerateSummary(output=str(out), backend=f"hf x{len(devices)} ({', '.join(devices)})",
+                                selected=len(prompts), already_done=len(prompts) - len(pending),
+                                torn_bytes_dropped=torn, written=sum(p["written"] for p in parts),
+                                turns_dropped_context_full=sum(p["turns_dropped_context_full"] for p in parts),
+                                tool_calls_diverged=sum(p["tool_calls_diverged"] for p in parts),
+                                seconds=time.perf_counter() - start)
+    for p in parts:
+        summary.failed.update(p["failed"])
+        for reason, example in p["failure_examples"].items():
+            summary.failure_examples.setdefault(reason, example)
+    validate(out, [p["id"] for p in prompts], summary)
+    return summary
+
+
 def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
     # Read first: a bad input fails before the model loads.
     prompts = load_prompt_records(cfg.prompts_path, cfg.regenerate.num_prompts)
+    devices = hf_devices(cfg)
+    if len(devices) > 1:
+        return regenerate_on_devices(cfg, prompts, devices)
+    if devices:
+        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": devices[0]})})
     backend = make_chat_backend(cfg.target, cfg.regenerate)
     try:
         return regenerate(cfg, prompts, backend)

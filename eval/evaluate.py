@@ -17,7 +17,7 @@ from drafter.target import load_target_from_config, resolve_source, stop_token_i
 from eval import breakeven
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets
-from eval.report import markdown, write_report
+from eval.report import log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
 
@@ -50,10 +50,13 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
 
 
 def save_report(cfg: RunConfig, report: dict) -> Path:
-    """report.{json,md} and the plots under run_dir/eval/<name>; the Markdown is printed too."""
-    out = write_report(report, cfg.eval_dir / report["name"],
-                       cfg.train.wandb_project if cfg.train.report_to == "wandb" else None)
-    print(markdown(json.loads((out / "report.json").read_text())))
+    """report.{json,md} and the plots under run_dir/eval/<name>, logged to the configured trackers too; the
+    Markdown is printed."""
+    out = write_report(report, cfg.eval_dir / report["name"])
+    written = json.loads((out / "report.json").read_text())
+    if cfg.tracking.report_to:
+        log_to_trackers(written, cfg.tracking, cfg.tracking_dir, [out / "alpha.png", out / "tau.png"])
+    print(markdown(written))
     print(f"report: {out}/report.{{json,md}}, alpha.png, tau.png")
     return out
 

@@ -207,3 +207,125 @@ def test_other_tool_calls_end_the_conversation_there(tmp_path, messages, called)
     assert len(srv.requests) == 1 and summary.tool_calls_diverged == 1 and summary.written == 1
     assert [m["role"] for m in conv["messages"]][-2:] == ["user", "assistant"]
     assert conv["messages"][-1]["tool_calls"][0]["function"]["name"] == called
+
+
+def k25_cfg(tmp_path: Path, target: Path, thinking: bool, **sections: Any):
+    return parse_config({"run_dir": str(tmp_path / "run"),
+                         "target": {"name": str(target), "device": "cpu", "dtype": "float32",
+                                    "aux_layer_ids": [0, 1, 2], "chat_template_kwargs": {"thinking": thinking}},
+                         "data": {"sources": [{"kind": "lines", "path": "unused"}]},
+                         "eval": {"datasets": [{"name": "x", "kind": "lines"}]}, **sections})
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_hf_backend_renders_tools_and_template_kwargs_and_its_plain_text_ends_a_tool_chat(
+        tmp_path, k25_style_target, thinking, monkeypatch):
+    """The in-process engine is fed the chat as the server renders it (tools, thinking on/off). Its answer is
+    plain text (no tool-call parser): where the source's next turns are tool results, the conversation ends
+    after that answer, counted, as with a server whose target made no call."""
+    from transformers import AutoTokenizer
+
+    import data_prep.continuous_batching as cb
+
+    fed: list[list[int]] = []
+    real = cb.generate
+
+    def spy(engine, prompts, *args, **kwargs):
+        fed.extend(list(p) for p in prompts)
+        return real(engine, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(cb, "generate", spy)
+    cfg = k25_cfg(tmp_path, k25_style_target, thinking,
+                  regenerate={"backend": "hf", "batch_size": 2, "max_tokens": 6, "devices": ["cpu"]})
+    cfg.root.mkdir(parents=True)
+    cfg.prompts_path.write_text(json.dumps({"id": "p", "source": "openai", "tools": TOOLS,
+                                            "messages": SOURCE["messages"]}) + "\n")
+    summary = run_regenerate(cfg)
+    tok = AutoTokenizer.from_pretrained(k25_style_target)
+    chat = [m for m in SOURCE["messages"][:2]]
+    expected = tok.apply_chat_template(as_server_renders(chat), tools=TOOLS, tokenize=False, add_generation_prompt=True,
+                                       thinking=thinking)
+    assert fed == [tok(expected, add_special_tokens=False)["input_ids"]]
+    assert expected.startswith("<|im_system|>tool_declare") and expected.endswith(
+        "<think></think>" if not thinking else "<|im_middle|>")
+    (conv,) = [json.loads(line) for line in cfg.conversations_path.read_text().splitlines()]
+    assert summary.tool_calls_diverged == 1 and conv["tools"] == TOOLS
+    assert [m["role"] for m in conv["messages"]] == ["system", "user", "assistant"]
+    assert set(conv["messages"][2]) == {"role", "content"}  # plain text: no reasoning or calls invented
+
+
+class ToolThenFull:
+    """Calls get_weather first (as the source did); the chat with the tool result no longer fits the context."""
+
+    name, batch_size = "scripted", 1
+
+    def complete(self, batch: list[list[dict]], tools: list | None = None) -> list[Any]:
+        from data_prep.backends import CONTEXT_FULL, Completion
+
+        (chat,) = batch
+        if chat[-1]["role"] == "tool":
+            return [Completion(finish_reason=CONTEXT_FULL)]
+        return [Completion(text="", finish_reason="tool_calls", tool_calls=[
+            {"id": "call_x", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}])]
+
+
+def test_a_full_context_after_a_tool_call_ends_the_conversation_at_the_call(tmp_path):
+    from data_prep.regenerate import load_prompt_records, regenerate
+
+    cfg = k25_cfg(tmp_path, Path("unused"), True)
+    cfg.root.mkdir(parents=True)
+    messages = [*SOURCE["messages"], {"role": "user", "content": "And tomorrow?"}]
+    prompt = {"id": "p", "source": "openai", "tools": TOOLS, "messages": messages}
+    cfg.prompts_path.write_text(json.dumps(prompt) + "\n")
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), ToolThenFull())
+    (conv,) = [json.loads(line) for line in cfg.conversations_path.read_text().splitlines()]
+    assert [m["role"] for m in conv["messages"]] == ["system", "user", "assistant"]  # the unsent results dropped
+    assert conv["messages"][2]["tool_calls"][0]["id"] == "call_x" and conv["finish_reasons"] == ["tool_calls"]
+    assert summary.turns_dropped_context_full == 2 and summary.tool_calls_diverged == 0  # tool results + "tomorrow"
+
+
+AGENTIC_CONVS = [
+    {"id": "agent", "tools": TOOLS, "messages": [
+        *SOURCE["messages"][:2],
+        {"role": "assistant", "content": "", "reasoning_content": "I should call get_weather.",
+         "tool_calls": [{"id": "c0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "18 C"},
+        {"role": "assistant", "content": "18 C in Paris.", "reasoning_content": "The tool says 18 C."}]},
+    {"id": "plain", "messages": PLAIN},
+]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_render_all_pool_and_online_training_render_as_capture_does(tmp_path, k25_style_target, thinking,
+                                                                    monkeypatch):
+    """The forked render pool passes each chat's tools and the template kwargs to its workers, and online
+    training (train.source: online) trains on the tokens and masks capture stores."""
+    from transformers import AutoTokenizer
+
+    import data_prep.capture as capture
+    from data_prep.loss_mask import render_with_mask
+    from train.data import online_data
+
+    tok = AutoTokenizer.from_pretrained(k25_style_target)
+    kwargs = {"thinking": thinking}
+    direct = [render_with_mask(tok, c["messages"], 512, {**kwargs, "tools": c.get("tools")}) for c in AGENTIC_CONVS]
+    assert ("<think></think>" in tok.decode(direct[0].input_ids)) is not thinking
+    alone, _ = capture.render_all(AGENTIC_CONVS, tok, 512, kwargs, workers=1)
+    monkeypatch.setattr(capture, "RENDER_POOL_MIN", 1)
+    pooled, _ = capture.render_all(AGENTIC_CONVS * 3, tok, 512, kwargs, workers=2)  # duplicates skipped
+    assert [(s.input_ids, s.loss_mask) for s in alone] == [(s.input_ids, s.loss_mask) for s in pooled] == [
+        (r.input_ids, r.loss_mask) for r in direct]
+
+    cfg = k25_cfg(tmp_path, k25_style_target, thinking, capture={"max_length": 512, "dtype": "float32"},
+                  train={"source": "online", "holdout_fraction": 0.0})
+    cfg.root.mkdir(parents=True)
+    cfg.conversations_path.write_text("".join(json.dumps(c | {"source": "t", "finish_reasons": [], "backend": "t"})
+                                              + "\n" for c in AGENTIC_CONVS))
+    run_capture(cfg)
+    stored = ShardDataset(cfg.store_dir)
+    online = online_data(cfg, torch.device("cpu")).train
+    assert len(stored) == len(online) == 2
+    for i in range(2):
+        assert torch.equal(stored[i]["input_ids"], online[i]["input_ids"])
+        assert torch.equal(stored[i]["loss_mask"], online[i]["loss_mask"])

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,14 +113,14 @@ def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | N
     return True
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints older than the last ``keep_last``, never the best; and temp dirs
-    of killed saves."""
+def prune(root: Path, keep_last: int, keep_steps: Sequence[int] = ()) -> list[Path]:
+    """Delete complete checkpoints older than the last ``keep_last``, never the best nor those of
+    ``keep_steps`` (train.save_at); and temp dirs of killed saves."""
     best = (root / "best").resolve() if (root / "best").is_symlink() else None
     done = complete_checkpoints(root)
     removed = []
-    for _, d in done[:-keep_last]:
-        if best is None or d.resolve() != best:
+    for step, d in done[:-keep_last]:
+        if step not in keep_steps and (best is None or d.resolve() != best):
             shutil.rmtree(d)
             removed.append(d)
     for tmp in root.glob(".step-*.tmp"):  # temp_path(step_dir, shared=True)
