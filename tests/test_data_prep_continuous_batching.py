@@ -109,11 +109,12 @@ def test_an_unsupported_architecture_is_one_line() -> None:
 def test_real_smollm2_64_prompts_equal_plain_generate(smollm2) -> None:
     """The Must-show check: 64 chat-templated MT-Bench prompts, fp32, every answer token for token equal to
     HF ``generate``'s greedy answer (run in left-padded batches of 16: batch 1 would take minutes here)."""
+    from common.config import DatasetConfig
     from drafter.target import stop_token_ids
     from eval.prompts import load_eval_prompts, render
 
     tok = smollm2.tokenizer
-    ps = [render(tok, p) for p in load_eval_prompts("mtbench", "builtin", 80)[16:80]]
+    ps = [render(tok, p) for p in load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)[16:80]]
     assert len(ps) == 64
     stops = stop_token_ids(tok)
     outs = generate(BatchedTarget(smollm2.model), ps, 24, stops, cpu_slots=16)
