@@ -84,7 +84,8 @@ def worker(args: argparse.Namespace) -> int:
         config = make_run(args.config, run_dir, conv, [*common, *overrides])
         train(load_config(config), "never")
         drafter, aux_ids = load_drafter(target, cfg, run_dir / "checkpoints" / "best")
-        stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs)
+        stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs,
+                           tie_epsilon=cfg.eval.tie_epsilon)
         last = max(r["step"] for r in read_log(run_dir) if "loss" in r)
         row = {"name": name, "overrides": overrides, "command": f"python -m train --config {config}",
                "tau": {n: s["tau"] for n, s in stats.items()},

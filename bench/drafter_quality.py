@@ -46,7 +46,7 @@ def setup(config: str, limit: int | None = None) -> tuple[RunConfig, TargetModel
     cfg = load_config(config, ["target.dtype=float32"])
     target = load_target_from_config(cfg.target)
     datasets = [ds.model_copy(update={"limit": limit}) for ds in cfg.eval.datasets]
-    return cfg, target, rendered_datasets(target.tokenizer, datasets)
+    return cfg, target, rendered_datasets(target.tokenizer, datasets, template_kwargs=cfg.target.chat_template_kwargs)
 
 
 def load_drafter(target: TargetModel, cfg: RunConfig, checkpoint: str | Path):
@@ -80,7 +80,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     max_new = cfg.eval.max_new_tokens
     refs = greedy_references(target, prompts, max_new)
     settings = [(int(s.split(":")[0]), float(s.split(":")[1])) for s in args.settings]
-    results = {f"k{k}_T{t:g}": summary(acceptance(target, drafter, aux_ids, prompts, k, t, max_new, refs), k, t)
+    results = {f"k{k}_T{t:g}": summary(acceptance(target, drafter, aux_ids, prompts, k, t, max_new, refs,
+                                                   rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon), k, t)
                for k, t in settings}
     first = next(iter(results.values()))
     first_name = list(prompts)[0]
@@ -111,7 +112,7 @@ def cmd_curve(args: argparse.Namespace) -> int:
         trainer = read_trainer_state(ckpt)
         step = trainer["position"]["step"]
         drafter, aux_ids = load_drafter(target, cfg, ckpt)
-        stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, max_new, refs)
+        stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, max_new, refs, tie_epsilon=cfg.eval.tie_epsilon)
         held = holdout_at(run_dir, step)
         points.append({"step": step, "tokens": trainer["position"].get("tokens_seen"),
                        "tau": {n: s["tau"] for n, s in stats.items()},

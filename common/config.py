@@ -38,8 +38,13 @@ class TargetConfig(Section):
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu.")
     trust_remote_code: bool = False
     aux_layer_ids: list[int] | None = Field(
-        None, description="Layers whose outputs feed the drafter; default: the drafter's own, "
-        "else SGLang's [2, N//2, N-3].")
+        None, description="The drafter's eagle_aux_hidden_state_layer_ids; default: the drafter's own, else ours "
+        "for a new drafter, the outputs of [2, N//2, N-3] (SGLang's own default, for a drafter config without "
+        "ids, is the outputs of [1, N//2-1, N-4]; drafter.target explains both).")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the chat template wherever a chat is rendered (regenerate, "
+        "capture, eval prompts) and sent to servers as chat_template_kwargs, e.g. {thinking: false} for "
+        "Kimi-K2.5: the drafter must see the text the server renders.")
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -129,7 +134,6 @@ class RegenerateConfig(Section):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: int | None = None
     max_tokens: PositiveInt = 512
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -140,7 +144,19 @@ class RegenerateConfig(Section):
 
 
 class CaptureConfig(Section):
-    backend: Literal["hf", "sglang"] = "hf"
+    """Where the target's states come from: ``hf`` runs the HF model in-process (targets that fit one device);
+    ``specforge`` imports the hidden-state files of SpecForge's ``scripts/prepare_hidden_states.py`` (an SGLang
+    target under tensor/expert parallelism, the path that trained the AQ-MedAI drafters); ``sglang`` asks a stock
+    ``sgl.Engine`` (teacher 'topk' only, unverified). Only ``hf`` loads the HF model."""
+
+    backend: Literal["hf", "specforge", "sglang"] = "hf"
+    specforge_dir: str | None = Field(
+        None, description="specforge: SpecForge's --output-path (rows_*/data_<i>.ckpt[.gz] files).")
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="specforge/sglang: GPUs the target is sharded over (SpecForge --tp-size, SGLang tp_size).")
+    expert_parallel_size: PositiveInt = Field(
+        1, description="specforge/sglang: expert-parallel size of a MoE target (SpecForge --sglang-ep-size, "
+        "SGLang ep_size); divides tensor_parallel_size.")
     max_length: PositiveInt = 2048
     batch_tokens: PositiveInt = 16384
     dtype: DTypeName = "bfloat16"
@@ -149,6 +165,13 @@ class CaptureConfig(Section):
         "train time); 'topk': top-k ids and log-probs (compact, approximate).")
     topk: PositiveInt = 64
     shard_samples: PositiveInt = 256
+
+    @model_validator(mode="after")
+    def _parallel_sizes(self) -> CaptureConfig:
+        if self.tensor_parallel_size % self.expert_parallel_size:
+            raise ValueError(f"expert_parallel_size {self.expert_parallel_size} must divide tensor_parallel_size "
+                             f"{self.tensor_parallel_size} (SGLang runs experts within the tensor-parallel group)")
+        return self
 
 
 class TrainConfig(Section):
@@ -229,15 +252,35 @@ class DatasetConfig(PromptSource):
 
 
 class TimingsConfig(Section):
-    """Production timings (e.g. from an SGLang deployment) that override the measured ones."""
+    """Production timings at batch size 1 (e.g. from an SGLang deployment) that replace the measured ones.
+    A verify cycle with k drafts costs another time at every k, so ``cycle_ms`` is keyed by k (eval.num_steps):
+    ``{decode_ms: 12.1, cycle_ms: {3: 29.8}}``."""
 
     decode_ms: PositiveFloat
-    cycle_ms: PositiveFloat
+    cycle_ms: dict[PositiveInt, PositiveFloat] = Field(min_length=1)
+
+    @field_validator("cycle_ms", mode="before")
+    @classmethod
+    def _keyed_by_k(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            raise ValueError(f"give the cycle time per number of draft steps k, e.g. {{3: {value}}}: a cycle "
+                             "with another k costs another time")
+        return value
 
 
 class SGLangEvalConfig(Section):
-    server_url: str
-    baseline_url: str | None = None
+    """Live SGLang servers for ``eval run|gate --live`` (and ``eval sglang``/``eval sweep``)."""
+
+    server_url: str = Field(description="The server speculating with the candidate drafter.")
+    incumbent_url: str | None = Field(None, description="The same target speculating with the incumbent drafter "
+                                      "(same --speculative-* flags).")
+    baseline_url: str | None = Field(None, description="The same target without speculation: t_decode.")
+    sweep_urls: list[str] = Field(default_factory=list, description="eval sweep: servers running the candidate "
+                                  "at other --speculative-num-steps/-eagle-topk/-num-draft-tokens.")
+    concurrency: list[PositiveInt] = Field(default_factory=lambda: [1], min_length=1,
+                                           description="Requests in flight per measurement; one gate check each.")
+    api_key_env: str | None = Field(None, description="Env var holding the servers' --api-key.")
+    timeout_s: PositiveFloat = 1800.0
 
 
 class EvalConfig(Section):
@@ -247,6 +290,14 @@ class EvalConfig(Section):
     max_new_tokens: PositiveInt = 256
     timings: TimingsConfig | None = None
     target_tps: PositiveFloat | None = None
+    acceptance: Literal["sglang", "speculative_sampling"] = Field(
+        "sglang", description="T > 0 rule: 'sglang' drafts greedily and keeps draft d with probability p(d), as "
+        "SGLang's EAGLE worker does; 'speculative_sampling' samples drafts from q and keeps them with "
+        "min(1, p/q). At T = 0 both are greedy verification.")
+    tie_epsilon: Annotated[float, Field(ge=0.0)] = Field(
+        1e-4, description="T = 0 lossless check: a divergence where the target's top-1/top-2 logit margin is "
+        "below this is a near-tie (a bf16 verify and decode may round it either way), reported apart, not a "
+        "failure.")
     sglang: SGLangEvalConfig | None = None
     seed: int = 0
 
@@ -277,6 +328,32 @@ class RunConfig(Section):
         missing = sorted(set(self.gate.datasets or ()) - names)
         if missing:
             raise ValueError(f"gate.datasets: {missing} not among eval.datasets {sorted(names)}")
+        return self
+
+    @model_validator(mode="after")
+    def _capture_backend_fits(self) -> RunConfig:
+        """Pairs that cannot work fail here, at load, not hours into a capture."""
+        cap = self.capture
+        if cap.backend == "sglang" and cap.teacher == "hidden":
+            raise ValueError("capture.backend 'sglang' cannot give capture.teacher 'hidden': SGLang's engine returns "
+                             "no final hidden state next to the aux states; set capture.teacher: topk, or use "
+                             "capture.backend: specforge")
+        if cap.backend == "sglang" and self.drafter.init_from is None:
+            raise ValueError("capture.backend 'sglang' needs drafter.init_from: SGLang captures the aux layers of "
+                             "the EAGLE-3 drafter it serves")
+        if cap.backend == "specforge" and not cap.specforge_dir:
+            raise ValueError("capture.backend 'specforge' needs capture.specforge_dir (SpecForge's --output-path)")
+        if cap.backend == "specforge" and self.target.aux_layer_ids is None and self.drafter.init_from is None:
+            raise ValueError("capture.backend 'specforge' needs target.aux_layer_ids or drafter.init_from: SpecForge's "
+                             "files do not record which layers they hold")
+        return self
+
+    @model_validator(mode="after")
+    def _timings_for_k(self) -> RunConfig:
+        t = self.eval.timings
+        if t is not None and self.eval.num_steps not in t.cycle_ms:
+            raise ValueError(f"eval.timings.cycle_ms has no entry for eval.num_steps {self.eval.num_steps} "
+                             f"(it has k = {sorted(t.cycle_ms)}); add the cycle time measured at that k")
         return self
 
     # The files between stages, in one place (ARCHITECTURE.md lists their formats).
@@ -322,7 +399,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> N
 
 
 # Keys that moved to another section: an old config is told where they went.
-MOVED = {"train.report_to": "tracking.report_to", "train.wandb_project": "tracking.project"}
+MOVED = {"train.report_to": "tracking.report_to", "train.wandb_project": "tracking.project",
+         "regenerate.chat_template_kwargs": "target.chat_template_kwargs"}
 
 
 def _format_errors(source: str, err: ValidationError) -> str:

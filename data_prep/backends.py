@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 from common.config import RegenerateConfig, TargetConfig
 
-Chat = list[dict[str, str]]
+Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
+Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
 MAX_BACKOFF_S = 60.0
 CONTEXT_FULL = "context_full"  # finish reason of a chat whose prompt already fills the target's context
 
@@ -34,22 +35,38 @@ class BackendError(ValueError):
 @dataclass
 class Completion:
     text: str = ""
-    finish_reason: str = ""  # "stop" | "length" | what the server said; "" when error is set
+    finish_reason: str = ""  # "stop" | "length" | "tool_calls" | what the server said; "" when error is set
     error: str | None = None  # failure reason key, e.g. "http_400", "timeout", "connection"
     detail: str = ""
+    reasoning: str | None = None  # the server's reasoning_content (thinking), kept apart as the server sends it
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool calls the answer makes
+
+    def message(self) -> dict[str, Any]:
+        """The assistant turn as the next request (and the chat template) takes it back."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
 
 
 class ChatBackend(Protocol):
     name: str
     batch_size: int  # how many chats one ``complete`` call should get
 
-    def complete(self, batch: list[Chat]) -> list[Completion]: ...
+    def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
+        """One completion per chat; ``tools[i]`` (when given) are the tools offered to chat i."""
+        ...
 
 
 class HFChatBackend:
     """The target in-process, through continuous batching over a per-row KV cache
     (``data_prep.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
-    alone, and the GPU stays full while answers of very different lengths finish."""
+    alone, and the GPU stays full while answers of very different lengths finish. Chats are rendered as the
+    server renders them (the target's chat_template_kwargs, the chat's tools). Its answer is raw text:
+    separating reasoning and parsing tool calls are the server's parsers (SGLang's
+    --reasoning-parser/--tool-call-parser), so thinking and agentic data come through the openai backend."""
 
     name = "hf"
 
@@ -58,6 +75,7 @@ class HFChatBackend:
         from drafter.target import load_target_from_config, stop_token_ids
 
         self.target = load_target_from_config(target_cfg)
+        self.template_kwargs = target_cfg.chat_template_kwargs
         try:
             self.engine = BatchedTarget(self.target.model)
         except UnsupportedTargetError as e:
@@ -69,11 +87,13 @@ class HFChatBackend:
         limits = [getattr(self.target.hf_config, "max_position_embeddings", None), cfg.max_context_tokens]
         self.max_context = min((x for x in limits if x), default=None)  # prompt + answer positions
 
-    def complete(self, batch: list[Chat]) -> list[Completion]:
+    def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
         from data_prep.continuous_batching import Sampling, generate
+        from data_prep.loss_mask import as_server_renders
 
-        texts = [self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
-                                              **self.cfg.chat_template_kwargs) for chat in batch]
+        texts = [self.tok.apply_chat_template(as_server_renders(chat), tokenize=False, add_generation_prompt=True,
+                                              tools=t, **self.template_kwargs)
+                 for chat, t in zip(batch, tools or [None] * len(batch), strict=True)]
         ids = self.tok(texts, add_special_tokens=False)["input_ids"]
         c = self.cfg
         budget = {i: min(c.max_tokens, self.max_context - len(x)) if self.max_context else c.max_tokens
@@ -113,8 +133,9 @@ class OpenAIChatBackend:
 
     name = "openai"
 
-    def __init__(self, cfg: RegenerateConfig):
+    def __init__(self, cfg: RegenerateConfig, chat_template_kwargs: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.template_kwargs = chat_template_kwargs or {}
         self.urls = [chat_url(u) for u in cfg.server_urls]
         if not self.urls:
             raise BackendError("regenerate.server_urls: backend 'openai' needs at least one server URL")
@@ -132,25 +153,27 @@ class OpenAIChatBackend:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def body(self, chat: Chat) -> dict[str, Any]:
+    def body(self, chat: Chat, tools: Tools = None) -> dict[str, Any]:
         c = self.cfg
         body: dict[str, Any] = {"model": c.model, "messages": chat, "temperature": c.temperature,
                                 "top_p": c.top_p, "max_tokens": c.max_tokens, "seed": c.seed}
         if c.top_k is not None:
             body["top_k"] = c.top_k
-        if c.chat_template_kwargs:
-            body["chat_template_kwargs"] = c.chat_template_kwargs
+        if tools:
+            body["tools"] = tools
+        if self.template_kwargs:
+            body["chat_template_kwargs"] = self.template_kwargs
         return body
 
-    def complete(self, batch: list[Chat]) -> list[Completion]:
-        return list(self._pool.map(self._one, batch))
+    def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
+        return list(self._pool.map(self._one, batch, tools or [None] * len(batch)))
 
     def _url(self) -> str:
         with self._lock:
             return self.urls[next(self._next)]
 
-    def _one(self, chat: Chat) -> Completion:
-        data = json.dumps(self.body(chat)).encode()
+    def _one(self, chat: Chat, tools: Tools = None) -> Completion:
+        data = json.dumps(self.body(chat, tools)).encode()
         for attempt in range(self.cfg.max_retries + 1):
             try:
                 return self._post(self._url(), data)
@@ -179,12 +202,26 @@ class OpenAIChatBackend:
         except (OSError, http.client.HTTPException) as e:  # reset, dropped mid-response, ...
             raise _Retryable("connection", f"{url}: {type(e).__name__}: {e}") from None
         try:
+            # SGLang's ChatMessage (srt/entrypoints/openai/protocol.py): content, reasoning_content (with a
+            # --reasoning-parser), tool_calls [{id, index, type, function: {name, arguments}}] (--tool-call-parser).
             choice = json.loads(raw)["choices"][0]
-            text = choice["message"].get("content") or ""
-            return Completion(text=text, finish_reason=choice.get("finish_reason") or "unknown")
+            msg = choice["message"]
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning") or None
+            calls = [{"id": c.get("id") or f"call_{i}", "type": "function",
+                      "function": {"name": c["function"]["name"], "arguments": _arguments(c["function"])}}
+                     for i, c in enumerate(msg.get("tool_calls") or [])] or None
+            return Completion(text=msg.get("content") or "", finish_reason=choice.get("finish_reason") or "unknown",
+                              reasoning=reasoning, tool_calls=calls)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {raw[:200]!r}")
 
 
+def _arguments(function: dict[str, Any]) -> str:
+    args = function.get("arguments", "{}")
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
 def make_chat_backend(target_cfg: TargetConfig, cfg: RegenerateConfig) -> ChatBackend:
-    return HFChatBackend(target_cfg, cfg) if cfg.backend == "hf" else OpenAIChatBackend(cfg)
+    if cfg.backend == "hf":
+        return HFChatBackend(target_cfg, cfg)
+    return OpenAIChatBackend(cfg, target_cfg.chat_template_kwargs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -41,6 +41,9 @@ class Generated:
     tokens: list[int]  # the answer, without its stop token
     finish_reason: str  # "stop" | "length"
     stop_token: int | None = None  # the stop token that ended it
+    # with ``margins=True``: the top-1 minus top-2 logit behind each token, the stop token's last (the T=0
+    # lossless check tells a near-tie from a real mismatch by it: eval.lossless)
+    margins: list[float] = field(default_factory=list)
 
 
 def plan_slots(target: BatchedTarget, max_len: int, wanted: int, cpu_slots: int, slots: int | None = None) -> int:
@@ -94,12 +97,15 @@ class _Run:
     """One bucket's loop state: which request each slot serves, its next position and last token."""
 
     def __init__(self, target: BatchedTarget, cache: KVCache, prompts: Sequence[Sequence[int]],
-                 max_new: Sequence[int], stop_ids: set[int], pick: _Picker, out: list[Generated | None], bar: tqdm):
+                 max_new: Sequence[int], stop_ids: set[int], pick: _Picker, out: list[Generated | None], bar: tqdm,
+                 margins: bool = False):
         self.t, self.cache, self.prompts, self.max_new = target, cache, prompts, max_new
         self.stop_ids, self.pick, self.out, self.bar = stop_ids, pick, out, bar
         n, dev = cache.slots, target.device
         self.request = [-1] * n  # request index served by each slot, -1 = free
         self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.want_margins = margins
+        self.margins: list[list[float]] = [[] for _ in range(n)]
         self.free = list(range(n))  # a heap: refill the lowest slots so live ones stay at the front
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.last = torch.zeros(n, dtype=torch.long, device=dev)
@@ -132,17 +138,27 @@ class _Run:
         out = self.t.forward(self.cache, rows, ids, positions, fresh=True,
                              logits_at=torch.tensor(lens, device=dev) - 1)
         first = self.pick(out.logits)
+        margins = self._margins(out.logits, len(reqs))
         self.pos[rows] = torch.tensor(lens, device=dev)
         self.last[rows] = first
         self.alive[rows] = 1
-        for slot, r, tok in zip(slots, reqs, first.tolist(), strict=True):
-            self.request[slot], self.tokens[slot] = r, []
+        for slot, r, tok, m in zip(slots, reqs, first.tolist(), margins, strict=True):
+            self.request[slot], self.tokens[slot], self.margins[slot] = r, [], []
             self.live += 1
-            self._take(slot, tok)
+            self._take(slot, tok, m)
 
-    def _take(self, slot: int, tok: int) -> None:
+    def _margins(self, logits: Tensor, rows: int) -> list[float | None]:
+        """Top-1 minus top-2 logit per row (one topk over the batch's logits), when asked for."""
+        if not self.want_margins:
+            return [None] * rows
+        top = logits.float().topk(2, dim=-1).values
+        return (top[..., 0] - top[..., 1]).reshape(rows).tolist()
+
+    def _take(self, slot: int, tok: int, margin: float | None = None) -> None:
         """Append one token to a slot's answer; free the slot when the answer ends."""
         r = self.request[slot]
+        if margin is not None:
+            self.margins[slot].append(margin)
         if tok in self.stop_ids:
             self._finish(slot, "stop", tok)
             return
@@ -151,7 +167,8 @@ class _Run:
             self._finish(slot, "length")
 
     def _finish(self, slot: int, reason: str, stop_token: int | None = None) -> None:
-        self.out[self.request[slot]] = Generated(self.tokens[slot], reason, stop_token)
+        self.out[self.request[slot]] = Generated(self.tokens[slot], reason, stop_token, self.margins[slot])
+        self.margins[slot] = []
         self.request[slot] = -1
         self.pos[slot] = 0  # a free row below the last live one still runs: its writes stay at position 0
         self.alive[slot] = 0
@@ -166,13 +183,14 @@ class _Run:
         out = self.t.forward(self.cache, rows, self.last[:hi, None], self.pos[:hi, None], fresh=False,
                              logits_at=torch.zeros(hi, dtype=torch.long, device=self.t.device))
         nxt = self.pick(out.logits)
+        margins = self._margins(out.logits, hi)
         self.last[:hi] = nxt
         self.pos[:hi] += self.alive[:hi]
         produced = 0
-        for slot, tok in enumerate(nxt.tolist()):
+        for slot, (tok, m) in enumerate(zip(nxt.tolist(), margins, strict=True)):
             if self.request[slot] >= 0:
                 produced += 1
-                self._take(slot, tok)
+                self._take(slot, tok, m)
         return produced
 
     def compact(self) -> None:
@@ -188,8 +206,8 @@ class _Run:
         self.cache.move_rows(src, dst)
         self.pos[dst], self.last[dst], self.alive[dst] = self.pos[src], self.last[src], self.alive[src]
         for s, d in moves:
-            self.request[d], self.tokens[d] = self.request[s], self.tokens[s]
-            self.request[s], self.tokens[s] = -1, []
+            self.request[d], self.tokens[d], self.margins[d] = self.request[s], self.tokens[s], self.margins[s]
+            self.request[s], self.tokens[s], self.margins[s] = -1, [], []
         freed = torch.tensor([s for s in range(len(live), self.cache.slots)], dtype=torch.long, device=dev)
         self.pos[freed], self.alive[freed] = 0, 0
         self.free = [s for s in range(self.cache.slots) if self.request[s] < 0]
@@ -198,9 +216,9 @@ class _Run:
 
 def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop_ids: Sequence[int], sampling: Sampling = Sampling(), slots: int | None = None,
-             cpu_slots: int = 16, desc: str = "generate") -> list[Generated]:
+             cpu_slots: int = 16, desc: str = "generate", margins: bool = False) -> list[Generated]:
     """Answer every prompt (token ids, already chat-templated; ``max_new_tokens`` one budget for all or one
-    per prompt); results in prompt order."""
+    per prompt); results in prompt order. ``margins``: also the top-1/top-2 logit margin behind each token."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     out: list[Generated | None] = [None] * len(prompts)
     pick = _Picker(sampling, target.device)
@@ -209,7 +227,7 @@ def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_to
         for bucket in length_buckets([len(p) + n for p, n in zip(prompts, budgets, strict=True)]):
             max_len = max(len(prompts[i]) + budgets[i] for i in bucket)
             n_slots = plan_slots(target, max_len, len(bucket), cpu_slots, slots)
-            run = _Run(target, target.new_cache(n_slots, max_len), prompts, budgets, stops, pick, out, bar)
+            run = _Run(target, target.new_cache(n_slots, max_len), prompts, budgets, stops, pick, out, bar, margins)
             pending = list(reversed(bucket))  # pop() takes the shortest first
             refill_at = max(1, n_slots // 8)
             while pending or run.live:

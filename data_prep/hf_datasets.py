@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import PromptSource
-from data_prep.readers import Messages, Record, to_record
+from data_prep.readers import Messages, Record, Tools, to_record
 from data_prep.sources import Fields, SourceError
 
 DEFAULT_SPLIT = "train"
@@ -88,9 +88,11 @@ def fields(ds: Any, column: str) -> Fields | None:
     return Fields(set(features), set(inner) if isinstance(inner, dict) else None)
 
 
-def read_rows(ds: Any, label: str, convert: Callable[[Any], Messages]) -> Iterator[Record]:
+def read_rows(ds: Any, label: str, convert: Callable[[Any], Messages],
+              tools: Callable[[Any], Tools] | None = None) -> Iterator[Record]:
     """Records ``label[i]``, read in batches of decoded rows (5x faster than one row at a time). A file that
-    breaks midway is an error naming the row (rows cannot be skipped past a broken Arrow or parquet block)."""
+    breaks midway is an error naming the row (rows cannot be skipped past a broken Arrow or parquet block).
+    ``tools``: the kind's reader of the tools a record offers (data_prep.readers.JSON_TOOLS)."""
     from datasets.exceptions import DatasetsError
 
     batches = ds.iter(batch_size=BATCH_ROWS)
@@ -104,5 +106,29 @@ def read_rows(ds: Any, label: str, convert: Callable[[Any], Messages]) -> Iterat
             raise SourceError(f"{label}[{index}]: datasets cannot read on: {_one_line(e)}") from None
         names = list(batch)
         for values in zip(*batch.values(), strict=True):
-            yield to_record(f"{label}[{index}]", dict(zip(names, values, strict=True)), convert)
+            row = absent_nulls(dict(zip(names, values, strict=True)))
+            yield to_record(f"{label}[{index}]", row, convert, tools)
             index += 1
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def absent_nulls(row: dict[str, Any]) -> dict[str, Any]:
+    """Arrow gives every row every field of a struct, None where a record had none. Inside a record's ``tools``
+    and a turn's ``tool_calls`` (JSON schemas and arguments of any shape, which the chat template renders
+    verbatim) those Nones are fields the record never had: dropped. Elsewhere the readers treat None as
+    absent already (a turn's reasoning_content, tool_calls, tool_call_id)."""
+    out = dict(row)
+    if out.get("tools") is not None:
+        out["tools"] = _without_nulls(out["tools"])
+    for name, value in row.items():
+        if isinstance(value, list) and any(isinstance(t, dict) and t.get("tool_calls") for t in value):
+            out[name] = [t | {"tool_calls": _without_nulls(t["tool_calls"])}
+                         if isinstance(t, dict) and t.get("tool_calls") else t for t in value]
+    return out

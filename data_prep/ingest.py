@@ -24,8 +24,8 @@ from common.files import write_jsonl_atomic
 from data_prep.readers import Messages, Record, Skip
 from data_prep.sources import open_source
 
-SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "empty", "too_long",
-                "duplicate")
+SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "orphan_tool_result",
+                "empty", "too_long", "duplicate")
 
 
 @dataclass
@@ -79,7 +79,9 @@ class IngestSummary:
 
 def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messages, bool]:
     """Strip, drop empty system turns, keep up to the ``max_turns``-th user turn and its answer.
-    Returns the messages and whether they were cut; raises Skip for a record that is no prompt."""
+    An assistant's reasoning_content and tool_calls and a tool turn's tool_call_id/name are kept; a tool
+    result must answer an assistant's tool calls. Returns the messages and whether they were cut; raises
+    Skip for a record that is no prompt."""
     out: Messages = []
     users = 0
     cut = False
@@ -92,9 +94,11 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
                 cut = True
                 break
             users += 1
+        elif m["role"] == "tool" and not (out and (out[-1]["role"] == "tool" or out[-1].get("tool_calls"))):
+            raise Skip("orphan_tool_result", "a tool result that follows no assistant tool call")
         if m["role"] == "user" and not content:
             raise Skip("empty", f"user turn {users} is empty")
-        out.append({"role": m["role"], "content": content})
+        out.append({**m, "content": content})
     if users == 0:
         raise Skip("empty", "no user turn")
     prompt_chars = sum(len(m["content"]) for m in out if m["role"] != "assistant")
@@ -106,14 +110,24 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
 def drop_leading_assistant(messages: Messages) -> tuple[Messages, bool]:
     """ShareGPT splits long chats into records, and a continuation opens with the assistant's turn. That
     turn answers nothing we have, but the user turns after it are good prompts: drop only the opening
-    assistant turns (system turns stay). Returns the messages and whether any were dropped."""
+    assistant turns and the tool results answering their calls (system turns stay). Returns the messages
+    and whether any were dropped."""
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
-    kept = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+    kept: Messages = []
+    answered = False  # an opening assistant turn was dropped: the tool results after it go with it
+    for m in messages[:first_user]:
+        if m["role"] == "assistant" or (m["role"] == "tool" and answered):
+            answered = True
+            continue
+        kept.append(m)
+    kept += messages[first_user:]
     return kept, len(kept) < len(messages)
 
 
-def content_hash(messages: Messages) -> str:
-    prompt = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+def content_hash(messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
+    prompt: list[Any] = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+    if tools:  # the same turns with other tools on offer are another prompt (ids of tool-less records unchanged)
+        prompt.append(["tools", tools])
     try:
         data = json.dumps(prompt, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:  # lone surrogates: undecodable bytes in a JSON array, or bad escapes
@@ -136,7 +150,7 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
                 raise Skip(rec.skip, rec.detail)
             messages, dropped = drop_leading_assistant(rec.messages or [])
             messages, cut = normalise(messages, max_turns, max_chars)
-            digest = content_hash(messages)
+            digest = content_hash(messages, rec.tools)
             if digest in seen:
                 raise Skip("duplicate", f"same prompt as an earlier record (sha1 {digest[:16]})")
         except Skip as s:
@@ -146,7 +160,8 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
         report.kept += 1
         report.cut_to_max_turns += cut
         report.leading_assistant_dropped += dropped
-        out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages})
+        out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages}
+                   | ({"tools": rec.tools} if rec.tools else {}))
 
 
 def run_ingest(cfg: RunConfig) -> IngestSummary:

@@ -11,6 +11,9 @@ prefix tokenization per turn made long chats quadratic); a token straddling a bo
 from __future__ import annotations
 
 import bisect
+import copy
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +37,27 @@ class Rendered:
         return sum(self.loss_mask)
 
 
+def as_server_renders(messages: list[dict]) -> list[dict]:
+    """The messages as SGLang's chat endpoint hands them to the chat template: an assistant's tool-call
+    ``function.arguments`` parsed from its JSON string into an object, a null content as "" (sglang
+    srt/entrypoints/openai/serving_chat.py, ``normalize_assistant_tool_call_arguments``). Rendering our
+    stored turns this way gives the tokens the server rendered when it produced them."""
+    out = copy.deepcopy(messages)
+    for m in out:
+        if m.get("content") is None:
+            m["content"] = ""
+        for call in m.get("tool_calls") or () if m.get("role") == "assistant" else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    parsed = json.loads(fn["arguments"])
+                except ValueError:
+                    continue  # not JSON: the template gets the string, as a lenient server would pass it
+                if isinstance(parsed, dict):
+                    fn["arguments"] = parsed
+    return out
+
+
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, kwargs: dict) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                          **kwargs)
@@ -54,9 +78,12 @@ def _boundary(offsets: list[tuple[int, int]], starts: list[int], char_pos: int, 
 
 def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None
                     ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered chat and the character span of each assistant turn after the first message (content and
-    end-of-turn marker, trailing template whitespace left out)."""
+    """The rendered chat and the character span of each assistant turn after the first message (its reasoning,
+    content and tool calls, as the template renders them, and the end-of-turn marker; trailing template
+    whitespace left out). The messages are rendered as the server renders them (``as_server_renders``);
+    ``template_kwargs``: the target's chat_template_kwargs and the chat's ``tools``."""
     kwargs = template_kwargs or {}
+    messages = as_server_renders(messages)
     text = _render(tokenizer, messages, False, kwargs)
     spans = []
     for i, msg in enumerate(messages):
@@ -86,7 +113,9 @@ def mask_tokens(ids: list[int], offsets: list[tuple[int, int]], spans: list[tupl
 
 def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
                      template_kwargs: dict | None = None) -> Rendered:
-    """Render ``messages`` with the tokenizer's chat template; mask = assistant content + end-of-turn."""
+    """Render ``messages`` with the tokenizer's chat template; mask = each assistant turn (its reasoning, content
+    and tool calls, as the template renders them) + end-of-turn. ``template_kwargs``: the target's
+    chat_template_kwargs and the chat's ``tools``."""
     r = render_many(tokenizer, [messages], max_length, template_kwargs)[0]
     if isinstance(r, LossMaskError):
         raise r
@@ -94,15 +123,20 @@ def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
 
 
 def render_many(tokenizer: Any, conversations: list[list[dict]], max_length: int,
-                template_kwargs: dict | None = None, chunk: int = 512) -> list[Rendered | LossMaskError]:
+                template_kwargs: dict | None = None, tools: Sequence[list[dict] | None] | None = None,
+                chunk: int = 512) -> list[Rendered | LossMaskError]:
     """``render_with_mask`` for many chats: the texts are tokenized in batches, which a fast tokenizer spreads
-    over every core. A chat that cannot be split into turns comes back as its ``LossMaskError``."""
+    over every core. A chat that cannot be split into turns comes back as its ``LossMaskError``.
+    ``tools[i]`` (when given): the tools offered to chat i, rendered into its prompt by the template."""
+    if tools is not None and len(tools) != len(conversations):
+        raise ValueError(f"{len(tools)} tool lists for {len(conversations)} conversations")
     out: list[Rendered | LossMaskError] = []
     for c in range(0, len(conversations), chunk):
         rendered: list[tuple[str, list[tuple[int, int]]] | LossMaskError] = []
-        for messages in conversations[c:c + chunk]:
+        for j, messages in enumerate(conversations[c:c + chunk], start=c):
+            kwargs = {**(template_kwargs or {}), **({"tools": tools[j]} if tools is not None else {})}
             try:
-                rendered.append(assistant_spans(tokenizer, messages, template_kwargs))
+                rendered.append(assistant_spans(tokenizer, messages, kwargs))
             except LossMaskError as e:
                 rendered.append(e)
         texts = [r[0] for r in rendered if not isinstance(r, LossMaskError)]

@@ -79,31 +79,71 @@ def resume(path: Path) -> tuple[set[str], int]:
 
 
 class Conversation:
-    """One prompt being regenerated: its user turns (with any system turns before each) fed one at a time."""
+    """One prompt being regenerated: the target answers after each user turn and after each run of tool results.
+
+    The source's assistant turns are dropped; its tool results stay, since no tool is run here. A run of tool
+    results answers the source's tool calls, so it is fed only when the target's own previous answer made the
+    same calls (function names in order); they are then attached to the target's call ids. When the target
+    chose otherwise (other calls, or calls where the source made none), the conversation ends after its answer
+    (``diverged``): a result for a call never made would teach the drafter a conversation that cannot happen."""
 
     def __init__(self, prompt: dict[str, Any]):
         self.prompt = prompt
-        self.segments: list[Chat] = []
+        self.tools = prompt.get("tools")
+        self.segments: list[Chat] = []  # the non-assistant turns before each answer
+        self.answers_calls: list[list[dict[str, Any]] | None] = []  # per segment: the source calls it answers
         pending: Chat = []
-        for m in prompt["messages"]:
+        calls = None
+        msgs = prompt["messages"]
+        for i, m in enumerate(msgs):
             if m["role"] == "assistant":
+                calls = m.get("tool_calls")
                 continue
-            pending.append({"role": m["role"], "content": m["content"]})
-            if m["role"] == "user":
+            pending.append(dict(m))
+            after = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
+            if m["role"] == "user" or (m["role"] == "tool" and after != "tool"):
                 self.segments.append(pending)
+                self.answers_calls.append(calls if m["role"] == "tool" else None)
                 pending = []
         self.chat: Chat = []
         self.finish_reasons: list[str] = []
         self.error: str | None = None
         self.detail = ""
-        self.turns_dropped = 0  # user turns left out because the context was full
+        self.diverged = False
+        self.turns_dropped = 0  # prompt turns (a user turn, or a run of tool results) left out: context full
 
     def wants_more(self) -> bool:
-        return self.error is None and len(self.finish_reasons) < len(self.segments)
+        return self.error is None and not self.diverged and len(self.finish_reasons) < len(self.segments)
 
     def request(self) -> Chat:
-        self.chat += self.segments[len(self.finish_reasons)]
+        n = len(self.finish_reasons)
+        segment = self.segments[n]
+        if self.answers_calls[n] is not None:
+            segment = self._attach(segment, self.answers_calls[n])
+        self.chat += segment
         return list(self.chat)
+
+    def _attach(self, results: Chat, source_calls: list[dict[str, Any]]) -> Chat:
+        """Tool results re-addressed to the target's own calls (by position among the source's calls)."""
+        own = self.chat[-1].get("tool_calls") or [] if self.chat and self.chat[-1]["role"] == "assistant" else []
+        position = {c.get("id"): i for i, c in enumerate(source_calls)}
+        out = []
+        for j, r in enumerate(results):
+            i = position.get(r.get("tool_call_id"), j)
+            out.append(r | ({"tool_call_id": own[i]["id"]} if i < len(own) and "id" in own[i] else {}))
+        return out
+
+    def _can_continue(self, n: int) -> bool:
+        """Whether segment n can follow the target's last answer: its tool results answer exactly the calls the
+        target made (same function names in order, one result each), or it has no tool results and the target
+        made no call. SGLang refuses a chat with an unanswered call (``_tool_call_pairing_error`` in sglang
+        srt/entrypoints/openai/serving_chat.py), and a result for a call never made would be fiction."""
+        own = [c["function"]["name"] for c in self.chat[-1].get("tool_calls") or ()]
+        source = self.answers_calls[n]
+        if source is None:
+            return not own
+        results = [m for m in self.segments[n] if m["role"] == "tool"]
+        return own == [c["function"]["name"] for c in source] and len(results) == len(own)
 
     def accept(self, c: Completion) -> None:
         if c.error:
@@ -117,13 +157,18 @@ class Conversation:
             self.chat = self.chat[: len(self.chat) - len(self.segments[done])]
             self.turns_dropped = len(self.segments) - done
             self.segments = self.segments[:done]
+            self.answers_calls = self.answers_calls[:done]
             return
-        self.chat.append({"role": "assistant", "content": c.text})
+        self.chat.append(c.message())
         self.finish_reasons.append(c.finish_reason)
+        n = len(self.finish_reasons)
+        if n < len(self.segments) and not self._can_continue(n):
+            self.diverged = True
 
     def record(self, backend: str) -> dict[str, Any]:
-        return {"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
-                "finish_reasons": self.finish_reasons, "backend": backend}
+        return ({"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
+                 "finish_reasons": self.finish_reasons, "backend": backend}
+                | ({"tools": self.tools} if self.tools else {}))
 
 
 @dataclass
@@ -134,7 +179,9 @@ class RegenerateSummary:
     already_done: int  # found in the file at start
     torn_bytes_dropped: int
     written: int  # this run
-    turns_dropped_context_full: int = 0  # this run: user turns left out, the target's context being full
+    tool_calls_diverged: int = 0  # this run: ended early, the target made other tool calls than the source's
+    # this run: later turns left out, the target's context being full (a run of tool results counts as one)
+    turns_dropped_context_full: int = 0
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -158,6 +205,7 @@ class RegenerateSummary:
             f"## Regenerate ({self.backend}): {self.records} conversations in {self.output}", "",
             f"- this run: {self.written} written in {self.seconds:.1f} s; {self.already_done} already done; "
             f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes; "
+            f"{self.tool_calls_diverged} ended where the target's tool calls differ from the source's; "
             f"{self.turns_dropped_context_full} later user turns left out (context full)",
             f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
             f"{self.duplicate_ids} duplicate ids",
@@ -179,6 +227,12 @@ def percentiles(values: list[int]) -> dict[str, int]:
     return {str(p): ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in PERCENTILES}
 
 
+def answer_text(message: dict[str, Any]) -> str:
+    """What an answer says: its reasoning, content and tool calls (an agentic turn may have no content)."""
+    calls = "".join(json.dumps(c, ensure_ascii=False) for c in message.get("tool_calls") or ())
+    return (message.get("reasoning_content") or "") + message["content"] + calls
+
+
 def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> None:
     """Re-read the output as the next stage will, and fill in the checks and answer statistics."""
     counts: Counter[str] = Counter()
@@ -188,7 +242,7 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
         for line in f:
             rec = json.loads(line)
             counts[rec["id"]] += 1
-            answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+            answers = [answer_text(m) for m in rec["messages"] if m["role"] == "assistant"]
             lengths += [len(a) for a in answers]
             summary.finish_reasons.update(rec["finish_reasons"])
             empty = sum(not a.strip() for a in answers)
@@ -224,7 +278,10 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
         for i in range(0, len(pending), backend.batch_size):
             convs = [Conversation(p) for p in pending[i: i + backend.batch_size]]
             while active := [c for c in convs if c.wants_more()]:
-                for conv, completion in zip(active, backend.complete([c.request() for c in active]), strict=True):
+                chats = [c.request() for c in active]
+                tools = [c.tools for c in active]
+                for conv, completion in zip(active, backend.complete(chats, tools if any(tools) else None),
+                                            strict=True):
                     conv.accept(completion)
             for conv in convs:
                 if conv.error:
@@ -233,6 +290,7 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                 else:
                     append_jsonl(f, conv.record(backend.name))
                     summary.written += 1
+                    summary.tool_calls_diverged += conv.diverged
                     summary.turns_dropped_context_full += conv.turns_dropped
             bar.update(len(convs))
     summary.seconds = time.perf_counter() - start
@@ -314,6 +372,7 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
                                 selected=len(prompts), already_done=len(prompts) - len(pending),
                                 torn_bytes_dropped=torn, written=sum(p["written"] for p in parts),
                                 turns_dropped_context_full=sum(p["turns_dropped_context_full"] for p in parts),
+                                tool_calls_diverged=sum(p["tool_calls_diverged"] for p in parts),
                                 seconds=time.perf_counter() - start)
     for p in parts:
         summary.failed.update(p["failed"])

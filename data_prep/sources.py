@@ -10,7 +10,8 @@
 
 A column mapping (``messages_field``, ``role_field``, ``content_field``, ``roles``) reshapes each record
 into its kind's own shape before the kind's reader converts it, so every reader and every skip reason
-applies to mapped sources unchanged. The fields a source needs are checked before it is read (the
+applies to mapped sources unchanged (a turn's other fields, such as an assistant's reasoning_content and
+tool_calls, and a record's ``tools`` are kept). The fields a source needs are checked before it is read (the
 `datasets` schema, or the first record of a JSON file): a wrong name is one error naming the column.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from common.config import CHAT_KINDS, PromptSource
 from common.wheels import MissingWheelError, builtin_data_path
-from data_prep.readers import JSON_FORMATS, Messages, Record, Skip, read_json_source, read_lines
+from data_prep.readers import JSON_FORMATS, JSON_TOOLS, Messages, Record, Skip, read_json_source, read_lines
 
 # The field each kind reads, and for chats the role and content fields of a turn.
 KIND_FIELDS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages", "role", "content"),
@@ -57,7 +58,8 @@ def open_source(src: PromptSource, key: str) -> tuple[str, Iterator[Record]]:
             path = builtin_data_path(src.kind)
         except (ValueError, MissingWheelError) as e:
             raise SourceError(f"{where}: {e}") from None
-        return str(path), read_json_source(path, _checked(src, key, path.name, _converter(src)))
+        return str(path), read_json_source(path, _checked(src, key, path.name, _converter(src)),
+                                           JSON_TOOLS.get(src.kind))
     path = Path(src.path).expanduser()
     if path.is_file():
         _no_split(src, key, path)
@@ -68,7 +70,8 @@ def open_source(src: PromptSource, key: str) -> tuple[str, Iterator[Record]]:
                                   f"holds records: set {key}.kind to their shape")
             return str(path), read_lines(path)
         if suffix in RECORD_FILES:
-            return str(path), read_json_source(path, _checked(src, key, path.name, _converter(src)))
+            return str(path), read_json_source(path, _checked(src, key, path.name, _converter(src)),
+                                               JSON_TOOLS.get(src.kind))
         if suffix not in DATASET_FILES:
             raise SourceError(f"{path}: cannot read {suffix or 'suffix-less'} files ({key}.path); prompt files "
                               f"are {', '.join(RECORD_FILES + DATASET_FILES)} (.gz too for JSON), or text for "
@@ -88,7 +91,7 @@ def _open_dataset(src: PromptSource, key: str, path: Path) -> tuple[str, Iterato
         check_fields(src, key, label, fields)
     else:
         convert = _checked(src, key, label, convert)
-    return label, hf_datasets.read_rows(ds, label, convert)
+    return label, hf_datasets.read_rows(ds, label, convert, JSON_TOOLS.get(src.kind))
 
 
 def _looks_like_hub_id(path: str) -> bool:

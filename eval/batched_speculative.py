@@ -5,7 +5,8 @@ timing, so every prompt can run in one batch: each row keeps its own position in
 cache (``drafter.batched_target``), accepts its own number of drafts per cycle, and reads nothing that a
 rejected draft left behind (keys beyond a row's committed length are overwritten before they are read).
 Per row, the cycle is the one ``eval.speculative.Engine`` runs at batch size 1 (same positions, same
-draft-extend from the target's aux states, same acceptance rules), which a test checks token by token.
+draft-extend from the target's aux states, same acceptance rule chosen by name through
+``eval.speculative.acceptance_rule``), which a test checks token by token.
 Timings, which do depend on the batch, still come from the batch-1 engine.
 """
 
@@ -20,7 +21,7 @@ from tqdm import tqdm
 
 from drafter.batched_target import BatchedTarget, position_masked_attention
 from drafter.model import Eagle3Drafter, StepOutput
-from eval.speculative import Draft, accept_greedy, accept_sampled, pick
+from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
 
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill call
 
@@ -61,12 +62,14 @@ class BatchedDrafter:
 @torch.no_grad()
 def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Sequence[Sequence[int]], k: int,
                       max_new: int, stop_ids: Sequence[int], temperature: float = 0.0, seed: int = 0,
-                      desc: str = "speculative") -> list[RowResult]:
+                      desc: str = "speculative", acceptance: str = "sglang") -> list[RowResult]:
     """Chain-draft ``k`` tokens per cycle for every prompt; per row, the tokens and drafts kept per cycle.
 
     ``target.aux_layer_ids`` must be the drafter's. At T > 0 each row draws from its own generator,
-    seeded by ``seed`` and the row index, and accepts as ``eval.speculative.accept_sampled`` does.
+    seeded by ``seed`` and the row index, and accepts by the rule ``acceptance`` names (eval.acceptance):
+    SGLang's drafts greedily, ``speculative_sampling`` samples its drafts from q.
     """
+    accept, sample_drafts = acceptance_rule(acceptance, temperature)
     dev, n = target.device, len(prompts)
     stops = set(stop_ids)
     lens = torch.tensor([len(p) for p in prompts], device=dev)
@@ -118,7 +121,7 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
                 out = dr.step(rows, drafts[-1][:, None], hidden, (committed - 1 + i)[:, None])
                 hidden = out.prenorm
             logits = d.logits(hidden)[:, -1].float()
-            if temperature > 0:
+            if sample_drafts:
                 q = torch.softmax(logits / temperature, -1)
                 choice = torch.stack([torch.multinomial(q[j].cpu(), 1, generator=gens[j]) for j in range(n)])
                 probs.append(q)
@@ -130,7 +133,7 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
         ids = torch.cat([newest[:, None], draft_ids], 1)
         pos = committed[:, None] + torch.arange(k + 1, device=dev)[None]
         out = target.forward(cache, rows, ids, pos, fresh=False, all_logits=True, aux=True)
-        accepted, nexts = _accept(out.logits, draft_ids, probs, d, temperature, gens, done)
+        accepted, nexts = _accept(accept, out.logits, draft_ids, probs, d, temperature, gens, done)
         for i in range(n):
             if not done[i]:
                 a = accepted[i]
@@ -164,21 +167,21 @@ def _groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
     return out
 
 
-def _accept(logits: Tensor, drafts: Tensor, probs: list[Tensor], d: Eagle3Drafter, temperature: float,
-            gens: list[torch.Generator] | None, done: list[bool]) -> tuple[list[int], list[int]]:
-    """Per row: drafts kept and the target's own next token, by the batch-1 engine's rules."""
-    if temperature <= 0:
-        pairs = [accept_greedy(logits[i], drafts[i].tolist()) if not done[i] else (0, 0)
-                 for i in range(logits.shape[0])]
-    else:
-        pairs = []
-        for i in range(logits.shape[0]):
-            if done[i]:
-                pairs.append((0, 0))
-                continue
+def _accept(accept: AcceptRule, logits: Tensor, drafts: Tensor, probs: list[Tensor], d: Eagle3Drafter,
+            temperature: float, gens: list[torch.Generator] | None, done: list[bool]) -> tuple[list[int], list[int]]:
+    """Per row: drafts kept and the target's own next token, by the batch-1 engine's rule. ``probs`` (the
+    draft distributions, per step (B, draft vocab)) only when the rule samples its drafts."""
+    draft_targets = d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=logits.device)).cpu()
+    pairs = []
+    for i in range(logits.shape[0]):
+        if done[i]:
+            pairs.append((0, 0))
+            continue
+        full = None
+        if probs:
             full = torch.zeros(len(probs), d.shape.vocab_size)
-            draft_targets = d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=logits.device)).cpu()
             for j, q in enumerate(probs):
                 full[j, draft_targets] = q[i].cpu()
-            pairs.append(accept_sampled(logits[i].cpu(), Draft(drafts[i].tolist(), full), temperature, gens[i]))
+        row = logits[i] if temperature <= 0 else logits[i].cpu()
+        pairs.append(accept(row, Draft(drafts[i].tolist(), full), temperature, gens[i] if gens else None))
     return [a for a, _ in pairs], [t for _, t in pairs]

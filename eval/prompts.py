@@ -41,13 +41,16 @@ def load_eval_prompts(ds: DatasetConfig, limit: int | None = None) -> list[str]:
     return out
 
 
-def render(tokenizer: Any, prompt: str) -> list[int]:
-    """Token ids of one user turn under the chat template, ready for the assistant's answer."""
+def render(tokenizer: Any, prompt: str, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of one user turn under the chat template (with the target's chat_template_kwargs, e.g.
+    thinking off, as the server renders it), ready for the assistant's answer."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
+                                         tokenize=False, **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def rendered_datasets(tokenizer: Any, datasets: Sequence[Any], limit: int | None = None) -> dict[str, list[list[int]]]:
+def rendered_datasets(tokenizer: Any, datasets: Sequence[Any], limit: int | None = None,
+                      template_kwargs: dict[str, Any] | None = None) -> dict[str, list[list[int]]]:
     """Dataset name -> its prompts as token ids, for ``eval.datasets`` entries; ``limit`` overrides theirs."""
-    return {ds.name: [render(tokenizer, p) for p in load_eval_prompts(ds, limit)] for ds in datasets}
+    return {ds.name: [render(tokenizer, p, template_kwargs) for p in load_eval_prompts(ds, limit)]
+            for ds in datasets}

@@ -12,14 +12,14 @@ from common.files import write_text_atomic
 from common.tracking import flat_config, make_trackers
 
 
-def _clean(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     """NaN/inf become null: strict JSON readers reject the bare NaN that json.dumps writes."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -32,7 +32,9 @@ def markdown(r: dict) -> str:
     k = s["num_steps"]
     lines = [f"# Eval report: {r['name']}", "",
              f"Target `{r['target']}` on {r['device']}, batch size 1, k = {k} chained drafts "
-             f"(up to {k + 1} tokens per cycle), T = {s['temperature']}, max_new_tokens = {s['max_new_tokens']}, "
+             f"(up to {k + 1} tokens per cycle), T = {s['temperature']}"
+             + (f" (acceptance: {s.get('acceptance')})" if s["temperature"] > 0 else "")
+             + f", max_new_tokens = {s['max_new_tokens']}, "
              f"prompts: " + ", ".join(f"{n} {d}" for d, n in r["prompts"].items()) + ".", "",
              "## Break-even", "",
              f"- tau* = {_f(be['tau_star'])} = cycle {_f(be['cycle_ms'], 2)} ms / decode {_f(be['decode_ms'], 2)} ms "
@@ -68,6 +70,12 @@ def markdown(r: dict) -> str:
             lines.append(f"- lossless (T=0, {ll['prompts']} prompts): {verdict}")
             lines += [f"  - {m['dataset']} prompt {m['prompt']}: first divergence at token {m['first_divergence']} "
                       f"(greedy {m['greedy']} vs speculative {m['speculative']})" for m in ll["mismatches"]]
+            if ll.get("near_ties"):
+                lines.append(f"- near-ties (top-1/top-2 logit margin < {ll['tie_epsilon']}; not failures): "
+                             f"{len(ll['near_ties'])} prompt(s)")
+                lines += [f"  - {m['dataset']} prompt {m['prompt']}: token {m['first_divergence']}, margin "
+                          f"{_f(m['margin'], 5)} (greedy {m['greedy']} vs speculative {m['speculative']})"
+                          for m in ll["near_ties"]]
         else:
             lines.append(f"- lossless: not checked ({ll['reason']})")
         lines.append("")
@@ -154,7 +162,7 @@ def log_to_trackers(r: dict, tracking: Any, logging_dir: Path, images: list[Path
 def write_report(r: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    r = _clean(r)
+    r = json_safe(r)
     write_text_atomic(out / "report.json", json.dumps(r, indent=2) + "\n")
     write_text_atomic(out / "report.md", markdown(r))
     plots(r, out)

@@ -48,7 +48,7 @@ SHAREGPT = [
 OPENAI = [
     oa(("developer", "sys"), ("user", "hello"), ("assistant", None), ("user", "again")),  # null: a tool call
     oa(("user", "What is 2+2?"), ("assistant", "4")),  # duplicate of a ShareGPT prompt (dedupe spans sources)
-    oa(("tool", "{}")),                                                      # unknown_role
+    oa(("narrator", "{}")),                                                  # unknown_role ("tool" is a role)
     oa(("user", "hello"), ("assistant", "hi")),
 ]
 # The ShareGPT records under other names, as a custom dataset might hold them.
@@ -150,6 +150,41 @@ def test_column_mapping_reads_a_custom_shape_like_sharegpt(tmp_path: Path, jsonl
     path = write_jsonl(tmp_path / "broken.jsonl", broken)
     _, summary = ingest(tmp_path / "broken", [{"kind": "sharegpt", "path": path, **MAPPING}])
     assert summary["sources"][0]["first_skip"]["missing_field"] == "broken.jsonl:3: a turn lacks 'speaker' or 'text'"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                            "parameters": {"type": "object", "required": ["city"],
+                                                           "properties": {"city": {"type": "string"}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}
+AGENTIC = [  # thinking and tool calls in one schema: Arrow fills each absent field with None
+    {"id": "a", "tools": [WEATHER, CLOCK], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "I should call the tool.",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"},
+        {"role": "assistant", "content": "18C and sunny.", "reasoning_content": "The tool answered."},
+        {"role": "user", "content": "And the time?"}]},
+    {"id": "b", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+    {"id": "c", "messages": [{"role": "user", "content": "Hi"}], "tools": [CLOCK]},  # other tools: another prompt
+]
+
+
+def test_reasoning_and_tool_calls_survive_datasets_sources_like_jsonl(tmp_path: Path) -> None:
+    """An agentic OpenAI dataset in parquet or save_to_disk ingests to the JSONL reader's prompts.jsonl byte for
+    byte: reasoning_content, tool_calls, tool results and tools kept, Arrow's Nones for absent fields dropped."""
+    cfg, summary = ingest(tmp_path / "jsonl", [{"kind": "openai", "path": write_jsonl(tmp_path / "a.jsonl", AGENTIC)}])
+    reference = cfg.prompts_path.read_bytes()
+    prompts = [json.loads(x) for x in reference.decode().splitlines()]
+    assert summary["kept"] == 3 and [p.get("tools") for p in prompts] == [[WEATHER, CLOCK], None, [CLOCK]]
+    assert prompts[0]["messages"][1] == {"role": "assistant", "content": "", **{
+        k: AGENTIC[0]["messages"][1][k] for k in ("reasoning_content", "tool_calls")}}
+    assert prompts[0]["messages"][2] == {"role": "tool", "tool_call_id": "call_1", "content": "18C, sunny"}
+    for write in (write_parquet, write_saved):
+        name = write.__name__.removeprefix("write_")
+        cfg, summary = ingest(tmp_path / name, [{"kind": "openai", "path": write(tmp_path / f"a.{name}", AGENTIC)}])
+        assert cfg.prompts_path.read_bytes() == reference, name
 
 
 def test_saved_dataset_dict_split_and_its_errors(tmp_path: Path) -> None:

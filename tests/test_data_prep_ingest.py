@@ -102,17 +102,40 @@ def test_openai_messages_reader(tmp_path: Path) -> None:
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "two "},
                                                    {"type": "text", "text": "parts"}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},  # non_text
-        {"messages": [{"role": "tool", "content": "{}"}]},  # unknown_role
+        {"messages": [{"role": "function", "content": "{}"}]},  # unknown_role
+        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"}]},  # orphan_tool_result
         {"messages": [{"content": "no role"}]},  # missing_field
         {"prompt": "not chat"},  # missing_field
     ]))
     cfg = make_cfg(tmp_path, [{"kind": "openai", "path": str(path)}])
     report = run_ingest(cfg).sources[0]
-    assert dict(report.skipped) == {"non_text": 1, "unknown_role": 1, "missing_field": 2}
+    assert dict(report.skipped) == {"non_text": 1, "unknown_role": 1, "missing_field": 2, "orphan_tool_result": 1}
     prompts = read_prompts(cfg)
     assert [m["role"] for m in prompts[0]["messages"]] == ["system", "user", "assistant", "user"]
     assert prompts[1]["messages"] == [{"role": "user", "content": "two parts"}]
     assert all(p["source"] == "openai" and p["id"].startswith("openai-") for p in prompts)
+
+
+def test_an_opening_assistant_turn_goes_with_its_tool_results(tmp_path: Path) -> None:
+    """A continuation that opens with an assistant tool call and its result keeps the user turns after them
+    (both dropped and counted once); a tool result before any user turn that answers no dropped call is
+    still an orphan."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    path = tmp_path / "oa.jsonl"
+    path.write_bytes(jsonl_bytes([
+        {"messages": [{"role": "system", "content": "sys"},
+                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "user", "content": "so?"},
+                      {"role": "assistant", "content": "42.", "reasoning_content": "the tool said so"}]},
+        {"messages": [{"role": "tool", "content": "{}"}, {"role": "user", "content": "q"}]},  # orphan_tool_result
+    ]))
+    cfg = make_cfg(tmp_path, [{"kind": "openai", "path": str(path)}])
+    report = run_ingest(cfg).sources[0]
+    assert report.kept == 1 and report.leading_assistant_dropped == 1 and dict(report.skipped) == {
+        "orphan_tool_result": 1}
+    (prompt,) = read_prompts(cfg)
+    assert prompt["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "so?"},
+                                  {"role": "assistant", "content": "42.", "reasoning_content": "the tool said so"}]
 
 
 def test_mtbench_builtin_two_user_turns_and_max_turns(tmp_path: Path) -> None:

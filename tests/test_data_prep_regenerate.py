@@ -111,14 +111,16 @@ def fake() -> Iterator[Any]:
         srv.server_close()
 
 
-def openai_cfg(tmp_path: Path, urls: list[str], **regen: Any) -> RunConfig:
-    return make_cfg(tmp_path, **({"backend": "openai", "server_urls": urls, "retry_backoff_s": 0.01,
-                                  "concurrency": 2, "batch_size": 2, "timeout_s": 10} | regen))
+def openai_cfg(tmp_path: Path, urls: list[str], template_kwargs: dict | None = None, **regen: Any) -> RunConfig:
+    tree = config_tree(tmp_path, **({"backend": "openai", "server_urls": urls, "retry_backoff_s": 0.01,
+                                     "concurrency": 2, "batch_size": 2, "timeout_s": 10} | regen))
+    tree["target"]["chat_template_kwargs"] = template_kwargs or {}
+    return parse_config(tree)
 
 
 def test_turn_by_turn_feeds_back_the_targets_answers(tmp_path: Path, fake: Any) -> None:
-    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], top_k=20, max_tokens=7, seed=3,
-                     chat_template_kwargs={"enable_thinking": False}, num_prompts=2)
+    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], {"enable_thinking": False}, top_k=20, max_tokens=7, seed=3,
+                     num_prompts=2)
     system = {"role": "system", "content": "be brief"}
     ids = write_prompts(cfg, [
         [system, user("u1"), {"role": "assistant", "content": "old answer 1"}, user("u2"),
@@ -347,7 +349,7 @@ class ScriptedBackend:
 
     name, batch_size = "scripted", 4
 
-    def complete(self, batch: list[list[dict[str, str]]]) -> list[Any]:
+    def complete(self, batch: list[list[dict[str, str]]], tools: list[Any] | None = None) -> list[Any]:
         from data_prep.backends import CONTEXT_FULL, Completion
 
         return [Completion(finish_reason=CONTEXT_FULL) if "[full]" in chat[-1]["content"]

@@ -1,5 +1,6 @@
 """The batched speculative engine runs, per row, exactly the batch-1 engine's cycle: same tokens and the
-same drafts kept per cycle, greedy and sampled, for prompts of different lengths in one batch."""
+same drafts kept per cycle, greedy and at T > 0 under both acceptance rules (SGLang's, with greedy drafts, and
+speculative sampling, with sampled drafts), for prompts of different lengths in one batch."""
 
 from __future__ import annotations
 
@@ -38,17 +39,19 @@ def pair() -> tuple[LlamaForCausalLM, object]:
     return target, drafter
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_batched_rows_equal_the_batch1_engine(pair, temperature: float) -> None:
+@pytest.mark.parametrize(("temperature", "rule"), [(0.0, "sglang"), (1.0, "sglang"), (1.0, "speculative_sampling")])
+def test_batched_rows_equal_the_batch1_engine(pair, temperature: float, rule: str) -> None:
     target, drafter = pair
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (12,), generator=g)]
-    batched = speculative_batch(BatchedTarget(target, AUX), drafter, prompts, K, NEW, [1], temperature, seed=5)
+    batched = speculative_batch(BatchedTarget(target, AUX), drafter, prompts, K, NEW, [1], temperature, seed=5,
+                                acceptance=rule)
     engine = Engine(TargetModel(target, _Tok(), "tiny", None), AUX, [1])
     proposer = Eagle3Proposer(drafter, AUX)
     kept = 0
     for i, p in enumerate(prompts):
-        one = engine.speculative(proposer, p, K, NEW, temperature, torch.Generator().manual_seed(5 * 1_000_003 + i))
+        one = engine.speculative(proposer, p, K, NEW, temperature, torch.Generator().manual_seed(5 * 1_000_003 + i),
+                                 acceptance=rule)
         assert (batched[i].tokens, batched[i].accepted) == (one.tokens, one.accepted), f"row {i}"
         kept += sum(one.accepted)
     assert kept > 0 or temperature == 0.0  # sampled drafts from a 12-token vocab do get accepted
@@ -71,3 +74,20 @@ def test_acceptance_report_is_lossless_against_batched_greedy(pair) -> None:
     assert set(report) == {"a", "b"} and report["a"]["prompts"] == 3
     assert report["a"]["lossless_mismatches"] == [] and report["b"]["lossless_mismatches"] == []
     assert report["a"]["cycles"] == sum(report["a"]["histogram"]) > 0
+
+
+def test_greedy_references_carry_the_plain_loops_margins(pair) -> None:
+    """The batched greedy reference has, token for token, the batch-1 plain loop's tokens and top-1/top-2
+    margins (the stop token's included), so the batched lossless check can tell near-ties from mismatches."""
+    from eval.batched_eval import greedy_references
+
+    target, _ = pair
+    tm = TargetModel(target, _Tok(), "tiny", None)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in (4, 11, 17)]
+    refs = greedy_references(tm, {"a": prompts}, NEW)["a"]
+    engine = Engine(tm, AUX, [1])
+    for p, ref in zip(prompts, refs, strict=True):
+        plain = engine.plain(p, NEW)
+        assert ref.tokens == plain.tokens and len(ref.margins) == len(plain.margins) == len(ref.tokens)
+        assert ref.margins == pytest.approx(plain.margins, abs=1e-4)

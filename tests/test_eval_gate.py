@@ -111,7 +111,7 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
     ckpt = save_checkpoint(drafter, tmp_path / "step-1", dtype="float32")
     # Given timings with tau* = 0.5: even a random drafter clears break-even, and there is no incumbent.
     easy = write_config(tmp_path, tracking={"report_to": ["tensorboard"], "project": "gate"},
-                        timings={"decode_ms": 100.0, "cycle_ms": 50.0})
+                        timings={"decode_ms": 100.0, "cycle_ms": {3: 50.0}})
     assert gate_command(easy, ckpt, promote=True) == 0
     assert (tmp_path / "promoted" / "model.safetensors").is_file()
     report = json.loads((tmp_path / "run" / "eval" / "step-1" / "report.json").read_text())

@@ -108,7 +108,8 @@ def online_data(cfg: Any, device: torch.device) -> TrainingData:
     target = load_target_from_config(cfg.target.model_copy(update={"device": str(device)}))
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids,
                                     drafter_aux_ids(cfg.drafter.init_from, target.num_layers), target.num_layers)
-    samples, _ = render_all(read_conversations(cfg.conversations_path), target.tokenizer, cfg.capture.max_length)
+    samples, _ = render_all(read_conversations(cfg.conversations_path), target.tokenizer, cfg.capture.max_length,
+                            cfg.target.chat_template_kwargs)
     frac = cfg.train.holdout_fraction
     split = [in_holdout(s.id, frac) for s in samples]
     head = {"embed_tokens.weight": target.embed_weight().detach(), "lm_head.weight": target.lm_head_weight().detach()}
