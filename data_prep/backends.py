@@ -22,15 +22,16 @@ from typing import Any, Protocol
 
 from common import redact
 from common.config import RegenerateConfig, TargetConfig
-from data_prep.batching import length_batches
 
-Chat = list[dict[str, str]]
+Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
+Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
 MAX_BACKOFF_S = 60.0
 # A refused connection means nothing listens there: no backoff helps. Each server gets this many quick
 # tries per request (a server restarting its listener), then the request fails as "connection_refused".
 REFUSED_TRIES_PER_SERVER = 2
 REFUSED_RETRY_S = 0.2
 ERROR_BODY_BYTES = 1 << 16  # read this much of an error body, redact it, then keep 200 characters
+CONTEXT_FULL = "context_full"  # finish reason of a chat whose prompt already fills the target's context
 
 
 class BackendError(ValueError):
@@ -40,63 +41,77 @@ class BackendError(ValueError):
 @dataclass
 class Completion:
     text: str = ""
-    finish_reason: str = ""  # "stop" | "length" | what the server said; "" when error is set
+    finish_reason: str = ""  # "stop" | "length" | "tool_calls" | what the server said; "" when error is set
     error: str | None = None  # failure reason key, e.g. "http_400", "timeout", "connection"
     detail: str = ""
+    reasoning: str | None = None  # the server's reasoning_content (thinking), kept apart as the server sends it
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool calls the answer makes
+
+    def message(self) -> dict[str, Any]:
+        """The assistant turn as the next request (and the chat template) takes it back."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
 
 
 class ChatBackend(Protocol):
     name: str
     batch_size: int  # how many chats one ``complete`` call should get
 
-    def complete(self, batch: list[Chat]) -> list[Completion]: ...
+    def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
+        """One completion per chat; ``tools[i]`` (when given) are the tools offered to chat i."""
+        ...
 
 
 class HFChatBackend:
-    """The target itself via ``generate``: left padding so every row's answer starts at one column."""
+    """The target in-process, through continuous batching over a per-row KV cache
+    (``data_prep.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
+    alone, and the GPU stays full while answers of very different lengths finish. Chats are rendered as the
+    server renders them (the target's chat_template_kwargs, the chat's tools). Its answer is raw text:
+    separating reasoning and parsing tool calls are the server's parsers (SGLang's
+    --reasoning-parser/--tool-call-parser), so thinking and agentic data come through the openai backend."""
 
     name = "hf"
 
     def __init__(self, target_cfg: TargetConfig, cfg: RegenerateConfig):
-        import torch
-        from transformers import GenerationConfig
-
+        from drafter.batched_target import BatchedTarget, UnsupportedTargetError
         from drafter.target import load_target_from_config, stop_token_ids
 
         self.target = load_target_from_config(target_cfg)
+        self.template_kwargs = target_cfg.chat_template_kwargs
+        try:
+            self.engine = BatchedTarget(self.target.model)
+        except UnsupportedTargetError as e:
+            raise BackendError(f"regenerate.backend hf: {target_cfg.name}: {e}") from None
         self.tok = self.target.tokenizer
-        self.tok.padding_side = "left"
         self.cfg = cfg
         self.batch_size = cfg.batch_size
         self.stop_ids = stop_token_ids(self.tok)
-        sampling = cfg.temperature > 0
-        self.gen = GenerationConfig(
-            max_new_tokens=cfg.max_tokens, do_sample=sampling, eos_token_id=self.stop_ids,
-            pad_token_id=self.tok.pad_token_id,
-            **({"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k or 0} if sampling else {}))
-        torch.manual_seed(cfg.seed)
+        limits = [getattr(self.target.hf_config, "max_position_embeddings", None), cfg.max_context_tokens]
+        self.max_context = min((x for x in limits if x), default=None)  # prompt + answer positions
 
-    def complete(self, batch: list[Chat]) -> list[Completion]:
-        texts = [self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
-                                              **self.cfg.chat_template_kwargs) for chat in batch]
-        ids = [self.tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        results: list[Completion] = [Completion()] * len(ids)
-        for group in length_batches([len(x) + self.cfg.max_tokens for x in ids], self.cfg.batch_tokens):
-            for i, c in zip(group, self._generate([ids[i] for i in group]), strict=True):
-                results[i] = c
-        return results
+    def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
+        from data_prep.continuous_batching import Sampling, generate
+        from data_prep.loss_mask import as_server_renders
 
-    def _generate(self, ids: list[list[int]]) -> list[Completion]:
-        import torch
-
-        enc = self.tok.pad({"input_ids": ids}, return_tensors="pt").to(self.target.device)
-        with torch.no_grad():
-            out = self.target.model.generate(**enc, generation_config=self.gen)
-        results = []
-        for row in out[:, enc["input_ids"].shape[1]:].tolist():
-            end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
-            text = self.tok.decode(row if end is None else row[:end], skip_special_tokens=True)
-            results.append(Completion(text=text, finish_reason="length" if end is None else "stop"))
+        texts = [self.tok.apply_chat_template(as_server_renders(chat), tokenize=False, add_generation_prompt=True,
+                                              tools=t, **self.template_kwargs)
+                 for chat, t in zip(batch, tools or [None] * len(batch), strict=True)]
+        ids = self.tok(texts, add_special_tokens=False)["input_ids"]
+        c = self.cfg
+        budget = {i: min(c.max_tokens, self.max_context - len(x)) if self.max_context else c.max_tokens
+                  for i, x in enumerate(ids)}
+        fits = [i for i in budget if budget[i] > 0]
+        outs = generate(self.engine, [ids[i] for i in fits], [budget[i] for i in fits], self.stop_ids,
+                        Sampling(c.temperature, c.top_p, c.top_k, c.seed), slots=c.slots, cpu_slots=c.batch_size,
+                        desc="regenerate (hf)")
+        results = [Completion(finish_reason=CONTEXT_FULL) for _ in ids]  # no room left for another answer
+        for i, o in zip(fits, outs, strict=True):
+            results[i] = Completion(text=self.tok.decode(o.tokens, skip_special_tokens=True),
+                                    finish_reason=o.finish_reason)
         return results
 
 
@@ -129,8 +144,9 @@ class OpenAIChatBackend:
 
     name = "openai"
 
-    def __init__(self, cfg: RegenerateConfig):
+    def __init__(self, cfg: RegenerateConfig, chat_template_kwargs: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.template_kwargs = chat_template_kwargs or {}
         self.urls = [chat_url(u) for u in cfg.server_urls]
         if not self.urls:
             raise BackendError("regenerate.server_urls: backend 'openai' needs at least one server URL")
@@ -149,25 +165,27 @@ class OpenAIChatBackend:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def body(self, chat: Chat) -> dict[str, Any]:
+    def body(self, chat: Chat, tools: Tools = None) -> dict[str, Any]:
         c = self.cfg
         body: dict[str, Any] = {"model": c.model, "messages": chat, "temperature": c.temperature,
                                 "top_p": c.top_p, "max_tokens": c.max_tokens, "seed": c.seed}
         if c.top_k is not None:
             body["top_k"] = c.top_k
-        if c.chat_template_kwargs:
-            body["chat_template_kwargs"] = c.chat_template_kwargs
+        if tools:
+            body["tools"] = tools
+        if self.template_kwargs:
+            body["chat_template_kwargs"] = self.template_kwargs
         return body
 
-    def complete(self, batch: list[Chat]) -> list[Completion]:
-        return list(self._pool.map(self._one, batch))
+    def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
+        return list(self._pool.map(self._one, batch, tools or [None] * len(batch)))
 
     def _url(self) -> str:
         with self._lock:
             return self.urls[next(self._next)]
 
-    def _one(self, chat: Chat) -> Completion:
-        data = json.dumps(self.body(chat)).encode()
+    def _one(self, chat: Chat, tools: Tools = None) -> Completion:
+        data = json.dumps(self.body(chat, tools)).encode()
         refused, backoffs = 0, 0
         for attempt in range(self.cfg.max_retries + 1):
             try:
@@ -208,13 +226,30 @@ class OpenAIChatBackend:
         except (OSError, http.client.HTTPException) as e:  # reset, dropped mid-response, ...
             raise _Retryable("connection", redact.redact(f"{url}: {type(e).__name__}: {e}")) from None
         try:
+            # SGLang's ChatMessage (srt/entrypoints/openai/protocol.py): content, reasoning_content (with a
+            # --reasoning-parser), tool_calls [{id, index, type, function: {name, arguments}}] (--tool-call-parser).
             choice = json.loads(raw)["choices"][0]
-            text = redact.redact_secrets(choice["message"].get("content") or "")
-            return Completion(text=text, finish_reason=choice.get("finish_reason") or "unknown")
+            msg = choice["message"]
+            # The model's own words, with any registered secret masked (a server may echo the key).
+            reasoning = redact.redact_secrets(msg.get("reasoning_content") or msg.get("reasoning") or "") or None
+            calls = [{"id": c.get("id") or f"call_{i}", "type": "function",
+                      "function": {"name": c["function"]["name"],
+                                   "arguments": redact.redact_secrets(_arguments(c["function"]))}}
+                     for i, c in enumerate(msg.get("tool_calls") or [])] or None
+            return Completion(text=redact.redact_secrets(msg.get("content") or ""),
+                              finish_reason=choice.get("finish_reason") or "unknown",
+                              reasoning=reasoning, tool_calls=calls)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             body = redact.redact(raw[:ERROR_BODY_BYTES].decode("utf-8", "replace"))
             return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {body[:200]!r}")
 
 
+def _arguments(function: dict[str, Any]) -> str:
+    args = function.get("arguments", "{}")
+    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+
+
 def make_chat_backend(target_cfg: TargetConfig, cfg: RegenerateConfig) -> ChatBackend:
-    return HFChatBackend(target_cfg, cfg) if cfg.backend == "hf" else OpenAIChatBackend(cfg)
+    if cfg.backend == "hf":
+        return HFChatBackend(target_cfg, cfg)
+    return OpenAIChatBackend(cfg, target_cfg.chat_template_kwargs)

@@ -2,6 +2,11 @@
 
     conversations.jsonl ─ chat template + loss mask ─ target forward ─ store/shard-*.safetensors + manifest.json
 
+The target forward is one of three backends (``capture.backend``): ``hf`` (the HF model in-process),
+``specforge`` (import SpecForge's SGLang capture: ``data_prep/specforge_import.py``; its samples are the ones
+SpecForge tokenized) or ``sglang`` (``data_prep/capture_sglang.py``). Only ``hf`` builds the HF model; the
+others read the tokenizer, config and head tensors from the checkpoint's files (``drafter.hf_index``).
+
 Shard k holds kept samples [k*S, (k+1)*S) in conversation order, so its content is a function of the
 input alone; a rerun keeps every shard whose checksum and sample plan verify and recomputes the rest
 (kill -9 at any point loses at most one shard of work). Within a shard samples are sorted by length
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -28,7 +34,7 @@ from tqdm import tqdm
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from data_prep.batching import length_batches
-from data_prep.loss_mask import LossMaskError, render_with_mask
+from data_prep.loss_mask import LossMaskError, render_many
 from data_prep.store import (
     IDENTITY,
     MANIFEST,
@@ -39,6 +45,8 @@ from data_prep.store import (
     shard_name,
 )
 from drafter.target import TargetModel
+
+RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
 
 
 class CaptureError(ValueError):
@@ -65,6 +73,7 @@ class CaptureSummary:
     bytes_per_token: float = 0.0
     captured_tokens_per_s: float = 0.0
     skipped: dict[str, int] = field(default_factory=dict)
+    tail_tokens_dropped: int = 0  # specforge: positions after a sample's last loss token (its batch padding)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +85,9 @@ class CaptureSummary:
                 f"  shards {self.shards} ({self.shards_reused} kept, {self.shards_written} written), "
                 f"{self.bytes / 1e6:.1f} MB, {self.bytes_per_token:.0f} bytes/token, "
                 f"{self.captured_tokens_per_s:.0f} tokens/s\n"
-                f"  skipped: {skipped}")
+                f"  skipped: {skipped}"
+                + (f"\n  dropped {self.tail_tokens_dropped} positions after the last loss tokens (SpecForge's "
+                   "padding among them; no loss reads them)" if self.tail_tokens_dropped else ""))
 
 
 # ---------------------------------------------------------------- input: conversations -> samples
@@ -100,29 +111,64 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
                 raise CaptureError(f"{path}:{n}: expected an object with 'id' (str) and 'messages' (list)")
             for m in msgs:
                 if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise CaptureError(f"{path}:{n}: messages must be {{'role': str, 'content': str}} objects")
+                    raise CaptureError(f"{path}:{n}: messages must be {{'role': str, 'content': str}} objects "
+                                       "(an assistant turn may add reasoning_content and tool_calls)")
+                if not isinstance(m.get("reasoning_content", ""), str) or not isinstance(m.get("tool_calls", []),
+                                                                                           list):
+                    raise CaptureError(f"{path}:{n}: reasoning_content must be a string and tool_calls a list")
             out.append(rec)
     if not out:
         raise CaptureError(f"{path}: no conversations in it; rerun regenerate")
     return out
 
 
-def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int) -> tuple[list[Sample], Counter]:
-    samples, skipped, seen = [], Counter(), set()
+def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], int, dict[str, Any]]
+                  ) -> list[tuple[list[int], list[int]] | str]:
+    """A worker's share: (ids, mask) per chat, or the LossMaskError reason (exceptions with extra
+    arguments do not survive pickling)."""
+    tokenizer, chats, tools, max_length, template_kwargs = job
+    return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask)
+            for r in render_many(tokenizer, chats, max_length, template_kwargs, tools)]
+
+
+def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
+               template_kwargs: dict[str, Any] | None = None, workers: int | None = None
+               ) -> tuple[list[Sample], Counter]:
+    """Samples in conversation order (first of each id), each conversation rendered as the server renders it:
+    its tools and the target's chat_template_kwargs (thinking on/off) reach the template; reasoning and tool
+    calls are part of the assistant turns. Many chats are rendered by a pool of forked workers (``workers``,
+    default: the cores, at most 16): the chat template is Python, one core a chat."""
+    skipped: Counter = Counter()
+    seen: set[str] = set()
+    unique = []
     for rec in convs:
         if rec["id"] in seen:
             skipped["duplicate_id"] += 1
             continue
         seen.add(rec["id"])
-        try:
-            r = render_with_mask(tokenizer, rec["messages"], max_length)
-        except LossMaskError as e:
-            skipped[e.reason] += 1
-            continue
-        if r.num_loss_tokens == 0:
+        unique.append(rec)
+    chats = [rec["messages"] for rec in unique]
+    tools = [rec.get("tools") for rec in unique]
+    kwargs = dict(template_kwargs or {})
+    workers = workers or min(16, os.cpu_count() or 1)
+    if workers > 1 and len(chats) >= RENDER_POOL_MIN:
+        import multiprocessing as mp
+
+        size = -(-len(chats) // (workers * 4))
+        jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], max_length, kwargs)
+                for a in range(0, len(chats), size)]
+        with mp.get_context("fork").Pool(workers) as pool:
+            rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
+    else:
+        rendered = _render_chunk((tokenizer, chats, tools, max_length, kwargs))
+    samples = []
+    for rec, r in zip(unique, rendered, strict=True):
+        if isinstance(r, str):
+            skipped[r] += 1
+        elif sum(r[1]) == 0:
             skipped["no_loss_tokens"] += 1
-            continue
-        samples.append(Sample(rec["id"], r.input_ids, r.loss_mask))
+        else:
+            samples.append(Sample(rec["id"], r[0], r[1]))
     return samples, skipped
 
 
@@ -140,6 +186,22 @@ class CaptureBackend(Protocol):
         """Per sample: ``aux`` (L, 3H) and either ``last_hidden`` (L, H) or the teacher signal itself
         (``target_argmax``, ``topk_ids``, ``topk_logprobs``), float, on any device."""
         ...
+
+
+class CaptureTarget(Protocol):
+    """What capture needs of the target: ``drafter.target.TargetModel`` (hf) or ``drafter.hf_index.IndexedTarget``."""
+
+    name: str
+    tokenizer: Any
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    def fingerprint(self) -> str: ...
+
+    def embed_weight(self) -> Tensor: ...
+
+    def lm_head_weight(self) -> Tensor: ...
 
 
 class HFCaptureBackend:
@@ -179,7 +241,7 @@ def teacher_signal(last_hidden: Tensor, lm_head: Tensor, teacher: str, topk: int
 
 
 # ---------------------------------------------------------------- the store
-def store_header(target: TargetModel, aux_ids: Sequence[int], cap: Any) -> dict[str, Any]:
+def store_header(target: CaptureTarget, aux_ids: Sequence[int], cap: Any) -> dict[str, Any]:
     """Everything a shard's meaning depends on besides its samples (compared on resume)."""
     dt = cap.dtype
     teacher = {"last_hidden": dt} if cap.teacher == "hidden" else {"topk_ids": "int32", "topk_logprobs": dt}
@@ -256,7 +318,7 @@ def capture_shard(backend: CaptureBackend, lm_head: Tensor, samples: list[Sample
     return writer.finish()
 
 
-def write_target_head(store: Path, target: TargetModel, old_sha: str | None) -> str:
+def write_target_head(store: Path, target: CaptureTarget, old_sha: str | None) -> str:
     path = store / TARGET_HEAD
     if old_sha and path.is_file() and sha256_file(path) == old_sha:
         return old_sha
@@ -267,22 +329,59 @@ def write_target_head(store: Path, target: TargetModel, old_sha: str | None) -> 
     return hashlib.sha256(data).hexdigest()
 
 
-def make_capture_backend(cfg: Any, target: TargetModel, aux_ids: Sequence[int]) -> CaptureBackend:
+def load_capture_target(cfg: Any) -> CaptureTarget:
+    """The HF model for backend 'hf' only; for the others the checkpoint's tokenizer, config and head tensors
+    (a 1T-parameter target is never built here)."""
+    if cfg.capture.backend == "hf":
+        from drafter.target import load_target_from_config
+
+        return load_target_from_config(cfg.target)
+    from drafter.hf_index import load_indexed_target_from_config
+
+    return load_indexed_target_from_config(cfg.target)
+
+
+def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
+                   convs: list[dict[str, Any]] | None) -> tuple[list[Sample], Counter, CaptureBackend]:
+    """The samples to store, what was skipped, and the backend that gives their states."""
+    cap = cfg.capture
+    if cap.backend == "specforge":
+        from data_prep.specforge_import import SpecForgeImport, export_for_specforge, specforge_command
+
+        root = Path(cap.specforge_dir)
+        if not root.is_dir() or not any(root.rglob("data_*.ckpt*")):
+            data_path = cfg.root / "specforge_input.jsonl"
+            wrote = cfg.conversations_path.is_file()
+            if wrote:  # our regenerated conversations, in SpecForge's --data-path format
+                export_for_specforge(read_conversations(cfg.conversations_path), data_path)
+            raise CaptureError(f"capture.specforge_dir: {root} holds no SpecForge hidden states yet; "
+                               f"{'wrote ' + str(data_path) + ' and ' if wrote else ''}"
+                               f"run SpecForge there, then capture again:\n    {specforge_command(cfg, data_path)}")
+        source = SpecForgeImport(root, target.hidden_size, cap.max_length)
+        samples, skipped = source.samples()
+        return samples, skipped, source
+    samples, skipped = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs)
+    return samples, skipped, make_capture_backend(cfg, target, aux_ids)
+
+
+def make_capture_backend(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int]) -> CaptureBackend:
+    """The forward for rendered samples: the HF model, or a stock SGLang engine."""
     if cfg.capture.backend == "sglang":
         from data_prep.capture_sglang import SGLangCaptureBackend
 
-        return SGLangCaptureBackend(cfg, aux_ids)
-    return HFCaptureBackend(target, aux_ids)
+        return SGLangCaptureBackend(cfg)
+    return HFCaptureBackend(target, aux_ids)  # type: ignore[arg-type]
 
 
-def run_capture(cfg: Any, target: TargetModel | None = None) -> CaptureSummary:
+def run_capture(cfg: Any, target: CaptureTarget | None = None) -> CaptureSummary:
     """``cfg`` is a RunConfig; ``target`` lets callers (tests, the pipeline) reuse a loaded one."""
     from drafter.factory import drafter_aux_ids
-    from drafter.target import load_target_from_config, resolve_aux_layer_ids
+    from drafter.target import resolve_aux_layer_ids
 
     cap, store = cfg.capture, cfg.store_dir
-    convs = read_conversations(cfg.conversations_path)
-    target = target or load_target_from_config(cfg.target)
+    # Read first: bad input fails before the target loads. SpecForge's samples come with its files.
+    convs = read_conversations(cfg.conversations_path) if cap.backend != "specforge" else None
+    target = target or load_capture_target(cfg)
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, drafter_aux_ids(cfg.drafter.init_from,
                                                                               target.num_layers), target.num_layers)
     header = store_header(target, aux_ids, cap)
@@ -292,15 +391,17 @@ def run_capture(cfg: Any, target: TargetModel | None = None) -> CaptureSummary:
     for tmp in [*store.glob("*.tmp"), *store.glob(".*.tmp-*")]:  # leftovers of a killed write
         tmp.unlink()
 
-    samples, skipped = render_all(convs, target.tokenizer, cap.max_length)
+    samples, skipped, backend = capture_inputs(cfg, target, aux_ids, convs)
     if not samples:
-        raise CaptureError(f"{cfg.conversations_path}: none of its {len(convs)} conversations gives a training sample "
-                           f"(skipped: {dict(skipped)}); check capture.max_length and the chat template")
+        source = (f"capture.specforge_dir: none of the samples in {cap.specforge_dir}" if cap.backend == "specforge"
+                  else f"{cfg.conversations_path}: none of its {len(convs or [])} conversations")
+        raise CaptureError(f"{source} gives a training sample (skipped: {dict(skipped)}); check "
+                           "capture.max_length and the chat template")
     plan = [samples[i:i + cap.shard_samples] for i in range(0, len(samples), cap.shard_samples)]
     manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
                 "skipped": dict(sorted(skipped.items())), "shards": [], "complete": False}
-    summary = CaptureSummary(str(store), skipped=dict(skipped))
-    backend = make_capture_backend(cfg, target, aux_ids)
+    summary = CaptureSummary(str(store), skipped=dict(skipped),
+                             tail_tokens_dropped=getattr(backend, "dropped_tail_tokens", 0))
     lm_head = target.lm_head_weight().detach()
     total = sum(len(s.input_ids) for s in samples)
     started, computed = time.perf_counter(), 0

@@ -1,5 +1,7 @@
 """SGLang capture backend (UNVERIFIED: sglang cannot be installed here; written against its documented
-offline ``sgl.Engine`` API and never run).
+offline ``sgl.Engine`` API and never run). For a target at Kimi-K2.5's scale prefer ``capture.backend:
+specforge`` (``data_prep/specforge_import.py``): SpecForge had to patch SGLang to get the aux *and* final
+states out, which the stock engine used here does not do.
 
 Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLang already is one. How:
 - aux states: SGLang captures the drafter's layers when it serves an EAGLE-3 drafter (the target's
@@ -8,13 +10,14 @@ Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLa
   engine is started with the warm-start drafter (``drafter.init_from``, whose ids capture resolved).
 - teacher: SGLang does not return the final hidden state next to the aux states, so only teacher
   'topk' is supported: ``input_top_logprobs`` (position i holds the distribution of token i) plus the
-  first output's ``output_top_logprobs`` for the last position.
+  first output's ``output_top_logprobs`` for the last position. The config refuses teacher 'hidden' here.
+- parallelism: ``capture.tensor_parallel_size`` / ``expert_parallel_size`` become the engine's ``tp_size`` /
+  ``ep_size`` (sglang ServerArgs).
 Same interface as ``capture.HFCaptureBackend.run``, but it returns the teacher signal directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,22 +29,18 @@ class SGLangUnavailable(ValueError):
 
 
 class SGLangCaptureBackend:
-    def __init__(self, cfg: Any, aux_ids: Sequence[int]):
+    def __init__(self, cfg: Any):
         try:
             import sglang as sgl
         except ImportError:
             raise SGLangUnavailable("capture.backend 'sglang' needs the sglang package (pip install "
                                     "'eagle3-drafter-pipeline[sglang]' on a GPU host); or use capture.backend: hf"
                                     ) from None
-        if cfg.capture.teacher != "topk":
-            raise ValueError("capture.backend 'sglang' returns no final hidden state: set capture.teacher: topk")
-        if cfg.drafter.init_from is None:
-            raise ValueError("capture.backend 'sglang' captures the layers of a served EAGLE-3 drafter: "
-                             "set drafter.init_from (its eagle_aux_hidden_state_layer_ids must be "
-                             f"{list(aux_ids)})")
+        # teacher "topk" and drafter.init_from (the drafter whose layers SGLang captures) are checked at config load
         self.topk = cfg.capture.topk
         self.engine = sgl.Engine(model_path=cfg.target.name, skip_tokenizer_init=True,
                                  trust_remote_code=cfg.target.trust_remote_code,
+                                 tp_size=cfg.capture.tensor_parallel_size, ep_size=cfg.capture.expert_parallel_size,
                                  enable_return_hidden_states=True, speculative_algorithm="EAGLE3",
                                  speculative_draft_model_path=cfg.drafter.init_from)
 

@@ -8,6 +8,7 @@ sample boundaries (packing would need a block-diagonal mask in the drafter's TTT
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
@@ -58,6 +59,12 @@ class ShardDataset(Dataset):
                     self.ids.append(sid)
         self.lengths = [e - b for _, b, e in self.index]
         self.keys = [k for k in PER_TOKEN if k in self._file(0).keys()] if self._files else []
+
+    def head(self, n: int) -> ShardDataset:
+        """The first ``n`` samples (same files, same order)."""
+        out = copy.copy(self)
+        out.index, out.ids, out.lengths = self.index[:n], self.ids[:n], self.lengths[:n]
+        return out
 
     def _file(self, k: int) -> Any:
         if self._files[k] is None:  # opened lazily: DataLoader workers each open their own handles

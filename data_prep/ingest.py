@@ -3,15 +3,14 @@
 Records are cut to ``data.max_turns`` user turns and checked once here, so regeneration can trust its
 input. Ids are ``<source>-<sha1[:16]>`` of the prompt turns (system and user, not the source's
 answers, which regeneration replaces): the same prompt gets the same id in every run and every file,
-and a second copy of it is a duplicate. Every dropped record is counted under one reason.
+and a second copy of it is a duplicate. Every dropped record is counted under one reason. The records
+come from ``data_prep.sources`` (files, `datasets` sources, hub ids, column mappings).
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
-import zlib
 from collections import Counter
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
@@ -20,18 +19,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common.config import RunConfig, SourceConfig
+from common.config import RunConfig
 from common.files import write_jsonl_atomic
-from common.wheels import MissingWheelError, builtin_data_path
-from data_prep.readers import Messages, Record, Skip, read_source
+from data_prep.readers import Messages, Record, Skip
+from data_prep.sources import open_source
 from data_prep.steps import StepFailed
 
-SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "assistant_first",
+SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "orphan_tool_result",
                 "empty", "too_long", "duplicate")
-
-
-class IngestError(ValueError):
-    """A source that cannot be read at all; the message names the file."""
 
 
 @dataclass
@@ -41,6 +36,7 @@ class SourceReport:
     read: int = 0
     kept: int = 0
     cut_to_max_turns: int = 0
+    leading_assistant_dropped: int = 0  # kept records that opened with an assistant turn (that turn dropped)
     stopped_at_limit: bool = False
     skipped: Counter[str] = field(default_factory=Counter)
     first_skip: dict[str, str] = field(default_factory=dict)  # reason -> "where: detail" of its first case
@@ -67,11 +63,12 @@ class IngestSummary:
 
     def to_markdown(self) -> str:
         lines = [f"## Ingest: {self.kept} prompts -> {self.output}", "",
-                 "| source | path | read | kept | cut to max_turns | " + " | ".join(SKIP_REASONS) + " |",
-                 "|---" * (5 + len(SKIP_REASONS)) + "|"]
+                 "| source | path | read | kept | cut to max_turns | opening assistant turn dropped | "
+                 + " | ".join(SKIP_REASONS) + " |", "|---" * (6 + len(SKIP_REASONS)) + "|"]
         for s in self.sources:
             read = f"{s.read} (stopped at limit)" if s.stopped_at_limit else str(s.read)
             lines.append(f"| {s.source} | {Path(s.path).name} | {read} | {s.kept} | {s.cut_to_max_turns} | "
+                         f"{s.leading_assistant_dropped} | "
                          + " | ".join(str(s.skipped[r]) for r in SKIP_REASONS) + " |")
         notes = [f"- {s.source}: broken tail: {s.broken_tail}" for s in self.sources if s.broken_tail]
         notes += [f"- {s.source}: first {r}: {w}" for s in self.sources for r, w in s.first_skip.items()
@@ -81,23 +78,11 @@ class IngestSummary:
     __str__ = to_markdown
 
 
-def resolve_path(src: SourceConfig, index: int) -> Path:
-    """The file behind a source; a cheap one-line error now rather than a traceback mid-run."""
-    where = f"data.sources[{index}] ({src.kind})"
-    if src.path == "builtin":
-        try:
-            return builtin_data_path(src.kind)
-        except (ValueError, MissingWheelError) as e:
-            raise IngestError(f"{where}: {e}") from None
-    path = Path(src.path)
-    if not path.is_file():
-        raise IngestError(f"{path}: no such file ({where}.path)")
-    return path
-
-
 def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messages, bool]:
     """Strip, drop empty system turns, keep up to the ``max_turns``-th user turn and its answer.
-    Returns the messages and whether they were cut; raises Skip for a record that is no prompt."""
+    An assistant's reasoning_content and tool_calls and a tool turn's tool_call_id/name are kept; a tool
+    result must answer an assistant's tool calls. Returns the messages and whether they were cut; raises
+    Skip for a record that is no prompt."""
     out: Messages = []
     users = 0
     cut = False
@@ -110,11 +95,11 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
                 cut = True
                 break
             users += 1
-        elif m["role"] == "assistant" and users == 0:
-            raise Skip("assistant_first", "an assistant turn before any user turn")
+        elif m["role"] == "tool" and not (out and (out[-1]["role"] == "tool" or out[-1].get("tool_calls"))):
+            raise Skip("orphan_tool_result", "a tool result that follows no assistant tool call")
         if m["role"] == "user" and not content:
             raise Skip("empty", f"user turn {users} is empty")
-        out.append({"role": m["role"], "content": content})
+        out.append({**m, "content": content})
     if users == 0:
         raise Skip("empty", "no user turn")
     prompt_chars = sum(len(m["content"]) for m in out if m["role"] != "assistant")
@@ -123,8 +108,27 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
     return out, cut
 
 
-def content_hash(messages: Messages) -> str:
-    prompt = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+def drop_leading_assistant(messages: Messages) -> tuple[Messages, bool]:
+    """ShareGPT splits long chats into records, and a continuation opens with the assistant's turn. That
+    turn answers nothing we have, but the user turns after it are good prompts: drop only the opening
+    assistant turns and the tool results answering their calls (system turns stay). Returns the messages
+    and whether any were dropped."""
+    first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), len(messages))
+    kept: Messages = []
+    answered = False  # an opening assistant turn was dropped: the tool results after it go with it
+    for m in messages[:first_user]:
+        if m["role"] == "assistant" or (m["role"] == "tool" and answered):
+            answered = True
+            continue
+        kept.append(m)
+    kept += messages[first_user:]
+    return kept, len(kept) < len(messages)
+
+
+def content_hash(messages: Messages, tools: list[dict[str, Any]] | None = None) -> str:
+    prompt: list[Any] = [[m["role"], m["content"]] for m in messages if m["role"] != "assistant"]
+    if tools:  # the same turns with other tools on offer are another prompt (ids of tool-less records unchanged)
+        prompt.append(["tools", tools])
     try:
         data = json.dumps(prompt, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:  # lone surrogates: undecodable bytes in a JSON array, or bad escapes
@@ -145,8 +149,9 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
                 if rec.tail:
                     report.broken_tail = f"{rec.where}: {rec.detail}"
                 raise Skip(rec.skip, rec.detail)
-            messages, cut = normalise(rec.messages or [], max_turns, max_chars)
-            digest = content_hash(messages)
+            messages, dropped = drop_leading_assistant(rec.messages or [])
+            messages, cut = normalise(messages, max_turns, max_chars)
+            digest = content_hash(messages, rec.tools)
             if digest in seen:
                 raise Skip("duplicate", f"same prompt as an earlier record (sha1 {digest[:16]})")
         except Skip as s:
@@ -155,24 +160,22 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
         seen.add(digest)
         report.kept += 1
         report.cut_to_max_turns += cut
-        out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages})
+        report.leading_assistant_dropped += dropped
+        out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages}
+                   | ({"tools": rec.tools} if rec.tools else {}))
 
 
 def run_ingest(cfg: RunConfig) -> IngestSummary:
     data = cfg.data
-    paths = [resolve_path(src, i) for i, src in enumerate(data.sources)]
+    opened = [open_source(src, f"data.sources[{i}]") for i, src in enumerate(data.sources)]  # all checked first
     seen: set[str] = set()
     prompts: list[dict[str, Any]] = []
     reports = []
-    for src, path in zip(data.sources, paths, strict=True):
-        report = SourceReport(source=src.kind, path=str(path))
-        try:
-            with closing(read_source(src.kind, path)) as records:
-                ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
-                              src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
-        except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # a .gz name on another format, or a cut-off copy
-            raise IngestError(f"{path}: not a readable gzip file ({e}); decompress it and drop the .gz suffix, "
-                              f"or copy it again (data.sources[{len(reports)}].path)") from None
+    for src, (where, records) in zip(data.sources, opened, strict=True):
+        report = SourceReport(source=src.kind, path=where)
+        with closing(records):
+            ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
+                          src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
         reports.append(report)
     summary = IngestSummary(output=str(cfg.prompts_path), sources=reports)
     if not prompts:  # an empty pool would only fail later, and must not replace a good prompts.jsonl

@@ -4,12 +4,16 @@ No per-model regexes: each assistant turn's span is what rendering ``messages[:i
 ``messages[:i]`` with the generation prompt, i.e. exactly the text the target produces for that turn.
 Trailing whitespace of that span (ChatML's newline after ``<|im_end|>``) is template glue, not output,
 so it is left out; the end-of-turn marker is kept (the drafter must learn to predict it).
-Character spans map to tokens through the prefix tokenization when it is a token prefix of the whole
-(the usual case), else through the offsets mapping.
+Character spans map to tokens through the whole text's offsets (one tokenization per conversation: a
+prefix tokenization per turn made long chats quadratic); a token straddling a boundary is counted.
 """
 
 from __future__ import annotations
 
+import bisect
+import copy
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,36 +37,55 @@ class Rendered:
         return sum(self.loss_mask)
 
 
+def as_server_renders(messages: list[dict]) -> list[dict]:
+    """The messages as SGLang's chat endpoint hands them to the chat template: an assistant's tool-call
+    ``function.arguments`` parsed from its JSON string into an object, a null content as "" (sglang
+    srt/entrypoints/openai/serving_chat.py, ``normalize_assistant_tool_call_arguments``). Rendering our
+    stored turns this way gives the tokens the server rendered when it produced them."""
+    out = copy.deepcopy(messages)
+    for m in out:
+        if m.get("content") is None:
+            m["content"] = ""
+        for call in m.get("tool_calls") or () if m.get("role") == "assistant" else ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    parsed = json.loads(fn["arguments"])
+                except ValueError:
+                    continue  # not JSON: the template gets the string, as a lenient server would pass it
+                if isinstance(parsed, dict):
+                    fn["arguments"] = parsed
+    return out
+
+
 def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, kwargs: dict) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                          **kwargs)
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    # The template already wrote BOS and every special marker; the tokenizer must not add more.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def _boundary(offsets: list[tuple[int, int]], starts: list[int], char_pos: int, side: str) -> tuple[int, bool]:
+    """Token index of a character boundary, from the whole text's offsets; True when a token straddles
+    the boundary (the prefix does not tokenize as a prefix of the whole), where the span is widened to
+    whole tokens: "start" takes the first token ending after the boundary, "end" the first starting at
+    or after it."""
+    i = bisect.bisect_left(starts, char_pos)  # first token starting at or after the boundary
+    if i == 0 or offsets[i - 1][1] <= char_pos:
+        return i, False
+    if side == "start":  # token i-1 straddles: it ends after the boundary
+        return i - 1, True
+    return i, True
 
 
-def _boundary(tokenizer: Any, text: str, char_pos: int, full_ids: list[int], offsets: list[tuple[int, int]],
-              side: str) -> tuple[int, bool]:
-    """Token index of a character boundary; True when the offsets fallback was needed."""
-    head = _ids(tokenizer, text[:char_pos])
-    if full_ids[: len(head)] == head:
-        return len(head), False
-    if side == "start":  # first token ending after the boundary
-        return next((i for i, (_, e) in enumerate(offsets) if e > char_pos), len(offsets)), True
-    return next((i for i, (s, _) in enumerate(offsets) if s >= char_pos), len(offsets)), True
-
-
-def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
-                     template_kwargs: dict | None = None) -> Rendered:
-    """Render ``messages`` with the tokenizer's chat template; mask = assistant content + end-of-turn."""
+def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None
+                    ) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered chat and the character span of each assistant turn after the first message (its reasoning,
+    content and tool calls, as the template renders them, and the end-of-turn marker; trailing template
+    whitespace left out). The messages are rendered as the server renders them (``as_server_renders``);
+    ``template_kwargs``: the target's chat_template_kwargs and the chat's ``tools``."""
     kwargs = template_kwargs or {}
+    messages = as_server_renders(messages)
     text = _render(tokenizer, messages, False, kwargs)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    mask = [0] * len(ids)
-    fallbacks = 0
+    spans = []
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing: not trained on
             continue
@@ -71,10 +94,58 @@ def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
         if not (through.startswith(before) and text.startswith(through)):
             raise LossMaskError("template_not_prefix_stable",
                                 f"rendering turn {i} changes the text of earlier turns; cannot locate it")
-        end_char = len(before) + len(through[len(before):].rstrip())
-        start, f1 = _boundary(tokenizer, text, len(before), ids, offsets, "start")
-        end, f2 = _boundary(tokenizer, text, end_char, ids, offsets, "end")
+        spans.append((len(before), len(before) + len(through[len(before):].rstrip())))
+    return text, spans
+
+
+def mask_tokens(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
+                max_length: int) -> Rendered:
+    starts = [a for a, _ in offsets]
+    mask = [0] * len(ids)
+    fallbacks = 0
+    for a, b in spans:
+        start, f1 = _boundary(offsets, starts, a, "start")
+        end, f2 = _boundary(offsets, starts, b, "end")
         fallbacks += f1 + f2
-        for t in range(start, end):
-            mask[t] = 1
+        mask[start:end] = [1] * (end - start)
     return Rendered(ids[:max_length], mask[:max_length], fallbacks)
+
+
+def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
+                     template_kwargs: dict | None = None) -> Rendered:
+    """Render ``messages`` with the tokenizer's chat template; mask = each assistant turn (its reasoning, content
+    and tool calls, as the template renders them) + end-of-turn. ``template_kwargs``: the target's
+    chat_template_kwargs and the chat's ``tools``."""
+    r = render_many(tokenizer, [messages], max_length, template_kwargs)[0]
+    if isinstance(r, LossMaskError):
+        raise r
+    return r
+
+
+def render_many(tokenizer: Any, conversations: list[list[dict]], max_length: int,
+                template_kwargs: dict | None = None, tools: Sequence[list[dict] | None] | None = None,
+                chunk: int = 512) -> list[Rendered | LossMaskError]:
+    """``render_with_mask`` for many chats: the texts are tokenized in batches, which a fast tokenizer spreads
+    over every core. A chat that cannot be split into turns comes back as its ``LossMaskError``.
+    ``tools[i]`` (when given): the tools offered to chat i, rendered into its prompt by the template."""
+    if tools is not None and len(tools) != len(conversations):
+        raise ValueError(f"{len(tools)} tool lists for {len(conversations)} conversations")
+    out: list[Rendered | LossMaskError] = []
+    for c in range(0, len(conversations), chunk):
+        rendered: list[tuple[str, list[tuple[int, int]]] | LossMaskError] = []
+        for j, messages in enumerate(conversations[c:c + chunk], start=c):
+            kwargs = {**(template_kwargs or {}), **({"tools": tools[j]} if tools is not None else {})}
+            try:
+                rendered.append(assistant_spans(tokenizer, messages, kwargs))
+            except LossMaskError as e:
+                rendered.append(e)
+        texts = [r[0] for r in rendered if not isinstance(r, LossMaskError)]
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+        k = 0
+        for r in rendered:
+            if isinstance(r, LossMaskError):
+                out.append(r)
+                continue
+            out.append(mask_tokens(enc["input_ids"][k], enc["offset_mapping"][k], r[1], max_length))
+            k += 1
+    return out

@@ -1,4 +1,6 @@
-"""Readers for the prompt sources: each turns one file into chat messages, record by record.
+"""Readers for prompt files (JSON, JSON Lines, text; .gz too): each turns one file into chat messages,
+record by record. ``data_prep.sources`` picks the reader for a configured source (and hands what these
+files are not to ``data_prep.hf_datasets``).
 
 A reader never raises on a bad record: it yields a ``Record`` carrying a skip reason, so ingest can
 count every record it drops. JSON containers are streamed (a JSON array is decoded element by element
@@ -17,11 +19,14 @@ from pathlib import Path
 from typing import IO, Any
 
 CHUNK_BYTES = 1 << 22
-Messages = list[dict[str, str]]
+# {"role", "content": str}; an assistant turn may add "reasoning_content" (str) and "tool_calls" (OpenAI's
+# [{"id", "type": "function", "function": {"name", "arguments": JSON str}}]), a tool turn "tool_call_id"/"name".
+Messages = list[dict[str, Any]]
+Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
                   "assistant": "assistant", "bing": "assistant", "system": "system"}
-OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class Skip(Exception):
@@ -38,6 +43,7 @@ class Skip(Exception):
 class Record:
     where: str  # "file:line" (JSONL, lines) or "file[index]" (JSON array)
     messages: Messages | None = None
+    tools: Tools = None  # OpenAI tool definitions the chat template renders
     skip: str | None = None
     detail: str = ""
     tail: bool = False  # the file ends in a broken record: ``detail`` says where and what was cut
@@ -191,13 +197,53 @@ def _openai_content(role: Any, content: Any) -> Any:
     return content
 
 
+def _tool_calls(calls: Any) -> list[dict[str, Any]]:
+    """OpenAI tool calls with string arguments (a dict is serialised, as the API sends it)."""
+    if not isinstance(calls, list):
+        raise Skip("missing_field", f"'tool_calls' is {type(calls).__name__}, expected a list")
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise Skip("missing_field", "a tool call lacks function.name")
+        args = fn.get("arguments")
+        args = args if isinstance(args, str) else json.dumps({} if args is None else args, ensure_ascii=False)
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call = {"id": c["id"], **call}
+        out.append(call)
+    return out
+
+
 def openai_messages(obj: Any) -> Messages:
+    """OpenAI chat messages, keeping what the chat template renders: an assistant's reasoning_content and
+    tool_calls, tool results with their tool_call_id (K2.5 traffic is mostly thinking and agentic)."""
     out = []
     for m in _field(obj, "messages", list):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and "tool_calls" not in m):
             raise Skip("missing_field", "a message lacks 'role' or 'content'")
-        out.append(_turn(OPENAI_ROLES, m["role"], _openai_content(m["role"], m["content"])))
+        turn: dict[str, Any] = _turn(OPENAI_ROLES, m["role"], _openai_content(m["role"], m.get("content")))
+        if turn["role"] == "assistant":
+            for key in ("reasoning_content", "reasoning"):  # vLLM names it "reasoning"
+                if isinstance(m.get(key), str) and m[key]:
+                    turn["reasoning_content"] = m[key]
+                    break
+            if m.get("tool_calls"):
+                turn["tool_calls"] = _tool_calls(m["tool_calls"])
+        elif turn["role"] == "tool":
+            turn |= {k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)}
+        out.append(turn)
     return out
+
+
+def openai_tools(obj: Any) -> Tools:
+    """The record's tool definitions (rendered into the prompt by the chat template), if any."""
+    tools = obj.get("tools") if isinstance(obj, dict) else None
+    if tools is None:
+        return None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise Skip("missing_field", "'tools' must be a list of objects")
+    return tools or None
 
 
 def mtbench_messages(obj: Any) -> Messages:
@@ -215,15 +261,28 @@ JSON_FORMATS: dict[str, Callable[[Any], Messages]] = {
 }
 
 
-def read_json_source(kind: str, path: Path) -> Iterator[Record]:
-    convert = JSON_FORMATS[kind]
+# The kinds whose records may offer tools, and the reader of those tool definitions.
+JSON_TOOLS: dict[str, Callable[[Any], Tools]] = {"openai": openai_tools}
+
+
+def to_record(where: str, value: Any, convert: Callable[[Any], Messages],
+              tools: Callable[[Any], Tools] | None = None) -> Record:
+    """One decoded record (a JSON value or a `datasets` row) as messages (and the tools it offers, read by
+    ``tools``, one of JSON_TOOLS), or the reason it is skipped."""
+    try:
+        if isinstance(value, Skip):
+            raise value
+        return Record(where, messages=convert(value), tools=tools(value) if tools else None)
+    except Skip as s:
+        return Record(where, skip=s.reason, detail=s.detail, tail=s.tail)
+
+
+def read_json_source(path: Path, convert: Callable[[Any], Messages],
+                     tools: Callable[[Any], Tools] | None = None) -> Iterator[Record]:
+    """``convert``: one of JSON_FORMATS, or one behind a column mapping (data_prep.sources); ``tools``: the
+    kind's reader in JSON_TOOLS, if any."""
     for where, value in iter_json_values(path):
-        try:
-            if isinstance(value, Skip):
-                raise value
-            yield Record(where, messages=convert(value))
-        except Skip as s:
-            yield Record(where, skip=s.reason, detail=s.detail, tail=s.tail)
+        yield to_record(where, value, convert, tools)
 
 
 def read_lines(path: Path) -> Iterator[Record]:
@@ -238,11 +297,3 @@ def read_lines(path: Path) -> Iterator[Record]:
                 continue
             if text:
                 yield Record(where, messages=[{"role": "user", "content": text}])
-
-
-def read_source(kind: str, path: Path) -> Iterator[Record]:
-    if kind == "lines":
-        return read_lines(path)
-    if kind not in JSON_FORMATS:
-        raise ValueError(f"{path}: unknown source kind {kind!r}; known: {sorted([*JSON_FORMATS, 'lines'])}")
-    return read_json_source(kind, path)

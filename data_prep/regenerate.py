@@ -7,12 +7,17 @@ torn last line, skips the ids already there and ends with every id exactly once.
 
 A failed prompt is counted and left for the next run, but failure is not success: the step stops after
 ``regenerate.max_consecutive_failures`` prompts in a row failed (a dead server) and exits 2 when more
-than ``regenerate.max_failure_share`` of the prompts it tried failed.
+than ``regenerate.max_failure_share`` of the prompts it tried failed. With several devices (hf), each
+device's process writes its own part file (merged into ``conversations.jsonl`` at the end, idempotently);
+a device stops its share after the consecutive-failure limit, and the share limit applies to the failures
+of all devices together.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -21,9 +26,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common.config import RunConfig
+from common import lifeline
+from common.config import RunConfig, dump_config, parse_config
 from common.files import append_jsonl, cut_torn_tail
-from data_prep.backends import Chat, ChatBackend, Completion, make_chat_backend
+from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 from data_prep.steps import StepFailed
 
 PERCENTILES = (0, 50, 90, 99, 100)
@@ -83,41 +89,96 @@ def resume(path: Path) -> tuple[set[str], int]:
 
 
 class Conversation:
-    """One prompt being regenerated: its user turns (with any system turns before each) fed one at a time."""
+    """One prompt being regenerated: the target answers after each user turn and after each run of tool results.
+
+    The source's assistant turns are dropped; its tool results stay, since no tool is run here. A run of tool
+    results answers the source's tool calls, so it is fed only when the target's own previous answer made the
+    same calls (function names in order); they are then attached to the target's call ids. When the target
+    chose otherwise (other calls, or calls where the source made none), the conversation ends after its answer
+    (``diverged``): a result for a call never made would teach the drafter a conversation that cannot happen."""
 
     def __init__(self, prompt: dict[str, Any]):
         self.prompt = prompt
-        self.segments: list[Chat] = []
+        self.tools = prompt.get("tools")
+        self.segments: list[Chat] = []  # the non-assistant turns before each answer
+        self.answers_calls: list[list[dict[str, Any]] | None] = []  # per segment: the source calls it answers
         pending: Chat = []
-        for m in prompt["messages"]:
+        calls = None
+        msgs = prompt["messages"]
+        for i, m in enumerate(msgs):
             if m["role"] == "assistant":
+                calls = m.get("tool_calls")
                 continue
-            pending.append({"role": m["role"], "content": m["content"]})
-            if m["role"] == "user":
+            pending.append(dict(m))
+            after = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
+            if m["role"] == "user" or (m["role"] == "tool" and after != "tool"):
                 self.segments.append(pending)
+                self.answers_calls.append(calls if m["role"] == "tool" else None)
                 pending = []
         self.chat: Chat = []
         self.finish_reasons: list[str] = []
         self.error: str | None = None
         self.detail = ""
+        self.diverged = False
+        self.turns_dropped = 0  # prompt turns (a user turn, or a run of tool results) left out: context full
 
     def wants_more(self) -> bool:
-        return self.error is None and len(self.finish_reasons) < len(self.segments)
+        return self.error is None and not self.diverged and len(self.finish_reasons) < len(self.segments)
 
     def request(self) -> Chat:
-        self.chat += self.segments[len(self.finish_reasons)]
+        n = len(self.finish_reasons)
+        segment = self.segments[n]
+        if self.answers_calls[n] is not None:
+            segment = self._attach(segment, self.answers_calls[n])
+        self.chat += segment
         return list(self.chat)
+
+    def _attach(self, results: Chat, source_calls: list[dict[str, Any]]) -> Chat:
+        """Tool results re-addressed to the target's own calls (by position among the source's calls)."""
+        own = self.chat[-1].get("tool_calls") or [] if self.chat and self.chat[-1]["role"] == "assistant" else []
+        position = {c.get("id"): i for i, c in enumerate(source_calls)}
+        out = []
+        for j, r in enumerate(results):
+            i = position.get(r.get("tool_call_id"), j)
+            out.append(r | ({"tool_call_id": own[i]["id"]} if i < len(own) and "id" in own[i] else {}))
+        return out
+
+    def _can_continue(self, n: int) -> bool:
+        """Whether segment n can follow the target's last answer: its tool results answer exactly the calls the
+        target made (same function names in order, one result each), or it has no tool results and the target
+        made no call. SGLang refuses a chat with an unanswered call (``_tool_call_pairing_error`` in sglang
+        srt/entrypoints/openai/serving_chat.py), and a result for a call never made would be fiction."""
+        own = [c["function"]["name"] for c in self.chat[-1].get("tool_calls") or ()]
+        source = self.answers_calls[n]
+        if source is None:
+            return not own
+        results = [m for m in self.segments[n] if m["role"] == "tool"]
+        return own == [c["function"]["name"] for c in source] and len(results) == len(own)
 
     def accept(self, c: Completion) -> None:
         if c.error:
             self.error, self.detail = c.error, c.detail
             return
-        self.chat.append({"role": "assistant", "content": c.text})
+        if c.finish_reason == CONTEXT_FULL:  # the target's context is full: the conversation ends here
+            done = len(self.finish_reasons)
+            if done == 0:
+                self.error, self.detail = "prompt_exceeds_context", "the first user turn alone fills the context"
+                return
+            self.chat = self.chat[: len(self.chat) - len(self.segments[done])]
+            self.turns_dropped = len(self.segments) - done
+            self.segments = self.segments[:done]
+            self.answers_calls = self.answers_calls[:done]
+            return
+        self.chat.append(c.message())
         self.finish_reasons.append(c.finish_reason)
+        n = len(self.finish_reasons)
+        if n < len(self.segments) and not self._can_continue(n):
+            self.diverged = True
 
     def record(self, backend: str) -> dict[str, Any]:
-        return {"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
-                "finish_reasons": self.finish_reasons, "backend": backend}
+        return ({"id": self.prompt["id"], "source": self.prompt["source"], "messages": self.chat,
+                 "finish_reasons": self.finish_reasons, "backend": backend}
+                | ({"tools": self.tools} if self.tools else {}))
 
 
 @dataclass
@@ -128,10 +189,14 @@ class RegenerateSummary:
     already_done: int  # found in the file at start
     torn_bytes_dropped: int
     written: int  # this run
+    tool_calls_diverged: int = 0  # this run: ended early, the target made other tool calls than the source's
+    # this run: later turns left out, the target's context being full (a run of tool results counts as one)
+    turns_dropped_context_full: int = 0
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
-    stopped: str | None = None  # why the run stopped early (too many failures in a row)
+    tried: int = 0  # this run: prompts attempted (written + failed)
+    stopped: str | None = None  # why the run stopped early (too many failures in a row; per device when several)
     # Validation of the whole output file as it stands at the end:
     records: int = 0
     duplicate_ids: int = 0
@@ -151,7 +216,9 @@ class RegenerateSummary:
         lines = [
             f"## Regenerate ({self.backend}): {self.records} conversations in {self.output}", "",
             f"- this run: {self.written} written in {self.seconds:.1f} s; {self.already_done} already done; "
-            f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes",
+            f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes; "
+            f"{self.tool_calls_diverged} ended where the target's tool calls differ from the source's; "
+            f"{self.turns_dropped_context_full} later user turns left out (context full)",
             f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
             f"{self.duplicate_ids} duplicate ids",
             f"- {self.turns} answers: finish reasons {dict(self.finish_reasons)}; chars {pct}",
@@ -174,6 +241,12 @@ def percentiles(values: list[int]) -> dict[str, int]:
     return {str(p): ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in PERCENTILES}
 
 
+def answer_text(message: dict[str, Any]) -> str:
+    """What an answer says: its reasoning, content and tool calls (an agentic turn may have no content)."""
+    calls = "".join(json.dumps(c, ensure_ascii=False) for c in message.get("tool_calls") or ())
+    return (message.get("reasoning_content") or "") + message["content"] + calls
+
+
 def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> None:
     """Re-read the output as the next stage will, and fill in the checks and answer statistics."""
     counts: Counter[str] = Counter()
@@ -183,7 +256,7 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
         for line in f:
             rec = json.loads(line)
             counts[rec["id"]] += 1
-            answers = [m["content"] for m in rec["messages"] if m["role"] == "assistant"]
+            answers = [answer_text(m) for m in rec["messages"] if m["role"] == "assistant"]
             lengths += [len(a) for a in answers]
             summary.finish_reasons.update(rec["finish_reasons"])
             empty = sum(not a.strip() for a in answers)
@@ -201,9 +274,11 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
     summary.flagged = flagged
 
 
-def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend) -> RegenerateSummary:
-    """The loop, for any backend: chunks of prompts, every chunk advanced one turn per backend call."""
-    out_path = cfg.conversations_path
+def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend,
+               out_path: Path | None = None) -> RegenerateSummary:
+    """The loop, for any backend: chunks of prompts, every chunk advanced one turn per backend call.
+    ``out_path``: conversations.jsonl, or one device's part file when several devices share the work."""
+    out_path = out_path or cfg.conversations_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done, torn = resume(out_path)
     pending = [p for p in prompts if p["id"] not in done]
@@ -212,14 +287,16 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
     summary = RegenerateSummary(output=str(out_path), backend=backend.name, selected=len(prompts),
                                 already_done=len(prompts) - len(pending), torn_bytes_dropped=torn, written=0)
     start = time.perf_counter()
-    in_a_row, tried = 0, 0
-    limit = cfg.regenerate.max_consecutive_failures
+    in_a_row, limit = 0, cfg.regenerate.max_consecutive_failures
     with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
                                          unit=" conv") as bar:
         for i in range(0, len(pending), backend.batch_size):
             convs = [Conversation(p) for p in pending[i: i + backend.batch_size]]
             while active := [c for c in convs if c.wants_more()]:
-                for conv, completion in zip(active, backend.complete([c.request() for c in active]), strict=True):
+                chats = [c.request() for c in active]
+                tools = [c.tools for c in active]
+                for conv, completion in zip(active, backend.complete(chats, tools if any(tools) else None),
+                                            strict=True):
                     conv.accept(completion)
             for conv in convs:
                 if conv.error:
@@ -230,33 +307,141 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                     append_jsonl(f, conv.record(backend.name))
                     summary.written += 1
                     in_a_row = 0
-            tried += len(convs)
+                    summary.tool_calls_diverged += conv.diverged
+                    summary.turns_dropped_context_full += conv.turns_dropped
+            summary.tried += len(convs)
             bar.update(len(convs))
             if in_a_row >= limit:
                 summary.stopped = (f"{in_a_row} prompts in a row failed (regenerate.max_consecutive_failures="
-                                   f"{limit}); {len(pending) - tried} not tried")
+                                   f"{limit}); {len(pending) - summary.tried} not tried")
                 break
     summary.seconds = time.perf_counter() - start
     validate(out_path, [p["id"] for p in prompts], summary)
-    failed = sum(summary.failed.values())
-    if summary.stopped or failed > cfg.regenerate.max_failure_share * max(tried, 1):
-        reasons = ", ".join(f"{r}: {n}" for r, n in summary.failed.most_common())
-        first = summary.failure_examples.get(summary.failed.most_common(1)[0][0], "")
-        raise StepFailed(f"{failed} of {tried} prompts failed ({reasons}; e.g. {first})"
-                         + (f"; stopped early: {summary.stopped}" if summary.stopped else
-                            f"; more than regenerate.max_failure_share={cfg.regenerate.max_failure_share}")
-                         + f". Fix the cause and rerun: the {summary.records} finished conversations in {out_path} "
-                         "are kept", summary)
+    return summary
+
+
+def check_failures(cfg: RunConfig, summary: RegenerateSummary) -> None:
+    """StepFailed (exit 2, the summary still saved) when the run stopped early or more than
+    regenerate.max_failure_share of the prompts it tried failed; ``summary`` covers every device."""
+    failed, tried = sum(summary.failed.values()), summary.tried
+    if not (summary.stopped or failed > cfg.regenerate.max_failure_share * max(tried, 1)):
+        return
+    reasons = ", ".join(f"{r}: {n}" for r, n in summary.failed.most_common())
+    first = summary.failure_examples.get(summary.failed.most_common(1)[0][0], "") if failed else ""
+    raise StepFailed(f"{failed} of {tried} prompts failed ({reasons}; e.g. {first})"
+                     + (f"; stopped early: {summary.stopped}" if summary.stopped else
+                        f"; more than regenerate.max_failure_share={cfg.regenerate.max_failure_share}")
+                     + f". Fix the cause and rerun: the {summary.records} finished conversations in {summary.output} "
+                     "are kept", summary)
+
+
+def hf_devices(cfg: RunConfig) -> list[str]:
+    """Where the hf backend runs: regenerate.devices, else every visible GPU when the target may use one."""
+    if cfg.regenerate.backend != "hf":
+        return []
+    if cfg.regenerate.devices:
+        return list(cfg.regenerate.devices)
+    import torch
+
+    if cfg.target.device in ("auto", "cuda") and torch.cuda.is_available():
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [cfg.target.device]
+
+
+def part_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.stem}.part-{rank}{out.suffix}")
+
+
+def merge_parts(out: Path) -> int:
+    """Fold the per-device part files into ``out`` (ids already there are skipped), then delete them.
+    Idempotent: a kill mid-merge leaves at most a torn last line, and the rerun merges the rest."""
+    parts = sorted(out.parent.glob(f"{out.stem}.part-*{out.suffix}"))
+    if not parts:
+        return 0
+    done, _ = resume(out)
+    added = 0
+    with open(out, "ab") as f:
+        for part in parts:
+            resume(part)  # drops a torn last line
+            for line in part.read_bytes().splitlines(keepends=True):
+                rid = json.loads(line)["id"]
+                if rid not in done:
+                    f.write(line)
+                    done.add(rid)
+                    added += 1
+        f.flush()
+        os.fsync(f.fileno())
+    for part in parts:
+        part.unlink()
+    return added
+
+
+def share_of(prompt_id: str, n: int) -> int:
+    """The device a prompt goes to: stable across reruns, so a resumed part file is never re-asked."""
+    return int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) % n
+
+
+def _device_worker(tree: dict[str, Any], prompts: list[dict[str, Any]], device: str, part: str) -> dict[str, Any]:
+    """One device's share, in its own process (spawned: CUDA cannot be forked). It runs under the parent's
+    run-dir lock (it takes none: the parent holds it) and dies with the parent (``_worker_init``). Its failures
+    are counted, not raised: the limits apply to all devices together (``check_failures`` in the parent); it
+    stops its own share after max_consecutive_failures in a row."""
+    cfg = parse_config(tree)
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": device})})
+    backend = make_chat_backend(cfg.target, cfg.regenerate)
+    return regenerate(cfg, prompts, backend, Path(part)).to_dict()
+
+
+def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices: list[str]) -> RegenerateSummary:
+    """The prompts split over ``devices`` (one process and one part file each), merged at the end."""
+    import multiprocessing as mp
+
+    out = cfg.conversations_path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    merge_parts(out)  # leftovers of a killed run
+    done, torn = resume(out)
+    pending = [p for p in prompts if p["id"] not in done]
+    shares = [[p for p in pending if share_of(p["id"], len(devices)) == r] for r in range(len(devices))]
+    tree = dump_config(cfg)
+    start = time.perf_counter()
+    # The workers die with this process (a pipeline killed with -9 takes its stages' workers along; the
+    # run-dir lock they work under dies with it).
+    with mp.get_context("spawn").Pool(len(devices), initializer=lifeline.die_with_parent) as pool:
+        parts = pool.starmap(_device_worker, [(tree, share, dev, str(part_path(out, r)))
+                                              for r, (share, dev) in enumerate(zip(shares, devices, strict=True))])
+    merge_parts(out)
+    stopped = [f"{dev}: {p['stopped']}" for dev, p in zip(devices, parts, strict=True) if p["stopped"]]
+    summary = RegenerateSummary(output=str(out), backend=f"hf x{len(devices)} ({', '.join(devices)})",
+                                selected=len(prompts), already_done=len(prompts) - len(pending),
+                                torn_bytes_dropped=torn, written=sum(p["written"] for p in parts),
+                                turns_dropped_context_full=sum(p["turns_dropped_context_full"] for p in parts),
+                                tool_calls_diverged=sum(p["tool_calls_diverged"] for p in parts),
+                                tried=sum(p["tried"] for p in parts), stopped="; ".join(stopped) or None,
+                                seconds=time.perf_counter() - start)
+    for p in parts:
+        summary.failed.update(p["failed"])
+        for reason, example in p["failure_examples"].items():
+            summary.failure_examples.setdefault(reason, example)
+    validate(out, [p["id"] for p in prompts], summary)
     return summary
 
 
 def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
+    """Regenerate on one backend or over several devices; StepFailed when too many prompts failed."""
     # Read first: a bad input fails before the model loads.
     prompts = load_prompt_records(cfg.prompts_path, cfg.regenerate.num_prompts)
-    backend = make_chat_backend(cfg.target, cfg.regenerate)
-    try:
-        return regenerate(cfg, prompts, backend)
-    finally:
-        close = getattr(backend, "close", None)
-        if close is not None:
-            close()
+    devices = hf_devices(cfg)
+    if len(devices) > 1:
+        summary = regenerate_on_devices(cfg, prompts, devices)
+    else:
+        if devices:
+            cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": devices[0]})})
+        backend = make_chat_backend(cfg.target, cfg.regenerate)
+        try:
+            summary = regenerate(cfg, prompts, backend)
+        finally:
+            close = getattr(backend, "close", None)
+            if close is not None:
+                close()
+    check_failures(cfg, summary)
+    return summary

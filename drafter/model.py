@@ -207,7 +207,18 @@ class Eagle3Drafter(nn.Module):
         with torch.no_grad():
             self.embed_tokens.weight.copy_(weight)
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (torch's own signature)
+        """Casts (eval's ``.to(target.dtype)``, DeepSpeed's bf16 engine) move ``inv_freq`` but never round it:
+        a bf16 frequency is off by up to 2^-9 relative, a rotation error that grows with position (radians at a
+        few thousand tokens). SGLang computes the frequencies in fp32 whatever the weights' dtype."""
+        before = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != before.dtype:
+            self.inv_freq = before.to(self.inv_freq.device)
+        return self
+
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos/sin at ``positions`` (B, T), computed in fp32 from fp32 frequencies, then cast to ``dtype``."""
         freqs = positions[..., None].float() * self.inv_freq.float()  # (B, T, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         return ((emb.cos() * self.rope_scaling_factor).to(dtype),

@@ -3,7 +3,10 @@ returns the drafter's aux states in SGLang's convention.
 
 SGLang captures the *output* of each listed layer id, which is HF ``hidden_states[id + 1]``; a
 drafter trained on other layers than the server captures loses its acceptance without any error, so
-the ids are resolved once (``resolve_aux_layer_ids``) and every mismatch is an error.
+the ids are resolved once (``resolve_aux_layer_ids``) and every mismatch is an error. One exception
+is SGLang's own: its DeepSeek-family models (Kimi-K2 and K2.5 among them) read the ids differently
+(``sglang_captured_outputs``), and the forward captures what SGLang captures for the target's
+architecture.
 """
 
 from __future__ import annotations
@@ -28,8 +31,33 @@ class TargetError(ValueError):
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """Our default for a new drafter: outputs of layers [2, N//2, N-3] (SGLang's choice of layers)."""
+    """Our default ids for a new drafter: the outputs of layers [2, N//2, N-3], written into its config.
+
+    Not SGLang's default: for a drafter config without ids SGLang captures at the *inputs* of layers
+    [2, N//2, N-3], i.e. the outputs of [1, N//2-1, N-4] (``drafter.checkpoint.legacy_aux_layer_ids``;
+    sglang srt/models/llama.py ``set_eagle3_layers_to_capture(None)``). Ours are always written out, so
+    the server captures exactly these.
+    """
     return (2, num_layers // 2, num_layers - 3)
+
+
+# SGLang's DeepSeek-family models set ``layers_to_capture = ids`` (the *inputs* of those layers, i.e. the
+# outputs of id - 1) unless the first id is 1, and only then add 1 as every other model does (sglang
+# srt/models/deepseek_v2.py ``set_eagle3_layers_to_capture``, 0.5.14 through 0.5.23; kimi_k25.py hands the
+# call to its DeepseekV3ForCausalLM language model). So ids [2, 30, 58] on Kimi-K2/K2.5 feed the drafter the
+# outputs of layers [1, 29, 57], exactly as [1, 29, 57] would.
+INPUT_CAPTURE_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                                         "KimiK25ForConditionalGeneration"})
+
+
+def sglang_captured_outputs(ids: Sequence[int], architectures: Sequence[str] | None) -> tuple[int, ...]:
+    """Which layers' *outputs* SGLang feeds the drafter for config ids ``ids`` on a target of ``architectures``."""
+    if set(architectures or ()) & INPUT_CAPTURE_ARCHITECTURES and ids and ids[0] != 1:
+        if min(ids) < 1:
+            raise TargetError(f"aux layer ids {list(ids)}: on {list(architectures or ())} SGLang captures the input "
+                              "of each listed layer, so 0 would be the embeddings; use ids >= 1")
+        return tuple(i - 1 for i in ids)
+    return tuple(ids)
 
 
 def resolve_aux_layer_ids(config_ids: Sequence[int] | None, drafter_ids: Sequence[int] | None,
@@ -77,6 +105,7 @@ class TargetModel:
         self.num_layers: int = cfg.num_hidden_layers
         self.hidden_size: int = cfg.hidden_size
         self.vocab_size: int = cfg.vocab_size
+        self.architectures: list[str] = list(getattr(cfg, "architectures", None) or ())
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = self.base.layers
         # transformers 5.2x renamed `past_key_values` to `cache`; accept either.
@@ -108,10 +137,13 @@ class TargetModel:
     def forward(self, input_ids: Tensor, aux_layer_ids: Sequence[int], attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, past_key_values: Any = None, use_cache: bool = False,
                 logits: bool = True) -> TargetOutput:
-        """One target pass; hooks grab just the aux layers' outputs (no all-layer hidden tuple)."""
+        """One target pass; hooks grab just the aux layers' outputs (no all-layer hidden tuple).
+        ``aux_layer_ids`` are the drafter's config ids; the layers hooked are the ones SGLang captures for them
+        on this architecture (``sglang_captured_outputs``)."""
         captured: dict[int, Tensor] = {}
         hooks = []
-        for i in aux_layer_ids:
+        outputs = sglang_captured_outputs(aux_layer_ids, self.architectures)
+        for i in outputs:
             def grab(_m, _inp, out, i=i):
                 captured[i] = out[0] if isinstance(out, tuple) else out
             hooks.append(self.layers[i].register_forward_hook(grab))
@@ -124,7 +156,7 @@ class TargetModel:
             for h in hooks:
                 h.remove()
         last = out.last_hidden_state
-        aux = torch.cat([captured[i] for i in aux_layer_ids], dim=-1)
+        aux = torch.cat([captured[i] for i in outputs], dim=-1)
         return TargetOutput(aux=aux, last_hidden=last,
                             logits=self.logits_from_hidden(last) if logits else None,
                             past_key_values=_out_cache(out) if use_cache else None)
@@ -134,17 +166,32 @@ class TargetModel:
         (hashing a 1T-parameter target in full would take hours)."""
         h = hashlib.sha256(json.dumps(self.model.config.to_dict(), sort_keys=True, default=str).encode())
         if self.source_dir is not None:
-            for f in sorted(self.source_dir.glob("*.safetensors")):
-                size = f.stat().st_size
-                h.update(f"{f.name}:{size}".encode())
-                with open(f, "rb") as fh:
-                    h.update(fh.read(1 << 20))
-                    fh.seek(max(0, size - (1 << 20)))
-                    h.update(fh.read())
+            hash_weight_files(h, self.source_dir)
         else:
             for p in self.model.parameters():  # slice first: never copy a whole (huge) weight
                 h.update(p.detach().reshape(-1)[: 1 << 14].float().cpu().numpy().tobytes())
         return h.hexdigest()
+
+
+def hash_weight_files(h: Any, source_dir: Path) -> None:
+    """Feed each weight file's name, size, first and last MiB into ``h``."""
+    for f in sorted(source_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read())
+
+
+def load_tokenizer(source: Path | str, trust_remote_code: bool) -> Any:
+    """The target's tokenizer, with a pad token (its EOS when it has none)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def _out_cache(out: Any) -> Any:
@@ -185,19 +232,17 @@ def resolve_source(name: str, gguf_file: str | None) -> Path | str:
 
 def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "auto",
                 trust_remote_code: bool = False) -> TargetModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     source = resolve_source(name, gguf_file)
     dev = pick_device(device)
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tok = load_tokenizer(source, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype),
                                                      trust_remote_code=trust_remote_code).to(dev)
     except OSError as e:
         raise TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local "
                           f"directory, a .gguf file or the builtin {BUILTIN_TARGET!r}") from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     return TargetModel(model, tok, name, Path(source) if isinstance(source, Path) else None)
 
 

@@ -1,9 +1,13 @@
-"""python -m eval {run,gate,breakeven,sglang}: measure a drafter checkpoint and decide whether it ships.
+"""python -m eval {run,gate,breakeven,sglang,sweep}: measure a drafter checkpoint and decide whether it ships.
 
-  run        speculative decoding against the HF target on the eval datasets; report only
-  gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to serve it from gate.promoted_dir
+  run        speculative decoding on the eval datasets (the HF target, or --live: the eval.sglang servers); report
+  gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to serve it from
+             gate.promoted_dir; --live takes tau, alpha_k and the timings from SGLang servers at each
+             eval.sglang.concurrency
   breakeven  tau* and the alpha a tok/s goal needs, from given timings (JSON)
   sglang     tau and alpha_k from a live SGLang server (unverified: see eval/sglang_client.py)
+  sweep      the --speculative-num-steps/-eagle-topk/-num-draft-tokens with the best tokens/s, from a cost
+             table (--table) or measured on eval.sglang.server_url + sweep_urls (--config)
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eval.commands import breakeven_command, gate_command, run_command, sglang_command
+from eval.commands import breakeven_command, gate_command, run_command, sglang_command, sweep_command
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,10 +29,16 @@ def main(argv: list[str] | None = None) -> int:
         if cmd != "sglang":
             p.add_argument("--checkpoint", required=True)
             p.add_argument("--name", help="report folder under run_dir/eval (default: the checkpoint's name)")
+            p.add_argument("--live", action="store_true", help="measure on the eval.sglang servers")
         if cmd == "gate":
             p.add_argument("--incumbent", help="default: gate.promoted_dir when it holds a drafter")
             p.add_argument("--promote", action="store_true",
                            help="serve a passing checkpoint: gate.promoted_dir -> promotions/<fingerprint>/")
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--config", help="measure on eval.sglang.server_url + sweep_urls and baseline_url")
+    sw.add_argument("--table", help="a cost table JSON instead of measuring (see eval/serving_sweep.py)")
+    sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    sw.add_argument("--out", help="output folder (default: run_dir/eval/sweep; with --table alone, beside it)")
     be = sub.add_parser("breakeven")
     be.add_argument("--decode-ms", type=float, required=True)
     be.add_argument("--cycle-ms", type=float, required=True)
@@ -39,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         return breakeven_command(args.decode_ms, args.cycle_ms, args.steps, args.target_tps)
     if args.cmd == "sglang":
         return sglang_command(args.config, args.set)
+    if args.cmd == "sweep":
+        return sweep_command(args.config, args.table, args.set, args.out)
     if args.cmd == "run":
-        return run_command(args.config, args.checkpoint, args.set, args.name)
-    return gate_command(args.config, args.checkpoint, args.set, args.name, args.incumbent, args.promote)
+        return run_command(args.config, args.checkpoint, args.set, args.name, args.live)
+    return gate_command(args.config, args.checkpoint, args.set, args.name, args.incumbent, args.promote, args.live)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Each returns the exit code (``common.cli``): 0 pass (or promoted), 1 rejected by the gate, 2 an error,
 printed as one line on stderr (our errors carry ready messages that name the file or key); a crash is 2
-too, never 1. ``run`` and ``gate`` hold the run dir's lock (``common.locking``) while they write there.
+too, never 1. ``run``, ``gate`` (``--live`` too) and ``sweep --config`` hold the run dir's lock
+(``common.locking``) while they write there.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
@@ -20,6 +22,7 @@ from drafter.checkpoint import CheckpointError, check_checkpoint, nonfinite_tens
 from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate
+from eval.serving_sweep import SweepError, markdown, measure_table, read_table, recommend, write_sweep
 from eval.sglang_client import ServerError
 
 
@@ -31,10 +34,10 @@ def _report_name(checkpoint: str, name: str | None) -> str:
 
 @one_line_errors(MissingWheelError, ServerError)
 def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (),
-                name: str | None = None) -> int:
-    """Speculative decoding against the HF target on the eval datasets; the report only. NaN or inf weights
-    are refused (nothing meaningful to measure); other layout problems are warnings, since a legacy
-    drafter (no aux ids in its config) is still worth measuring."""
+                name: str | None = None, live: bool = False) -> int:
+    """Speculative decoding on the eval datasets, against the HF target or (``live``) the eval.sglang servers;
+    the report only. NaN or inf weights are refused (nothing meaningful to measure); other layout problems are
+    warnings, since a legacy drafter (no aux ids in its config) is still worth measuring."""
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
@@ -46,20 +49,55 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
     for problem in check_checkpoint(checkpoint, check_finite=False):
         print(f"warning: {problem}", file=sys.stderr)
     with run_lock(cfg.root, "eval run"):
-        save_report(cfg, evaluate(cfg, {"candidate": checkpoint}, report_name))
+        if live:
+            from eval.live_gate import run_live
+
+            run_live(cfg, checkpoint, report_name)
+        else:
+            save_report(cfg, evaluate(cfg, {"candidate": checkpoint}, report_name))
     return EXIT_OK
 
 
 @one_line_errors(MissingWheelError, ServerError)
 def gate_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (), name: str | None = None,
-                 incumbent: str | None = None, promote: bool = False) -> int:
-    """Measure, then the ship decision; ``promote`` makes gate.promoted_dir serve a passing checkpoint."""
+                 incumbent: str | None = None, promote: bool = False, live: bool = False) -> int:
+    """Measure, then the ship decision; ``promote`` makes gate.promoted_dir serve a passing checkpoint. ``live``:
+    tau, alpha_k and the timings from the eval.sglang servers (eval/live_gate.py)."""
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
     with run_lock(cfg.root, "eval gate"):
-        decision = gate(cfg, checkpoint, incumbent, promote, report_name)
+        if live:
+            from eval.live_gate import live_gate
+
+            decision = live_gate(cfg, checkpoint, incumbent, promote, report_name)
+        else:
+            decision = gate(cfg, checkpoint, incumbent, promote, report_name)
     return EXIT_REJECTED if decision == "rejected" else EXIT_OK
+
+
+@one_line_errors(MissingWheelError, ServerError)
+def sweep_command(config: str | Path | None = None, table: str | Path | None = None,
+                  overrides: Sequence[str] = (), out: str | Path | None = None) -> int:
+    """The serving flags with the best tokens/s under the measured cost model: from a cost table file, or
+    measured on the eval.sglang servers. Writes sweep.{json,md} (run_dir/eval/sweep, or ``out``); holds the run
+    dir's lock when it writes there."""
+    if table is None and config is None:
+        raise SweepError("eval sweep: give --table FILE or --config FILE")
+    cfg = load_config(config, list(overrides)) if config is not None else None
+    where = Path(out) if out else (cfg.eval_dir / "sweep" if cfg else Path(table).with_suffix(""))
+    with run_lock(cfg.root, "eval sweep") if cfg is not None else nullcontext():
+        if table is not None:
+            costs, decode, alpha = read_table(Path(table))
+        else:
+            from eval.live_gate import live_prompts
+
+            costs, decode, alpha = measure_table(cfg, live_prompts(cfg))
+        result = recommend(costs, decode, alpha)
+        write_sweep(where, result)
+    print(markdown(result))
+    print(f"sweep: {where}/sweep.{{json,md}}")
+    return EXIT_OK
 
 
 @one_line_errors(MissingWheelError, ServerError)

@@ -17,7 +17,7 @@ from drafter.target import load_target_from_config, resolve_source, stop_token_i
 from eval import breakeven
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets
-from eval.report import markdown, write_report
+from eval.report import log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
 
@@ -31,15 +31,17 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
         drafter, ids = load_for_target(path, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
                                        device=target.device, dtype=target.dtype)
         proposers[role] = Eagle3Proposer(drafter, ids)
-    prompts = rendered_datasets(target.tokenizer, cfg.eval.datasets)
+    prompts = rendered_datasets(target.tokenizer, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
     engine = Engine(target, proposers["candidate"].aux_layer_ids, stop_token_ids(target.tokenizer))
-    s = Settings(cfg.eval.num_steps, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.seed)
+    s = Settings(cfg.eval.num_steps, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.seed,
+                 cfg.eval.acceptance, cfg.eval.tie_epsilon)
     report = {"name": name, "target": cfg.target.name, "device": str(target.device), **measure(engine, prompts,
                                                                                                 proposers, s)}
     report["checkpoints"] = {role: {"path": str(Path(p).resolve()), "fingerprint": fingerprint(p)}
                              for role, p in checkpoints.items()}
-    if cfg.eval.timings:
-        decode, cycle, source = cfg.eval.timings.decode_ms, cfg.eval.timings.cycle_ms, "config (eval.timings)"
+    if cfg.eval.timings:  # a cycle with k drafts costs its own time: the entry for this k (checked at load)
+        decode, cycle = cfg.eval.timings.decode_ms, cfg.eval.timings.cycle_ms[s.num_steps]
+        source = f"config (eval.timings, k = {s.num_steps})"
     else:
         decode = report["plain"]["decode_ms"]
         cycle, source = report["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"], "measured"
@@ -48,10 +50,13 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
 
 
 def save_report(cfg: RunConfig, report: dict) -> Path:
-    """report.{json,md} and the plots under run_dir/eval/<name>; the Markdown is printed too."""
-    out = write_report(report, cfg.eval_dir / report["name"],
-                       cfg.train.wandb_project if cfg.train.report_to == "wandb" else None)
-    print(markdown(json.loads((out / "report.json").read_text())))
+    """report.{json,md} and the plots under run_dir/eval/<name>, logged to the configured trackers too; the
+    Markdown is printed."""
+    out = write_report(report, cfg.eval_dir / report["name"])
+    written = json.loads((out / "report.json").read_text())
+    if cfg.tracking.report_to:
+        log_to_trackers(written, cfg.tracking, cfg.tracking_dir, [out / "alpha.png", out / "tau.png"])
+    print(markdown(written))
     print(f"report: {out}/report.{{json,md}}, alpha.png, tau.png")
     return out
 
@@ -64,6 +69,6 @@ def evaluate_live(cfg: RunConfig) -> dict:
         raise ConfigError("eval.sglang: missing (server_url, optional baseline_url) for live mode")
     tok = AutoTokenizer.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
                                         trust_remote_code=cfg.target.trust_remote_code)
-    prompts = rendered_datasets(tok, cfg.eval.datasets)
+    prompts = rendered_datasets(tok, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
     return live_eval(cfg.eval.sglang.server_url, cfg.eval.sglang.baseline_url, prompts, cfg.eval.temperature,
                      cfg.eval.max_new_tokens)

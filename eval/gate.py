@@ -16,7 +16,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from common.files import (
     replace_symlink,
     temp_path,
 )
+from common.locking import run_lock
 from drafter.checkpoint import CheckpointError, fingerprint
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
@@ -79,6 +81,21 @@ def promotions_dir(promoted_dir: str | Path) -> Path:
     return Path(promoted_dir).parent / PROMOTIONS
 
 
+def promotion_path(promoted_dir: str | Path, fp: str) -> Path:
+    """The immutable copy a drafter of fingerprint ``fp`` is served from once promoted."""
+    return promotions_dir(promoted_dir) / fp[:FP_CHARS]
+
+
+@contextmanager
+def promotions_held(promoted_dir: str | Path, history_file: str | Path, what: str) -> Iterator[None]:
+    """Hold the promotions lock (``promotions/.lock``) for a whole gate, HF or live, and ``reconcile`` first:
+    the incumbent stays the incumbent until the decision is recorded, and no second gate promotes in between."""
+    with run_lock(promotions_dir(promoted_dir), what):
+        for note in reconcile(promoted_dir, history_file):
+            print(f"note: {note}")
+        yield
+
+
 def read_history(path: str | Path) -> list[dict]:
     """The decision records, oldest first; a torn last line (a kill mid-append) is left out."""
     path = Path(path)
@@ -102,6 +119,13 @@ def read_history(path: str | Path) -> list[dict]:
 def serving_record(history_file: str | Path) -> dict | None:
     """The last record that says which drafter ``promoted`` serves."""
     return next((r for r in reversed(read_history(history_file)) if r.get("decision") in SERVING), None)
+
+
+def already_serving(history_file: str | Path, fp: str) -> dict | None:
+    """The serving record when the drafter of fingerprint ``fp`` is what ``promoted`` serves (a gate rerun after a
+    kill that came after its promotion); else None."""
+    serving = serving_record(history_file)
+    return serving if serving is not None and serving.get("fingerprint") == fp else None
 
 
 def serving_id(promoted_dir: str | Path) -> str | None:
@@ -200,7 +224,7 @@ def promote(checkpoint: str | Path, fp: str, promoted_dir: str | Path, history_f
     the new one, and ``reconcile`` finishes the job. Call it holding the promotions lock, after
     ``reconcile``; returns the immutable directory."""
     src, promoted = Path(checkpoint), Path(promoted_dir)
-    dst = promotions_dir(promoted) / fp[:FP_CHARS]
+    dst = promotion_path(promoted, fp)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if not dst.is_dir():
         _build(src, dst)
@@ -211,6 +235,15 @@ def promote(checkpoint: str | Path, fp: str, promoted_dir: str | Path, history_f
                                            "promoted_path": str(dst)})
     _switch(promoted, dst.name)
     return dst
+
+
+def record_decision(checkpoint: str | Path, record: dict, promoted_dir: str | Path, history_file: str | Path) -> None:
+    """Append a gate's decision ``record`` to the history; a "promoted" one through ``promote``, so the record is
+    on disk before ``promoted`` switches. Call it holding the promotions lock, after the report is saved."""
+    if record["decision"] == "promoted":
+        promote(checkpoint, record["fingerprint"], promoted_dir, history_file, record)
+    else:
+        append_history(history_file, record)
 
 
 def append_history(path: str | Path, record: dict) -> None:

@@ -15,17 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import RunConfig
-from common.locking import run_lock
 from drafter.checkpoint import check_checkpoint, fingerprint
 from eval.evaluate import evaluate, save_report
-from eval.gate import FP_CHARS, append_history, decide, promote, promotions_dir, reconcile, serving_record
+from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
 
 
 def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
     """The decision: "promoted" (passed and now served from gate.promoted_dir), "passed" or "rejected"."""
-    with run_lock(promotions_dir(cfg.gate.promoted_dir), "eval gate"):
-        for note in reconcile(cfg.gate.promoted_dir, cfg.gate.history_file):
-            print(f"note: {note}")
+    with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, "eval gate"):
         return _gate(cfg, checkpoint, incumbent, do_promote, name)
 
 
@@ -39,8 +36,8 @@ def _gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bo
         return "rejected"
     record["fingerprint"] = fingerprint(checkpoint)
     notes = []
-    serving = serving_record(cfg.gate.history_file)
-    if serving is not None and serving.get("fingerprint") == record["fingerprint"]:
+    serving = already_serving(cfg.gate.history_file, record["fingerprint"])
+    if serving is not None:
         if do_promote:  # promoted by an earlier run of this gate, killed before its caller saw the exit code
             print(f"PROMOTED (already: serving since {serving.get('time')}, {cfg.gate.history_file})")
             return "promoted"
@@ -64,8 +61,7 @@ def _gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bo
                lossless_mismatches=mismatches)
     decision = ("promoted" if do_promote else "passed") if d.promote else "rejected"
     if decision == "promoted":
-        copy = promotions_dir(cfg.gate.promoted_dir) / record["fingerprint"][:FP_CHARS]
-        notes.append(f"{cfg.gate.promoted_dir} -> {copy}")
+        notes.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
     report["gate"] = {"decision": decision, "reasons": d.reasons + notes, "datasets": gate_ds,
                       "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
     save_report(cfg, report)
@@ -73,9 +69,6 @@ def _gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bo
                "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
                "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"],
                "decision": decision, "reasons": d.reasons + notes}
-    if decision == "promoted":  # the record first (fsynced), then the switch: see eval.gate.promote
-        promote(checkpoint, record["fingerprint"], cfg.gate.promoted_dir, cfg.gate.history_file, record)
-    else:
-        append_history(cfg.gate.history_file, record)
+    record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)
     print(decision.upper())
     return decision

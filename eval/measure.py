@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from eval import breakeven, metrics
-from eval.speculative import Engine, Generation, Proposer, first_divergence
+from eval import breakeven, lossless, metrics
+from eval.speculative import Engine, Generation, Proposer
 
 
 @dataclass
@@ -22,6 +22,8 @@ class Settings:
     temperature: float
     max_new_tokens: int
     seed: int = 0
+    acceptance: str = "sglang"  # the T > 0 rule (eval.speculative.ACCEPTANCE_RULES)
+    tie_epsilon: float = 1e-4  # T = 0: divergences at a smaller top-1/top-2 margin are near-ties
 
 
 def _generator(seed: int, index: int) -> torch.Generator:
@@ -36,14 +38,15 @@ def dataset_stats(gens: Sequence[Generation], k: int) -> dict:
             "tokens": sum(len(g.tokens) for g in gens)}
 
 
-def lossless(reference: Sequence[Generation], gens: Sequence[Generation], dataset: str) -> list[dict]:
-    """One entry per prompt whose speculative tokens differ from plain greedy decoding."""
+def divergences(reference: Sequence[Generation], gens: Sequence[Generation], dataset: str,
+                epsilon: float) -> list[dict]:
+    """One entry per prompt whose speculative tokens differ from plain greedy decoding (``eval.lossless``)."""
     out = []
     for i, (ref, g) in enumerate(zip(reference, gens, strict=True)):
-        pos = first_divergence(ref.tokens, g.tokens)
-        if pos is not None:
-            out.append({"dataset": dataset, "prompt": i, "first_divergence": pos,
-                        "greedy": ref.tokens[pos:pos + 4], "speculative": g.tokens[pos:pos + 4]})
+        d = lossless.check(ref.tokens, ref.margins, g.tokens, epsilon)
+        if d is not None:
+            out.append({"dataset": dataset, "prompt": i, "first_divergence": d.position, "margin": d.margin,
+                        "near_tie": d.near_tie, "greedy": d.greedy, "speculative": d.speculative})
     return out
 
 
@@ -59,8 +62,10 @@ def summarize(per_dataset: Mapping[str, Sequence[Generation]], references: Mappi
            "speed": metrics.speed(sum(g.cycle_tokens for g in gens), times, decode_ms)}
     out["measured_breakeven"] = breakeven.breakeven(decode_ms, ms["cycle"], s.num_steps) if times.cycles else None
     if s.temperature == 0:
-        mismatches = [m for name, gs in per_dataset.items() for m in lossless(references[name], gs, name)]
-        out["lossless"] = {"checked": True, "ok": not mismatches, "prompts": len(gens), "mismatches": mismatches}
+        found = [m for name, gs in per_dataset.items() for m in divergences(references[name], gs, name, s.tie_epsilon)]
+        mismatches = [m for m in found if not m["near_tie"]]
+        out["lossless"] = {"checked": True, "ok": not mismatches, "prompts": len(gens), "mismatches": mismatches,
+                           "near_ties": [m for m in found if m["near_tie"]], "tie_epsilon": s.tie_epsilon}
     else:
         out["lossless"] = {"checked": False, "ok": True, "reason": "T>0: outputs are samples, not comparable"}
     return out
@@ -82,7 +87,7 @@ def measure(engine: Engine, prompts: Mapping[str, Sequence[Sequence[int]]], prop
             bar.update()
             for name, prop in proposers.items():
                 spec[name][ds].append(engine.speculative(prop, ids, s.num_steps, s.max_new_tokens, s.temperature,
-                                                         _generator(s.seed, i)))
+                                                         _generator(s.seed, i), s.acceptance))
                 bar.update()
     bar.close()
     steps = sum(g.steps for gs in plain.values() for g in gs)

@@ -1,5 +1,5 @@
 """Write one eval's report: report.json (machines), report.md (people), alpha.png and tau.png (plots),
-and log the figures to wandb when the run config asks for it."""
+and log the figures to the run config's experiment trackers (``tracking:``)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ from pathlib import Path
 from typing import Any
 
 from common.files import write_text_atomic
+from common.tracking import flat_config, make_trackers
 
 
-def _clean(x: Any) -> Any:
+def json_safe(x: Any) -> Any:
     """NaN/inf become null: strict JSON readers reject the bare NaN that json.dumps writes."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -31,7 +32,9 @@ def markdown(r: dict) -> str:
     k = s["num_steps"]
     lines = [f"# Eval report: {r['name']}", "",
              f"Target `{r['target']}` on {r['device']}, batch size 1, k = {k} chained drafts "
-             f"(up to {k + 1} tokens per cycle), T = {s['temperature']}, max_new_tokens = {s['max_new_tokens']}, "
+             f"(up to {k + 1} tokens per cycle), T = {s['temperature']}"
+             + (f" (acceptance: {s.get('acceptance')})" if s["temperature"] > 0 else "")
+             + f", max_new_tokens = {s['max_new_tokens']}, "
              f"prompts: " + ", ".join(f"{n} {d}" for d, n in r["prompts"].items()) + ".", "",
              "## Break-even", "",
              f"- tau* = {_f(be['tau_star'])} = cycle {_f(be['cycle_ms'], 2)} ms / decode {_f(be['decode_ms'], 2)} ms "
@@ -67,6 +70,12 @@ def markdown(r: dict) -> str:
             lines.append(f"- lossless (T=0, {ll['prompts']} prompts): {verdict}")
             lines += [f"  - {m['dataset']} prompt {m['prompt']}: first divergence at token {m['first_divergence']} "
                       f"(greedy {m['greedy']} vs speculative {m['speculative']})" for m in ll["mismatches"]]
+            if ll.get("near_ties"):
+                lines.append(f"- near-ties (top-1/top-2 logit margin < {ll['tie_epsilon']}; not failures): "
+                             f"{len(ll['near_ties'])} prompt(s)")
+                lines += [f"  - {m['dataset']} prompt {m['prompt']}: token {m['first_divergence']}, margin "
+                          f"{_f(m['margin'], 5)} (greedy {m['greedy']} vs speculative {m['speculative']})"
+                          for m in ll["near_ties"]]
         else:
             lines.append(f"- lossless: not checked ({ll['reason']})")
         lines.append("")
@@ -117,10 +126,8 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
     return [alpha_png, tau_png]
 
 
-def log_wandb(r: dict, project: str, images: list[Path]) -> None:
-    import wandb
-
-    run = wandb.init(project=project, job_type="eval", name=r["name"], config=r["settings"])
+def figures(r: dict) -> dict[str, float]:
+    """The report's headline numbers under flat names, for experiment trackers."""
     flat = {"eval/tau_star": r["breakeven"]["tau_star"], "eval/decode_ms": r["plain"]["decode_ms"]}
     for name, d in r["drafters"].items():
         flat[f"eval/{name}/speedup"] = d["speed"]["speedup"]
@@ -128,17 +135,35 @@ def log_wandb(r: dict, project: str, images: list[Path]) -> None:
             flat[f"eval/{name}/{ds}/tau"] = st["tau"]
             for i, a in enumerate(st["alpha_conditional"], 1):
                 flat[f"eval/{name}/{ds}/alpha_{i}"] = a
-    run.log({k: v for k, v in flat.items() if v is not None} | {p.stem: wandb.Image(str(p)) for p in images})
-    run.finish()
+    return {k: v for k, v in flat.items() if v is not None}
 
 
-def write_report(r: dict, out_dir: str | Path, wandb_project: str | None = None) -> Path:
+def log_to_trackers(r: dict, tracking: Any, logging_dir: Path, images: list[Path]) -> None:
+    """One eval run per report in every tracker of ``tracking`` (the run config's section): settings,
+    figures, and the plots where the tracker takes images (TensorBoard, wandb); the PNGs stay beside the
+    report either way."""
+    import numpy as np
+    from accelerate import PartialState
+    from PIL import Image
+
+    PartialState()  # accelerate's trackers log through its process state (here: one process, the main one)
+    pictures = {p.stem: np.asarray(Image.open(p).convert("RGB")) for p in images}
+    for tracker in make_trackers(tracking, logging_dir, "eval", r["name"]):
+        tracker.start()
+        tracker.store_init_configuration(flat_config(r["settings"]))
+        tracker.log(figures(r))
+        if tracker.name == "tensorboard":
+            tracker.log_images({k: v[None] for k, v in pictures.items()}, dataformats="NHWC")
+        elif tracker.name == "wandb":
+            tracker.log_images({k: [v] for k, v in pictures.items()})
+        tracker.finish()
+
+
+def write_report(r: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    r = _clean(r)
+    r = json_safe(r)
     write_text_atomic(out / "report.json", json.dumps(r, indent=2) + "\n")
     write_text_atomic(out / "report.md", markdown(r))
-    images = plots(r, out)
-    if wandb_project:
-        log_wandb(r, wandb_project, images)
+    plots(r, out)
     return out

@@ -1,5 +1,9 @@
 """Speculative decoding with chain drafting at batch size 1, and the plain decode loop it is timed against.
 
+The acceptance rules are plain functions with one signature, ``rule(logits (k+1, V), draft, temperature,
+generator) -> (accepted, next token)``, selected by name (``acceptance_rule``), so any engine (this one, a
+batched one calling them per row) verifies the same way.
+
 Both loops share the prefill and the target's HF KV cache code. One cycle: the proposer drafts k
 tokens, one target forward over ``[last emitted, d1..dk]`` verifies them, the target cache is cropped
 to the accepted prefix, and the proposer re-extends its own cache over the accepted positions from the
@@ -10,7 +14,7 @@ reads the target's aux at t and token t+1, and draft step i runs at RoPE positio
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,6 +23,10 @@ from torch import Tensor
 
 from drafter.model import Eagle3Drafter, causal_mask
 from drafter.target import TargetModel
+from eval.lossless import first_divergence
+
+__all__ = ["ACCEPTANCE_RULES", "Draft", "Eagle3Proposer", "Engine", "Generation", "accept_greedy", "accept_sampled",
+           "accept_sglang", "acceptance_rule", "first_divergence"]
 
 
 @dataclass
@@ -99,20 +107,51 @@ class Eagle3Proposer:
         return Draft(tokens, torch.stack(probs) if probs else None)
 
 
-def accept_greedy(logits: Tensor, draft: Sequence[int]) -> tuple[int, int]:
+def _tokens(draft: Draft | Sequence[int]) -> list[int]:
+    return list(draft.tokens if isinstance(draft, Draft) else draft)
+
+
+def accept_greedy(logits: Tensor, draft: Draft | Sequence[int], temperature: float = 0.0,
+                  generator: torch.Generator | None = None) -> tuple[int, int]:
     """T=0: keep the longest prefix equal to the target's argmax; the next token is the argmax after it.
     logits: (k+1, V). Returns (accepted, next token)."""
+    tokens = _tokens(draft)
     greedy = logits.argmax(-1).tolist()
     a = 0
-    while a < len(draft) and draft[a] == greedy[a]:
+    while a < len(tokens) and tokens[a] == greedy[a]:
         a += 1
     return a, greedy[a]
 
 
-def accept_sampled(logits: Tensor, draft: Draft, temperature: float,
+def accept_sglang(logits: Tensor, draft: Draft | Sequence[int], temperature: float,
+                  generator: torch.Generator | None) -> tuple[int, int]:
+    """SGLang's EAGLE verify at T > 0 for a chain of greedy drafts (``--speculative-eagle-topk 1``).
+
+    SGLang calls ``tree_speculative_sampling_target_only`` with ``draft_probs`` all zero (sglang
+    srt/speculative/eagle_utils.py, unless ``--speculative-use-rejection-sampling``); the kernel (sgl-kernel
+    csrc/speculative/speculative_sampling.cuh, ``TreeSpeculativeSamplingTargetOnly``) keeps draft i iff its coin
+    is below p_i(d_i) (thresholds ``speculative_accept_threshold_single``/``_acc`` at their default 1); at the
+    first rejection it writes p(d) into ``draft_probs[d]`` and samples from relu(p - draft_probs): p without d,
+    renormalised; after k kept drafts, the bonus from p. p is softmax(logits / T) (top-k/top-p renormalised
+    there when set; eval sets neither). ``draft.probs`` is not read: the drafts are the drafter's argmax.
+    """
+    p = torch.softmax(logits.float().cpu() / temperature, -1)  # (k+1, V)
+    for i, tok in enumerate(_tokens(draft)):
+        if float(torch.rand((), generator=generator)) < p[i, tok]:
+            continue
+        residual = p[i].clone()
+        residual[tok] = 0.0
+        residual = residual if residual.sum() > 0 else p[i]
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(_tokens(draft)), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
+def accept_sampled(logits: Tensor, draft: Draft | Sequence[int], temperature: float,
                    generator: torch.Generator | None) -> tuple[int, int]:
     """T>0 speculative sampling (Leviathan et al. / Chen et al.): keep draft d_i with probability
-    min(1, p(d_i)/q(d_i)); on rejection sample the residual max(0, p - q); after k kept, the bonus from p."""
+    min(1, p(d_i)/q(d_i)); on rejection sample the residual max(0, p - q); after k kept, the bonus from p.
+    Drafts without probabilities count as deterministic (q one-hot), which makes this SGLang's rule."""
+    draft = draft if isinstance(draft, Draft) else Draft(list(draft), None)
     p = torch.softmax(logits.float().cpu() / temperature, -1)  # (k+1, V)
     for i, tok in enumerate(draft.tokens):
         if draft.probs is None:
@@ -126,6 +165,28 @@ def accept_sampled(logits: Tensor, draft: Draft, temperature: float,
         residual = residual if residual.sum() > 0 else p[i]
         return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
     return len(draft.tokens), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
+AcceptRule = Callable[[Tensor, "Draft | Sequence[int]", float, "torch.Generator | None"], tuple[int, int]]
+ACCEPTANCE_RULES: dict[str, AcceptRule] = {"greedy": accept_greedy, "sglang": accept_sglang,
+                                           "speculative_sampling": accept_sampled}
+SAMPLED_DRAFTS = frozenset({"speculative_sampling"})  # rules that need q: their proposer samples its drafts
+
+
+def acceptance_rule(name: str, temperature: float) -> tuple[AcceptRule, bool]:
+    """The rule for a setting and whether the proposer samples its drafts (else it drafts greedily, as SGLang's
+    EAGLE worker does). At T = 0 every rule is greedy verification."""
+    if name not in ACCEPTANCE_RULES:
+        raise ValueError(f"eval.acceptance: unknown rule {name!r}; known: {sorted(ACCEPTANCE_RULES)}")
+    if temperature <= 0:
+        return accept_greedy, False
+    return ACCEPTANCE_RULES[name], name in SAMPLED_DRAFTS
+
+
+def top2_margin(logits: Tensor) -> float:
+    """Top-1 minus top-2 logit: how far the greedy choice is from a tie."""
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
 
 
 def pick(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -159,6 +220,7 @@ class Generation:
     """One prompt's output and where its time went."""
 
     tokens: list[int]
+    margins: list[float] = field(default_factory=list)  # plain loop: top-1 minus top-2 logit behind each token
     prefill_s: float = 0.0
     decode_s: float = 0.0  # plain loop: time of the steps after prefill
     steps: int = 0  # plain loop: tokens produced by decode steps (prefill's token excluded)
@@ -203,11 +265,13 @@ class Engine:
         res = self._forward(prompt, 0, None)
         cache, n = res.past_key_values, len(prompt)
         gen = Generation([])
+        gen.margins.append(top2_margin(res.logits[0, -1]))
         done = self._finish(gen.tokens, [pick(res.logits[0, -1], temperature, generator)], max_new)
         t1 = self.clock()
         gen.prefill_s = t1 - t0
         while not done:
             res = self._forward(gen.tokens[-1:], n + len(gen.tokens) - 1, cache)
+            gen.margins.append(top2_margin(res.logits[0, -1]))
             done = self._finish(gen.tokens, [pick(res.logits[0, -1], temperature, generator)], max_new)
             gen.steps += 1
         gen.decode_s = self.clock() - t1
@@ -215,7 +279,12 @@ class Engine:
 
     @torch.no_grad()
     def speculative(self, proposer: Proposer, prompt: Sequence[int], k: int, max_new: int,
-                    temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
+                    temperature: float = 0.0, generator: torch.Generator | None = None,
+                    acceptance: str = "sglang") -> Generation:
+        """``acceptance`` names the T > 0 rule (``ACCEPTANCE_RULES``); drafts are sampled only for a rule that
+        needs q, greedy otherwise."""
+        accept, sample_drafts = acceptance_rule(acceptance, temperature)
+        draft_temperature = temperature if sample_drafts else 0.0
         clock = self.clock
         aux_ids = getattr(proposer, "aux_layer_ids", None)
         t0 = clock()
@@ -231,14 +300,11 @@ class Engine:
         while not done:
             n_cached = len(prompt) + len(gen.tokens) - 1  # every position but the last emitted token
             t_start = clock()
-            draft = proposer.propose(k, temperature, generator)
+            draft = proposer.propose(k, draft_temperature, generator)
             t_drafted = clock()
             res = self._forward(gen.tokens[-1:] + draft.tokens, n_cached, cache, aux_ids)
             t_verified = clock()
-            if temperature > 0:
-                a, nxt = accept_sampled(res.logits[0], draft, temperature, generator)
-            else:
-                a, nxt = accept_greedy(res.logits[0], draft.tokens)
+            a, nxt = accept(res.logits[0], draft, temperature, generator)
             gen.accepted.append(a)
             new = draft.tokens[:a] + [nxt]
             done = self._finish(gen.tokens, new, max_new)
@@ -251,12 +317,3 @@ class Engine:
             gen.verify_s += t_verified - t_drafted
             gen.overhead_s += t_extend - t_verified
         return gen
-
-
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token (or the shorter length when one is a prefix); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-

@@ -32,6 +32,36 @@ def test_shipped_values() -> None:
     assert smol.target.aux_layer_ids == [2, 15, 27] and smol.drafter.init_from is None
     k2 = load_config(REPO / "configs" / "kimi-k25-from-k2.yaml")
     assert k2.target.aux_layer_ids == [2, 30, 58] and k2.target.trust_remote_code
+    # the 1T target is captured by SpecForge under tp/ep 8 and imported: no HF model load, the exact teacher
+    assert (k2.capture.backend, k2.capture.teacher) == ("specforge", "hidden")
+    assert (k2.capture.tensor_parallel_size, k2.capture.expert_parallel_size) == (8, 8)
+    assert k2.target.chat_template_kwargs == {"thinking": False} and k2.eval.acceptance == "sglang"
+    assert k2.eval.timings is not None and k2.eval.timings.cycle_ms == {3: 29.8}
+    assert k2.eval.sglang is not None and k2.eval.sglang.incumbent_url and k2.eval.sglang.baseline_url
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    ({"capture": {"backend": "sglang", "teacher": "hidden"}, "drafter": {"init_from": "d"}},
+     ["capture.backend 'sglang'", "capture.teacher 'hidden'"]),
+    ({"capture": {"backend": "sglang", "teacher": "topk"}}, ["capture.backend 'sglang'", "drafter.init_from"]),
+    ({"capture": {"backend": "specforge"}}, ["capture.backend 'specforge'", "capture.specforge_dir"]),
+    ({"capture": {"backend": "specforge", "specforge_dir": "x"}, "target": {"aux_layer_ids": None}},
+     ["capture.backend 'specforge'", "target.aux_layer_ids", "drafter.init_from"]),
+    ({"eval": {"timings": {"decode_ms": 12.1, "cycle_ms": {5: 35.0}}}}, ["eval.timings.cycle_ms", "eval.num_steps 3"]),
+])
+def test_pairs_that_cannot_work_fail_at_load_in_one_line(tmp_path: Path, base_tree: dict, edit: dict,
+                                                        words: list[str]) -> None:
+    for section, values in edit.items():
+        base_tree[section] = {**(base_tree.get(section) or {}), **values}
+    path = write(tmp_path, base_tree)
+    (line,) = error_lines(path)
+    assert line.startswith(f"{path}: ") and all(w in line for w in words), line
+
+
+def test_parallel_sizes_must_nest(tmp_path: Path, base_tree: dict) -> None:
+    base_tree["capture"].update(tensor_parallel_size=8, expert_parallel_size=3)
+    (line,) = error_lines(write(tmp_path, base_tree))
+    assert line.startswith(f"{tmp_path / 'run.yaml'}: capture: ") and "expert_parallel_size 3" in line
 
 
 def write(tmp_path: Path, tree: dict, name: str = "run.yaml") -> Path:
@@ -67,6 +97,9 @@ def error_lines(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
     (lambda t: t["eval"].update(datasets=[]), "eval.datasets", "at least 1"),
     (lambda t: t["gate"].update(datasets=["nope"]), "gate.datasets", "not among eval.datasets"),
     (lambda t: t.pop("target"), "target", "required"),
+    (lambda t: t["tracking"].update(report_to=["tensorbored"]), "tracking.report_to", "unknown tracker"),
+    (lambda t: t["tracking"].update(init_kwargs={"mlflow": {}}), "tracking.init_kwargs", "not in tracking.report_to"),
+    (lambda t: t["train"].update(report_to="wandb"), "train.report_to", "moved to tracking.report_to"),
 ])
 def test_bad_values_are_one_line_naming_file_and_key(tmp_path: Path, base_tree: dict, edit, key: str,
                                                      words: str) -> None:
@@ -103,10 +136,10 @@ def test_dotted_overrides_apply(tmp_path: Path, base_tree: dict) -> None:
     base_tree["eval"]["timings"] = None
     path = write(tmp_path, base_tree)
     cfg = load_config(path, ["train.lr=5e-4", "target.aux_layer_ids=[3, 14, 26]", "drafter.init_from=ckpt/a",
-                             "run_dir=elsewhere", "eval.timings.decode_ms=10", "eval.timings.cycle_ms=25"])
+                             "run_dir=elsewhere", "eval.timings.decode_ms=10", "eval.timings.cycle_ms={3: 25}"])
     assert cfg.train.lr == 5e-4 and cfg.target.aux_layer_ids == [3, 14, 26]
     assert cfg.drafter.init_from == "ckpt/a" and cfg.checkpoints_dir == Path("elsewhere/checkpoints")
-    assert cfg.eval.timings is not None and cfg.eval.timings.decode_ms == 10.0
+    assert cfg.eval.timings is not None and (cfg.eval.timings.decode_ms, cfg.eval.timings.cycle_ms) == (10.0, {3: 25.0})
     assert load_config(path, ["drafter.init_from=null"]).drafter.init_from is None
     assert load_config(path).train.lr == base_tree["train"]["lr"]  # the file itself is untouched
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from common.config import RunConfig, parse_config
-from data_prep.ingest import IngestError, run_ingest
+from data_prep.ingest import run_ingest
+from data_prep.sources import SourceError
 from data_prep.steps import StepFailed
 
 
@@ -42,7 +43,7 @@ def test_sharegpt_jsonl_counts_every_malformed_record(tmp_path: Path) -> None:
         {"conversations": [{"value": "no role"}]},                       # missing_field (turn)
         {"id": "x"},                                                     # missing_field (conversations)
         sg(("robot", "beep")),                                           # unknown_role
-        sg(("gpt", "I speak first"), ("human", "hi")),                   # assistant_first
+        sg(("gpt", "I speak first"), ("human", "hi")),                   # kept, opening turn dropped
         sg(("human", "   "), ("gpt", "?")),                              # empty
         b'{"conversations": [{"from": "human", "value": "caf\xe9"}]}\n',  # invalid_utf8
         sg(("human", ["a", "list"])),                                    # non_text
@@ -53,13 +54,14 @@ def test_sharegpt_jsonl_counts_every_malformed_record(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, [{"kind": "sharegpt", "path": str(path)}], max_prompt_chars=100)
     summary = run_ingest(cfg)
     report = summary.sources[0]
-    assert dict(report.skipped) == {"bad_json": 1, "missing_field": 2, "unknown_role": 1, "assistant_first": 1,
+    assert dict(report.skipped) == {"bad_json": 1, "missing_field": 2, "unknown_role": 1,
                                     "empty": 1, "invalid_utf8": 1, "non_text": 1, "too_long": 1, "duplicate": 1}
-    assert report.read == 12 and report.kept == 2 and summary.kept == 2
+    assert report.read == 12 and report.kept == 3 and summary.kept == 3 and report.leading_assistant_dropped == 1
     assert report.first_skip["bad_json"].startswith("sg.jsonl:2")
     assert report.first_skip["invalid_utf8"].startswith("sg.jsonl:8")
     prompts = read_prompts(cfg)
-    assert prompts[1]["messages"] == [{"role": "system", "content": "Be brief."},
+    assert prompts[1]["messages"] == [{"role": "user", "content": "hi"}]
+    assert prompts[2]["messages"] == [{"role": "system", "content": "Be brief."},
                                       {"role": "user", "content": "Name a colour."},
                                       {"role": "assistant", "content": "Red"},
                                       {"role": "assistant", "content": "Blue"}]
@@ -101,17 +103,40 @@ def test_openai_messages_reader(tmp_path: Path) -> None:
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "two "},
                                                    {"type": "text", "text": "parts"}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},  # non_text
-        {"messages": [{"role": "tool", "content": "{}"}]},  # unknown_role
+        {"messages": [{"role": "function", "content": "{}"}]},  # unknown_role
+        {"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "{}"}]},  # orphan_tool_result
         {"messages": [{"content": "no role"}]},  # missing_field
         {"prompt": "not chat"},  # missing_field
     ]))
     cfg = make_cfg(tmp_path, [{"kind": "openai", "path": str(path)}])
     report = run_ingest(cfg).sources[0]
-    assert dict(report.skipped) == {"non_text": 1, "unknown_role": 1, "missing_field": 2}
+    assert dict(report.skipped) == {"non_text": 1, "unknown_role": 1, "missing_field": 2, "orphan_tool_result": 1}
     prompts = read_prompts(cfg)
     assert [m["role"] for m in prompts[0]["messages"]] == ["system", "user", "assistant", "user"]
     assert prompts[1]["messages"] == [{"role": "user", "content": "two parts"}]
     assert all(p["source"] == "openai" and p["id"].startswith("openai-") for p in prompts)
+
+
+def test_an_opening_assistant_turn_goes_with_its_tool_results(tmp_path: Path) -> None:
+    """A continuation that opens with an assistant tool call and its result keeps the user turns after them
+    (both dropped and counted once); a tool result before any user turn that answers no dropped call is
+    still an orphan."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    path = tmp_path / "oa.jsonl"
+    path.write_bytes(jsonl_bytes([
+        {"messages": [{"role": "system", "content": "sys"},
+                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "user", "content": "so?"},
+                      {"role": "assistant", "content": "42.", "reasoning_content": "the tool said so"}]},
+        {"messages": [{"role": "tool", "content": "{}"}, {"role": "user", "content": "q"}]},  # orphan_tool_result
+    ]))
+    cfg = make_cfg(tmp_path, [{"kind": "openai", "path": str(path)}])
+    report = run_ingest(cfg).sources[0]
+    assert report.kept == 1 and report.leading_assistant_dropped == 1 and dict(report.skipped) == {
+        "orphan_tool_result": 1}
+    (prompt,) = read_prompts(cfg)
+    assert prompt["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "so?"},
+                                  {"role": "assistant", "content": "42.", "reasoning_content": "the tool said so"}]
 
 
 def test_mtbench_builtin_two_user_turns_and_max_turns(tmp_path: Path) -> None:
@@ -182,9 +207,9 @@ def test_ids_stable_dedupe_across_sources_and_limit_counts_kept(tmp_path: Path) 
 
 def test_missing_file_is_a_one_line_error(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, [{"kind": "sharegpt", "path": str(tmp_path / "nope.json")}])
-    with pytest.raises(IngestError, match=r"nope\.json: no such file \(data\.sources\[0\] \(sharegpt\)\.path\)"):
+    with pytest.raises(SourceError, match=r"nope\.json: no such file \(data\.sources\[0\] \(sharegpt\)\.path\)"):
         run_ingest(cfg)
-    with pytest.raises(IngestError, match="no builtin dataset of kind 'lines'"):
+    with pytest.raises(SourceError, match="no builtin dataset of kind 'lines'"):
         run_ingest(make_cfg(tmp_path, [{"kind": "lines", "path": "builtin"}]))
 
 
@@ -199,7 +224,7 @@ def test_real_sharegpt_wheel_streams_to_the_broken_tail(tmp_path: Path) -> None:
     assert 17000 <= whole <= 18500
     assert report.broken_tail and "at byte" in report.broken_tail and f"{whole} whole records" in report.broken_tail
     assert report.skipped["bad_json"] == 1
-    assert report.skipped["assistant_first"] > 0 and report.skipped["duplicate"] > 0
+    assert report.leading_assistant_dropped > 800 and report.skipped["duplicate"] > 0
     assert report.kept + sum(report.skipped.values()) == report.read
     assert len(read_prompts(cfg)) == report.kept
     assert seconds < 30, f"ingest of the 125 MB ShareGPT array took {seconds:.1f} s"
@@ -225,9 +250,9 @@ def test_an_empty_or_all_junk_source_is_an_error_and_keeps_the_old_prompts(tmp_p
 def test_a_gz_name_on_another_format_is_an_error_naming_the_file(tmp_path: Path) -> None:
     fake = tmp_path / "prompts.jsonl.gz"
     fake.write_bytes(b'{"messages": [{"role": "user", "content": "hi"}]}\n')
-    with pytest.raises(IngestError, match=rf"{fake}: not a readable gzip file .*data\.sources\[0\]\.path"):
+    with pytest.raises(SourceError, match=rf"{fake}: not a readable gzip file .*data\.sources\[0\]\.path"):
         run_ingest(make_cfg(tmp_path, [{"kind": "openai", "path": str(fake)}]))
     cut = tmp_path / "cut.jsonl.gz"
     cut.write_bytes(gzip.compress(b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 50)[:40])
-    with pytest.raises(IngestError, match=rf"{cut}: not a readable gzip file"):
+    with pytest.raises(SourceError, match=rf"{cut}: not a readable gzip file"):
         run_ingest(make_cfg(tmp_path, [{"kind": "openai", "path": str(cut)}]))

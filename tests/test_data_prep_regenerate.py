@@ -112,14 +112,16 @@ def fake() -> Iterator[Any]:
         srv.server_close()
 
 
-def openai_cfg(tmp_path: Path, urls: list[str], **regen: Any) -> RunConfig:
-    return make_cfg(tmp_path, **({"backend": "openai", "server_urls": urls, "retry_backoff_s": 0.01,
-                                  "concurrency": 2, "batch_size": 2, "timeout_s": 10} | regen))
+def openai_cfg(tmp_path: Path, urls: list[str], template_kwargs: dict | None = None, **regen: Any) -> RunConfig:
+    tree = config_tree(tmp_path, **({"backend": "openai", "server_urls": urls, "retry_backoff_s": 0.01,
+                                     "concurrency": 2, "batch_size": 2, "timeout_s": 10} | regen))
+    tree["target"]["chat_template_kwargs"] = template_kwargs or {}
+    return parse_config(tree)
 
 
 def test_turn_by_turn_feeds_back_the_targets_answers(tmp_path: Path, fake: Any) -> None:
-    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], top_k=20, max_tokens=7, seed=3,
-                     chat_template_kwargs={"enable_thinking": False}, num_prompts=2)
+    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], {"enable_thinking": False}, top_k=20, max_tokens=7, seed=3,
+                     num_prompts=2)
     system = {"role": "system", "content": "be brief"}
     ids = write_prompts(cfg, [
         [system, user("u1"), {"role": "assistant", "content": "old answer 1"}, user("u2"),
@@ -318,7 +320,7 @@ def test_a_server_echoing_the_key_leaves_it_in_no_output_and_no_file(tmp_path: P
 
 
 @pytest.mark.real
-def test_hf_backend_left_padding_and_finish_reasons(tmp_path: Path) -> None:
+def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, max_tokens=12)
     backend = HFChatBackend(cfg.target, cfg.regenerate)
     short = [user("What is the capital of France? Answer in one word.")]
@@ -326,7 +328,7 @@ def test_hf_backend_left_padding_and_finish_reasons(tmp_path: Path) -> None:
             user("Write a long story about a dragon who learns to write compilers.")]
     alone = backend.complete([short])[0]
     story, padded = backend.complete([long, short])
-    assert padded == alone, "left padding changed a greedy answer"
+    assert padded == alone, "batching with a longer chat changed a greedy answer"
     assert alone.finish_reason == "stop" and "Paris" in alone.text and "<|im_end|>" not in alone.text
     assert story.finish_reason == "length" and story.text.strip()
 
@@ -477,3 +479,60 @@ def test_a_second_writer_on_the_run_dir_fails_at_once_naming_the_first(tmp_path:
         holder.kill()
         holder.wait()
     assert run_steps("regenerate", cfg_file) == 0
+
+
+class ScriptedBackend:
+    """Answers "a<turn>" for each chat; a chat whose last user turn contains "[full]" gets context_full."""
+
+    name, batch_size = "scripted", 4
+
+    def complete(self, batch: list[list[dict[str, str]]], tools: list[Any] | None = None) -> list[Any]:
+        from data_prep.backends import CONTEXT_FULL, Completion
+
+        return [Completion(finish_reason=CONTEXT_FULL) if "[full]" in chat[-1]["content"]
+                else Completion(text=f"a{len(chat) // 2 + 1}", finish_reason="stop") for chat in batch]
+
+
+def test_a_full_context_ends_the_conversation_and_is_counted(tmp_path: Path) -> None:
+    from data_prep.regenerate import load_prompt_records, regenerate
+
+    cfg = make_cfg(tmp_path)
+    write_prompts(cfg, [[user("q1"), {"role": "assistant", "content": "old"}, user("q2 [full]"), user("q3")],
+                        [user("q1 [full]")], [user("q1"), user("q2")]])
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), ScriptedBackend())
+    records = {r["id"]: r for r in read_conversations(cfg)}
+    assert records["test-0000"]["messages"] == [user("q1"), {"role": "assistant", "content": "a1"}]
+    assert records["test-0000"]["finish_reasons"] == ["stop"]
+    assert len(records["test-0002"]["finish_reasons"]) == 2
+    assert "test-0001" not in records and summary.failed == {"prompt_exceeds_context": 1}
+    assert summary.turns_dropped_context_full == 2
+    assert "2 later user turns left out (context full)" in summary.to_markdown()
+
+
+def test_part_files_merge_once_after_a_kill(tmp_path: Path) -> None:
+    from data_prep.regenerate import merge_parts, part_path
+
+    out = tmp_path / "conversations.jsonl"
+    line = lambda i: json.dumps({"id": f"c{i}", "messages": []}) + "\n"  # noqa: E731
+    out.write_text(line(0) + line(1))
+    part_path(out, 0).write_text(line(1) + line(2) + '{"id": "c9", "mess')  # c1 merged before the kill; torn tail
+    part_path(out, 1).write_text(line(3))
+    assert merge_parts(out) == 2
+    assert merge_parts(out) == 0 and not list(tmp_path.glob("*.part-*"))
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["c0", "c1", "c2", "c3"]
+
+
+@pytest.mark.real
+def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path) -> None:
+    chats = [[user(f"Give one word that rhymes with {w}.")] for w in ("cat", "dog", "sun", "tree", "blue")]
+    one = make_cfg(tmp_path / "one", max_tokens=8, batch_size=8)
+    two = make_cfg(tmp_path / "two", max_tokens=8, batch_size=8, devices=["cpu", "cpu"])
+    ids = write_prompts(one, chats)
+    write_prompts(two, chats)
+    run_regenerate(one)
+    summary = run_regenerate(two)
+    assert summary.backend == "hf x2 (cpu, cpu)" and summary.written == len(ids) and summary.missing == 0
+    assert not list(two.root.glob("*.part-*"))
+    by_id = lambda cfg: {r["id"]: r["messages"] for r in assert_each_id_once(cfg, ids)}  # noqa: E731
+    assert by_id(one) == by_id(two)
+

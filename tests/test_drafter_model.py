@@ -136,6 +136,25 @@ def test_rope_matches_transformers(scaling: dict | None) -> None:
     torch.testing.assert_close(apply_rope(x, cos, sin), want, rtol=0, atol=1e-6)
 
 
+def test_bf16_drafter_keeps_fp32_rope_frequencies() -> None:
+    """At the K2 drafter's RoPE (head_dim 128, theta 1e6) a bf16-rounded inv_freq puts cos/sin off by
+    up to ~1 at position 8,000; SGLang serves fp32 frequencies, so a cast must not round them."""
+    shape = DrafterShape(hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+                         head_dim=128, vocab_size=50, draft_vocab_size=20, aux_layer_ids=(0, 1, 2),
+                         rope_theta=1_000_000.0, max_position_embeddings=131072)
+    torch.manual_seed(0)
+    fp32 = Eagle3Drafter(shape)
+    bf16 = Eagle3Drafter(shape).to(torch.bfloat16)
+    assert bf16.fc.weight.dtype == torch.bfloat16 and bf16.inv_freq.dtype == torch.float32
+    assert torch.equal(bf16.inv_freq, fp32.inv_freq)
+    pos = torch.tensor([[8000]])
+    for a, b in zip(bf16.rope(pos, torch.float32), fp32.rope(pos, torch.float32), strict=True):
+        assert (a - b).abs().max() <= 1e-6
+    rounded = (pos[..., None].float() * fp32.inv_freq.to(torch.bfloat16).float()).cos()
+    assert (rounded - (pos[..., None].float() * fp32.inv_freq).cos()).abs().max() > 0.1  # what a cast did
+    assert bf16.to(torch.float16).half().inv_freq.dtype == torch.float32  # every later cast too
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_matches_llama(dtype: torch.dtype) -> None:
     torch.manual_seed(5)

@@ -13,7 +13,13 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from drafter.checkpoint import legacy_aux_layer_ids, save_checkpoint
 from drafter.factory import DrafterMismatchError, drafter_aux_ids, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
-from drafter.target import TargetError, TargetModel, default_aux_layer_ids, resolve_aux_layer_ids
+from drafter.target import (
+    TargetError,
+    TargetModel,
+    default_aux_layer_ids,
+    resolve_aux_layer_ids,
+    sglang_captured_outputs,
+)
 from drafter.vocab_map import build_vocab_map
 
 TINY_IDS = (0, 2, 4)
@@ -48,6 +54,32 @@ def test_aux_are_layer_outputs(tiny_target: TargetModel) -> None:
     assert torch.equal(out.last_hidden, ref.hidden_states[-1])
     torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-6)
     assert tiny_target.forward(ids, TINY_IDS, logits=False).logits is None
+
+
+@pytest.mark.parametrize(("architecture", "ids", "outputs"), [
+    ("LlamaForCausalLM", (2, 3, 4), (2, 3, 4)),  # llama.py: layers_to_capture = ids + 1 -> outputs of ids
+    ("DeepseekV3ForCausalLM", (2, 3, 4), (1, 2, 3)),  # deepseek_v2.py: first id != 1 -> inputs of ids
+    ("DeepseekV3ForCausalLM", (1, 2, 3), (1, 2, 3)),  # first id == 1 -> + 1, like llama
+    ("KimiK25ForConditionalGeneration", (2, 30, 58), (1, 29, 57)),  # K2.5's language model is DeepseekV3
+])
+def test_aux_capture_follows_sglang_per_architecture(architecture: str, ids: tuple, outputs: tuple) -> None:
+    """The K2 drafter's ids [2, 30, 58] feed it the outputs of [1, 29, 57] on Kimi-K2/K2.5 in SGLang; the
+    HF forward must hand it the same states."""
+    assert sglang_captured_outputs(ids, [architecture]) == outputs
+    if max(ids) >= 6:
+        return
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, architectures=[architecture])
+    target = TargetModel(LlamaForCausalLM(cfg), tokenizer=None, name="tiny", source_dir=None)
+    x = torch.randint(0, 100, (1, 5))
+    ref = target.model(x, output_hidden_states=True).hidden_states
+    assert torch.equal(target.forward(x, ids).aux, torch.cat([ref[i + 1] for i in outputs], -1))
+
+
+def test_input_capture_refuses_id_zero() -> None:
+    with pytest.raises(TargetError, match="embeddings"):
+        sglang_captured_outputs((0, 3, 5), ["DeepseekV3ForCausalLM"])
 
 
 @pytest.mark.parametrize("explicit_cache", [False, True])

@@ -15,9 +15,11 @@ import yaml
 from common.config import load_config
 from data_prep.capture import run_capture
 from data_prep.regenerate import run_regenerate
+from drafter.batched_target import BatchedTarget
 from drafter.checkpoint import check_checkpoint, load_checkpoint
 from drafter.target import stop_token_ids
 from eval import metrics
+from eval.batched_speculative import speculative_batch
 from eval.prompts import render
 from eval.speculative import Eagle3Proposer, Engine
 from train.loop import run as run_training
@@ -56,12 +58,14 @@ def test_trained_drafter_accepts_and_stays_lossless(smollm2, tmp_path):
     drafter.set_embeddings(smollm2.embed_weight())
     proposer = Eagle3Proposer(drafter, [2, 15, 27])
     engine = Engine(smollm2, [2, 15, 27], stop_token_ids(smollm2.tokenizer))
-    accepted = []
-    for p in PROMPTS:
-        ids = render(smollm2.tokenizer, p)
+    accepted, rows = [], [render(smollm2.tokenizer, p) for p in PROMPTS]
+    batched = speculative_batch(BatchedTarget(smollm2.model, [2, 15, 27]), drafter, rows, K, NEW,
+                                stop_token_ids(smollm2.tokenizer))
+    for p, ids, row in zip(PROMPTS, rows, batched, strict=True):
         greedy = engine.plain(ids, NEW, 0.0, None)
         spec = engine.speculative(proposer, ids, K, NEW, 0.0, None)
         assert spec.tokens == greedy.tokens, p
+        assert (row.tokens, row.accepted) == (spec.tokens, spec.accepted), f"batched eval differs on {p!r}"
         accepted += spec.accepted
     tau = metrics.tau_from_histogram(metrics.histogram(accepted, K))
     assert tau >= 2.0, f"a drafter trained on these very answers should accept well, got tau {tau:.2f}"

@@ -52,8 +52,8 @@ def test_history_appends_whole_lines(tmp_path):
     assert [r["decision"] for r in rows] == ["rejected", "promoted"] and all("time" in r for r in rows)
 
 
-def write_config(tmp_path: Path, **eval_extra) -> Path:
-    cfg = {"run_dir": str(tmp_path / "run"),
+def write_config(tmp_path: Path, tracking: dict | None = None, **eval_extra) -> Path:
+    cfg = {"run_dir": str(tmp_path / "run"), "tracking": tracking or {},
            "target": {"name": "smollm2-135m-instruct", "device": "cpu", "aux_layer_ids": [2, 15, 27]},
            "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
            "eval": {"num_steps": 3, "max_new_tokens": 8,
@@ -95,11 +95,21 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
                             d2t, t2d)
     ckpt = save_checkpoint(drafter, tmp_path / "step-1", dtype="float32")
     # Given timings with tau* = 0.5: even a random drafter clears break-even, and there is no incumbent.
-    easy = write_config(tmp_path, timings={"decode_ms": 100.0, "cycle_ms": 50.0})
+    easy = write_config(tmp_path, tracking={"report_to": ["tensorboard"], "project": "gate"},
+                        timings={"decode_ms": 100.0, "cycle_ms": {3: 50.0}})
     assert gate_command(easy, ckpt, promote=True) == 0
     assert (tmp_path / "promoted" / "model.safetensors").is_file()
     report = json.loads((tmp_path / "run" / "eval" / "step-1" / "report.json").read_text())
     assert report["gate"]["decision"] == "promoted" and report["breakeven"]["tau_star"] == 0.5
+    # The report's figures and plots reach the configured tracker (one eval run per report).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tracking" / "eval-step-1" / "gate"))
+    events.Reload()
+    assert events.Scalars("eval/tau_star")[0].value == 0.5
+    tau = events.Scalars("eval/candidate/mtbench/tau")[0].value
+    assert abs(tau - report["drafters"]["candidate"]["datasets"]["mtbench"]["tau"]) < 1e-6
+    assert {"alpha", "tau"} <= set(events.Tags()["images"])
     assert report["drafters"]["candidate"]["lossless"]["ok"] is True
     for f in ("report.md", "alpha.png", "tau.png"):
         assert (tmp_path / "run" / "eval" / "step-1" / f).is_file()

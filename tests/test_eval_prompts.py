@@ -6,34 +6,40 @@ import json
 
 import pytest
 
+from common.config import DatasetConfig
+from data_prep.sources import SourceError
 from eval.prompts import PromptError, load_eval_prompts
 
 
+def ds(kind: str, path: str = "builtin", **fields) -> DatasetConfig:
+    return DatasetConfig(name=kind, kind=kind, path=path, **fields)
+
+
 def test_builtin_first_turns():
-    mt = load_eval_prompts("mtbench")
+    mt = load_eval_prompts(ds("mtbench"))
     assert len(mt) == 80 and mt[0].startswith("Compose an engaging travel blog post")
-    he = load_eval_prompts("humaneval", limit=3)
+    he = load_eval_prompts(ds("humaneval"), limit=3)
     assert len(he) == 3 and he[0].startswith("from typing import List")
 
 
 def test_files_and_errors(tmp_path):
     lines = tmp_path / "p.txt"
     lines.write_text("one\n\ntwo\nthree\n")
-    assert load_eval_prompts("lines", str(lines), limit=2) == ["one", "two"]
+    assert load_eval_prompts(ds("lines", str(lines)), limit=2) == ["one", "two"]
     oa = tmp_path / "m.jsonl"
     oa.write_text(json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]})
                   + "\n" + json.dumps({"messages": [{"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(PromptError, match=r"m.jsonl:2: "):
-        load_eval_prompts("openai", str(oa))
-    assert load_eval_prompts("openai", str(oa), limit=1) == ["hi"]
+        load_eval_prompts(ds("openai", str(oa)))
+    assert load_eval_prompts(ds("openai", str(oa)), limit=1) == ["hi"]
     bad = tmp_path / "q.jsonl"
     bad.write_text('{"turns": ["a"]}\n{oops\n')
     with pytest.raises(PromptError, match=r"q.jsonl:2: bad_json"):
-        load_eval_prompts("mtbench", str(bad))
-    with pytest.raises(PromptError, match="no such prompt file"):
-        load_eval_prompts("lines", str(tmp_path / "missing.txt"))
+        load_eval_prompts(ds("mtbench", str(bad)))
+    with pytest.raises(SourceError, match=r"missing.txt: no such file \(eval dataset 'lines' \(lines\).path\)"):
+        load_eval_prompts(ds("lines", str(tmp_path / "missing.txt")))
 
 
 def test_truncated_sharegpt_wheel_ends_at_its_last_whole_record():
-    prompts = load_eval_prompts("sharegpt", limit=40)
+    prompts = load_eval_prompts(ds("sharegpt"), limit=40)
     assert len(prompts) == 40 and all(isinstance(p, str) and p for p in prompts)

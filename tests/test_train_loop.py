@@ -81,19 +81,40 @@ def test_warm_start_mismatch_is_one_line_error(tmp_path, capsys):
 def test_wandb_tracking_offline_logs_config_and_metrics_without_secrets(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_API_KEY", "secret-key-never-printed-0123456789abcdef")
-    cfg = make_config(tmp_path, max_steps=4, eval_every=2, save_every=4, log_every=1, report_to="wandb",
-                      wandb_project="eagle3-test")
+    cfg = make_config(tmp_path, tracking={"report_to": "wandb", "project": "eagle3-test"}, max_steps=4, eval_every=2,
+                      save_every=4, log_every=1)
     make_store(tmp_path / "run" / "store", n_samples=16, length=20)
     assert run(cfg) == 0
     out = capsys.readouterr()
     assert "secret-key-never-printed" not in out.out + out.err
-    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    runs = list((tmp_path / "run" / "tracking" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     # Offline runs keep config and history as records in the run's .wandb file (synced later).
     records = next(runs[0].glob("run-*.wandb")).read_bytes()
     for key in (b"ttt_length", b"draft_vocab_size", b"loss", b"train/acc_0", b"holdout/accept_length"):
         assert key in records, key
     assert b"secret-key-never-printed" not in records
+
+
+def test_tensorboard_tracking_writes_loss_and_acc_i(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = make_config(tmp_path, tracking={"report_to": ["tensorboard"], "project": "tb-test"}, max_steps=4,
+                      eval_every=2, save_every=4, log_every=1)
+    make_store(tmp_path / "run" / "store", n_samples=16, length=20)
+    assert run(cfg) == 0
+    logdir = tmp_path / "run" / "tracking" / "train" / "tb-test"
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss", "lr", "train/acc_0", "train/acc_1", "train/acc_2", "holdout/acc_0", "holdout/acc_2",
+            "holdout/accept_length"} <= tags, tags
+    # The same numbers as train_log.jsonl, at the same steps.
+    log = _log(tmp_path)
+    for tag in ("loss", "train/acc_1", "holdout/accept_length"):
+        want = {r["step"]: r[tag] for r in log if r.get(tag) is not None}
+        got = {e.step: e.value for e in events.Scalars(tag)}
+        assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want), (tag, got, want)
 
 
 def test_resume_refuses_a_tampered_training_state(tmp_path, capsys):
@@ -106,3 +127,13 @@ def test_resume_refuses_a_tampered_training_state(tmp_path, capsys):
     assert run(cfg) == 2
     err = capsys.readouterr().err
     assert "random_states_0.pkl" in err and "refusing to unpickle" in err
+
+
+def test_max_train_samples_trains_on_a_prefix_and_keeps_the_holdout(tmp_path, capsys):
+    cfg = make_config(tmp_path, epochs=1, holdout_fraction=0.25, max_train_samples=10, batch_tokens=40,
+                      eval_every=1000, save_every=1000)
+    make_store(tmp_path / "run" / "store", n_samples=48, length=20)
+    assert run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "10 train / " in out and "(first 10 training samples)" in out
+    assert [r["step"] for r in _log(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5]  # 10 samples, 2 a batch

@@ -1,20 +1,20 @@
-"""The drafter to train, from the store alone: a warm start (``drafter.init_from``) keeps its own vocab
-map and aux ids, which must match the store; otherwise a fresh drafter shaped like the target with a
-vocab map from the store's token counts. Mismatches are one-line errors, before any compute.
+"""The drafter to train, from what the training data says of the target: a warm start
+(``drafter.init_from``) keeps its own vocab map and aux ids, which must match the data's; otherwise a
+fresh drafter shaped like the target with a vocab map from the data's token counts. Mismatches are
+one-line errors, before any compute.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from data_prep.store import load_target_head, read_manifest, token_counts
 from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
 from drafter.vocab_map import build_vocab_map
+from train.data import TrainingData
 
 
 def target_hf_config(cfg: Any) -> Any:
@@ -27,35 +27,40 @@ def target_hf_config(cfg: Any) -> Any:
     return AutoConfig.from_pretrained(source, trust_remote_code=cfg.target.trust_remote_code)
 
 
-def build_drafter(cfg: Any, store_dir: Path) -> tuple[Eagle3Drafter, dict[str, Any], str]:
-    """(drafter, manifest, how it was made). ``cfg`` is a RunConfig."""
-    manifest = read_manifest(store_dir)
-    tgt = manifest["target"]
-    aux_ids = tuple(manifest["aux_layer_ids"])
-    head = load_target_head(store_dir)
-    embed = head["embed_tokens.weight"]
-    if cfg.drafter.init_from:  # its aux ids must be the store's: resolving them is an error otherwise
+def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
+    """(drafter, how it was made). ``cfg`` is a RunConfig."""
+    tgt, aux_ids = data.target, data.aux_layer_ids
+    embed = data.head["embed_tokens.weight"]
+    if cfg.drafter.init_from:  # its aux ids must be the data's: resolving them is an error otherwise
         model, _ = load_for_target(cfg.drafter.init_from, embed, tgt["num_layers"], aux_ids)
-        return model, manifest, f"warm start from {cfg.drafter.init_from}"
+        return model, f"warm start from {cfg.drafter.init_from}"
     hf = target_hf_config(cfg)
     if (hf.hidden_size, hf.vocab_size) != (tgt["hidden_size"], tgt["vocab_size"]):
-        raise DrafterMismatchError(f"{store_dir}/manifest.json: target hidden/vocab {tgt['hidden_size']}/"
+        raise DrafterMismatchError(f"{data.source}: target hidden/vocab {tgt['hidden_size']}/"
                                    f"{tgt['vocab_size']} differ from {cfg.target.name}'s config "
                                    f"{hf.hidden_size}/{hf.vocab_size}; capture again for this target")
     d = cfg.drafter
     if d.draft_vocab_size > tgt["vocab_size"]:
         raise DrafterMismatchError(f"drafter.draft_vocab_size {d.draft_vocab_size} is larger than the target's "
-                                   f"vocab_size {tgt['vocab_size']} ({store_dir}/manifest.json); set it to at most "
+                                   f"vocab_size {tgt['vocab_size']} ({data.source}); set it to at most "
                                    f"{tgt['vocab_size']}, e.g. --set drafter.draft_vocab_size={tgt['vocab_size']}")
     shape = shape_for_target(hf, d.draft_vocab_size, aux_ids, d.intermediate_size, d.num_attention_heads,
                              d.num_key_value_heads, d.head_dim)
-    d2t, t2d = build_vocab_map(token_counts(store_dir, tgt["vocab_size"]), d.draft_vocab_size)
+    d2t, t2d = build_vocab_map(data.token_counts(tgt["vocab_size"]), d.draft_vocab_size)
     model = fresh_drafter(shape, embed, d2t, t2d, seed=cfg.train.seed)
-    return model, manifest, "from scratch, shaped like the target"
+    if d.init == "random":
+        return model, "from scratch, shaped like the target"
+    from drafter.target import resolve_source
+    from drafter.target_init import init_from_target, last_layer_names, target_tensors
+
+    n = tgt["num_layers"]
+    set_ = init_from_target(model, target_tensors(resolve_source(cfg.target.name, cfg.target.gguf_file),
+                                                  last_layer_names(n)), data.head["lm_head.weight"], n)
+    return model, f"from scratch, initialised from the target ({len(set_)} tensors: {', '.join(set_)})"
 
 
-def teacher_rows(store_dir: Path, model: Eagle3Drafter) -> Tensor:
+def teacher_rows(data: TrainingData, model: Eagle3Drafter) -> Tensor:
     """The target lm_head rows of the draft vocab (Vd, H): the teacher never needs the other rows."""
-    lm_head = load_target_head(store_dir)["lm_head.weight"]
+    lm_head = data.head["lm_head.weight"]
     ids = model.to_target_ids(torch.arange(model.shape.draft_vocab_size))
     return lm_head[ids].clone()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +104,15 @@ def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | N
     return True
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints older than the last ``keep_last``, never the best; and the temp dirs,
-    links and files of killed saves (``common.files.remove_temps``)."""
+def prune(root: Path, keep_last: int, keep_steps: Sequence[int] = ()) -> list[Path]:
+    """Delete complete checkpoints older than the last ``keep_last``, never the best nor those of
+    ``keep_steps`` (train.save_at); and the temp dirs, links and files of killed saves
+    (``common.files.remove_temps``)."""
     best = (root / "best").resolve() if (root / "best").is_symlink() else None
     done = complete_checkpoints(root)
     removed = []
-    for _, d in done[:-keep_last]:
-        if best is None or d.resolve() != best:
+    for step, d in done[:-keep_last]:
+        if step not in keep_steps and (best is None or d.resolve() != best):
             shutil.rmtree(d)
             removed.append(d)
     remove_temps(root)  # every process has finished the save: what is left is a killed save's

@@ -1,4 +1,4 @@
-"""Training-time-test fine-tuning of the EAGLE-3 drafter on the capture store.
+"""Training-time-test fine-tuning of the EAGLE-3 drafter, on the capture store or online (train/data.py).
 
     accelerate launch -m train --config FILE      # or: python -m train --config FILE [--set key=value ...]
 
@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,15 @@ from common.cli import one_line_errors
 from common.config import dump_config, load_config
 from common.files import remove_temps, write_text_atomic
 from common.locking import run_lock
+from common.tracking import flat_config, make_trackers
 from common.wheels import MissingWheelError
-from data_prep.dataset import ShardDataset, TokenBudgetSampler, collate
+from data_prep.dataset import TokenBudgetSampler
 from train import checkpointing
 from train.build import build_drafter, teacher_rows
+from train.data import TrainingData, to_device, training_data
 from train.metrics import Counts
 from train.module import TTTModel
 from train.optim import make_optimizer, make_scheduler, trainable
-
-BATCH_KEYS = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
 
 
 class TrainingAborted(RuntimeError):
@@ -56,10 +57,6 @@ def configure_deepspeed(accelerator: Accelerator, tc: Any) -> None:
     if plugin is not None:
         plugin.deepspeed_config.update(gradient_clipping=tc.max_grad_norm, train_micro_batch_size_per_gpu=1,
                                        gradient_accumulation_steps=tc.grad_accum)
-
-
-def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: batch[k].to(device, non_blocking=True) for k in BATCH_KEYS if k in batch}
 
 
 class JsonlLog:
@@ -85,15 +82,15 @@ def pad_multiple(device: torch.device) -> int:
     return 128 if device.type == "cuda" else 1
 
 
-def holdout_metrics(accelerator: Accelerator, model: torch.nn.Module, ds: ShardDataset,
+def holdout_metrics(accelerator: Accelerator, model: torch.nn.Module, data: TrainingData,
                     sampler: TokenBudgetSampler, n: int) -> dict[str, float]:
     """Held-out loss, acc_i and simulated accept length (train/metrics.py has the formula)."""
     counts = Counts.zeros(n, accelerator.device)
     model.eval()
+    dev = accelerator.device
     with torch.no_grad():
-        for idx in sampler.batches():
-            batch = collate([ds[i] for i in idx], pad_to_multiple=pad_multiple(accelerator.device))
-            res = model(**to_device(batch, accelerator.device))
+        for raw in data.loader(data.holdout, sampler.batches(), dev, pad_multiple(dev)):
+            res = model(**data.complete(to_device(raw, dev)))
             counts.add(res.step_losses, res.correct, res.scored)
     model.train()
     total = accelerator.reduce(counts.flat(), reduction="sum")
@@ -117,7 +114,8 @@ def train(cfg: Any, resume: str) -> int:
     # -- accelerator -----------------------------------------------------------------------------
     accelerator = Accelerator(mixed_precision=mixed_precision(tc.mixed_precision),
                               gradient_accumulation_steps=tc.grad_accum,
-                              log_with="wandb" if tc.report_to == "wandb" else None, project_dir=cfg.run_dir)
+                              log_with=make_trackers(cfg.tracking, cfg.tracking_dir, "train") or None,
+                              project_dir=cfg.run_dir)
     set_seed(tc.seed)
     ckpt_root = cfg.checkpoints_dir
     if accelerator.is_main_process:
@@ -125,17 +123,19 @@ def train(cfg: Any, resume: str) -> int:
     resume_from = checkpointing.latest(ckpt_root) if resume == "auto" else None
 
     # -- data ------------------------------------------------------------------------------------
-    with accelerator.main_process_first():  # rank 0 verifies the shards' sha256; the others find it cached
-        train_ds = ShardDataset(cfg.store_dir, "train", tc.holdout_fraction)
-        holdout_ds = ShardDataset(cfg.store_dir, "holdout", tc.holdout_fraction)
+    # Rank 0 verifies the store's sha256 first and the others find it cached; online reads no shards.
+    with accelerator.main_process_first() if tc.source == "store" else nullcontext():
+        data = training_data(cfg, accelerator.device)
+    train_ds, holdout_ds = data.train, data.holdout
     ranks = {"num_replicas": accelerator.num_processes, "rank": accelerator.process_index}
     sampler = TokenBudgetSampler(train_ds.lengths, tc.batch_tokens, shuffle=True, seed=tc.seed, **ranks)
     holdout_sampler = TokenBudgetSampler(holdout_ds.lengths, tc.batch_tokens, shuffle=False, **ranks)
     windows_per_epoch = len(sampler) // tc.grad_accum
     if windows_per_epoch == 0:
-        raise TrainingAborted(f"{cfg.store_dir}: {len(train_ds)} training samples make {len(sampler)} batches per "
+        raise TrainingAborted(f"{data.source}: {len(train_ds)} training samples make {len(sampler)} batches per "
                               f"process, fewer than train.grad_accum={tc.grad_accum}; capture more data")
     total_steps = min(tc.max_steps or math.inf, tc.epochs * windows_per_epoch)
+    milestones = sorted({max(1, round(f * total_steps)) for f in tc.save_at})
 
     # -- drafter ---------------------------------------------------------------------------------
     if resume_from is not None:
@@ -143,25 +143,25 @@ def train(cfg: Any, resume: str) -> int:
             accelerator.print(f"resuming from {resume_from}: drafter.init_from {cfg.drafter.init_from} is "
                               "ignored (a resume continues the run)")
         cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_from": str(resume_from)})})
-    drafter, manifest, how = build_drafter(cfg, cfg.store_dir)
+    drafter, how = build_drafter(cfg, data)
     how = f"resume from {resume_from}" if resume_from else how
     compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-    rows = teacher_rows(cfg.store_dir, drafter) if manifest["teacher"] == "hidden" else None
+    rows = teacher_rows(data, drafter) if data.teacher == "hidden" else None
     model = TTTModel(drafter, rows, tc.ttt_length, tc.loss_decay).to_device(accelerator.device, compute_dtype)
     n_train = sum(p.numel() for p in trainable(model))
-    accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; "
-                      f"{len(train_ds)} train / {len(holdout_ds)} held-out samples; {total_steps} steps")
+    accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; {accelerator.num_processes} "
+                      f"process{'es' if accelerator.num_processes > 1 else ''}; "
+                      f"{len(train_ds)} train / {len(holdout_ds)} held-out samples ({data.source}); "
+                      f"{total_steps} steps")
 
     # -- optimizer, schedule, state ----------------------------------------------------------------
     optimizer = make_optimizer(model, tc.lr, tc.weight_decay, fused=accelerator.device.type == "cuda")
     scheduler = make_scheduler(optimizer, tc.warmup_ratio, int(total_steps))
-    if tc.report_to == "wandb":
-        accelerator.init_trackers(tc.wandb_project, config=dump_config(cfg),
-                                  init_kwargs={"wandb": {"dir": str(cfg.root)}})
+    accelerator.init_trackers(cfg.tracking.project, config=flat_config(dump_config(cfg)))
     configure_deepspeed(accelerator, tc)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
-    state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0}
+    state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0, "tokens_seen": 0}
     if resume_from is not None:
         checkpointing.verify_state(resume_from)
         accelerator.load_state(str(resume_from / checkpointing.STATE_DIR))
@@ -174,18 +174,19 @@ def train(cfg: Any, resume: str) -> int:
 
     def save() -> None:
         metric = last_eval.get("holdout/accept_length")
-        trainer = {"position": dict(state), "metrics": last_eval, "store": manifest["target"]["fingerprint"]}
+        trainer = {"position": dict(state), "metrics": last_eval, "store": data.target["fingerprint"]}
         ckpt = checkpointing.save(accelerator, accelerator.unwrap_model(model).drafter, ckpt_root, state["step"],
                                 trainer, run_config, serve_dtype)
         if accelerator.is_main_process:
             checkpointing.update_best(ckpt_root, ckpt, state["step"],
                                     "holdout/accept_length" if metric is not None else "latest (no held-out split)",
                                     metric)
-            checkpointing.prune(ckpt_root, tc.keep_last)
+            checkpointing.prune(ckpt_root, tc.keep_last, milestones)
         accelerator.wait_for_everyone()
 
     # -- loop --------------------------------------------------------------------------------------
-    counts, window_tokens, window_bad, t0 = Counts.zeros(n, accelerator.device), 0, False, time.perf_counter()
+    counts, window_bad, t0 = Counts.zeros(n, accelerator.device), False, time.perf_counter()
+    window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     bar = tqdm(total=int(total_steps), initial=state["step"], desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
@@ -193,9 +194,9 @@ def train(cfg: Any, resume: str) -> int:
     while state["step"] < total_steps:
         sampler.set_epoch(state["epoch"])
         batches = sampler.batches()[: windows_per_epoch * tc.grad_accum]
-        for k in range(state["batch"], len(batches)):
-            samples = [train_ds[i] for i in batches[k]]
-            batch = to_device(collate(samples, pad_to_multiple=pad_multiple(accelerator.device)), accelerator.device)
+        loader = data.loader(train_ds, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
+        for k, raw in enumerate(loader, start=state["batch"]):
+            batch = data.complete(to_device(raw, accelerator.device))
             with accelerator.accumulate(model):
                 res = model(**batch)
                 # every process must agree to skip, or DDP would wait for a backward that never comes
@@ -207,6 +208,7 @@ def train(cfg: Any, resume: str) -> int:
                     window_bad = True
                 counts.add(res.step_losses, res.correct, res.scored)
                 window_tokens += int(batch["loss_mask"].numel())
+                window_real += int(raw["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
             grad_norm = None
@@ -221,13 +223,14 @@ def train(cfg: Any, resume: str) -> int:
             state["batch"] = k + 1
             state["nonfinite_total"] += int(window_bad)
             state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
+            padded, real = accelerator.reduce(torch.tensor([float(window_tokens), float(window_real)],
+                                                           device=accelerator.device)).tolist()
+            state["tokens_seen"] += int(real)
             record = {"step": state["step"], "epoch": state["epoch"],
                       "loss": float(accelerator.reduce(window_loss, reduction="mean")) if not window_bad else None,
                       "lr": scheduler.get_last_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
                       "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
-                      "tokens_per_s": accelerator.reduce(torch.tensor(float(window_tokens),
-                                                                      device=accelerator.device)).item()
-                      / (time.perf_counter() - t0)}
+                      "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"]}
             log.write(record)
             bar.update(1)
             if state["nonfinite_in_row"] >= tc.max_nonfinite_in_row:
@@ -243,17 +246,18 @@ def train(cfg: Any, resume: str) -> int:
                 bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
                 counts = Counts.zeros(n, accelerator.device)
             at_end = state["step"] >= total_steps
+            milestone = state["step"] in milestones
             if len(holdout_ds) and (state["step"] % tc.eval_every == 0 or state["step"] % tc.save_every == 0
-                                    or at_end):
-                last_eval = holdout_metrics(accelerator, model, holdout_ds, holdout_sampler, n)
+                                    or milestone or at_end):
+                last_eval = holdout_metrics(accelerator, model, data, holdout_sampler, n)
                 accelerator.log(last_eval, step=state["step"])
                 log.write({"step": state["step"], **last_eval})
                 accelerator.print(f"step {state['step']}: " + ", ".join(
                     f"{k2.split('/')[1]} {v:.3f}" for k2, v in last_eval.items() if "loss_" not in k2))
-            if state["step"] % tc.save_every == 0 or at_end:
+            if state["step"] % tc.save_every == 0 or milestone or at_end:
                 save()
             window_loss.zero_()
-            window_bad, window_tokens, t0 = False, 0, time.perf_counter()
+            window_bad, window_tokens, window_real, t0 = False, 0, 0, time.perf_counter()
             if at_end:
                 break
         else:

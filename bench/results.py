@@ -1,0 +1,49 @@
+"""bench/results.json: each benchmark writes its own figures there, never a person.
+
+One object per benchmark: ``command`` (how to reproduce it), ``device``, ``date`` and the figures as
+plain fields. A benchmark that runs again replaces its object; the others stay. Writers take a file
+lock, so benchmarks running side by side (one per GPU) do not lose each other's objects.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common.files import write_text_atomic
+
+RESULTS = Path(__file__).resolve().with_name("results.json")
+# Smoke runs (CI, a CPU dry run) point this elsewhere so that only real measurements land in the file.
+RESULTS_ENV = "BENCH_RESULTS"
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return f"{n}x {torch.cuda.get_device_name(0)}" if n > 1 else torch.cuda.get_device_name(0)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+
+
+def record(name: str, figures: dict[str, Any], command: str | None = None) -> None:
+    """Replace ``name``'s object in the results file with these figures."""
+    path = Path(os.environ.get(RESULTS_ENV, RESULTS))
+    entry = {"command": command or command_line(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
+             **figures}
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[name] = entry
+        write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    print(f"{path}: {name} = {json.dumps(figures)}")

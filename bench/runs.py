@@ -1,0 +1,68 @@
+"""Training runs for the benchmarks: a run dir per variant over shared regenerated conversations, the
+command that trains it (one GPU, or several through ``accelerate launch``), and its log read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from common.config import dump_config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_run(base_config: str | Path, run_dir: Path, conversations: Path, overrides: list[str]) -> Path:
+    """``run_dir/config.yaml``: the base config with ``run_dir`` and ``key=value`` overrides applied, over a
+    link to ``conversations`` (validated now, so a bad override fails before any GPU work)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    link = run_dir / "conversations.jsonl"
+    if not link.exists():
+        link.symlink_to(Path(conversations).resolve())
+    cfg = load_config(base_config, [f"run_dir={run_dir}", *overrides])
+    path = run_dir / "config.yaml"
+    path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    return path
+
+
+def train_command(config: Path, gpus: int = 1, precision: str | None = None) -> list[str]:
+    if gpus == 1:
+        return [sys.executable, "-m", "train", "--config", str(config)]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(gpus),
+              "--num_machines", "1", "--dynamo_backend", "no", "--mixed_precision", precision or "bf16"]
+    return [*launch, "-m", "train", "--config", str(config)]
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> None:
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    with open(log, "w") if log else open(os.devnull, "w") as sink:
+        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=sink if log else None,
+                              stderr=subprocess.STDOUT if log else None)
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:] if log else ""
+        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")
+
+
+def read_log(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in read_log(run_dir) if "tokens_per_s" in r]
+
+
+def median_tokens_per_s(run_dir: Path, skip: int = 5) -> float:
+    """Median over steps after the first ``skip`` (compilation and warm-up; fewer for short smoke runs)."""
+    recs = step_records(run_dir)
+    return statistics.median(r["tokens_per_s"] for r in recs[min(skip, len(recs) - 1):])
+
+
+def holdout_at(run_dir: Path, step: int) -> dict[str, float]:
+    return next((r for r in read_log(run_dir) if r.get("step") == step and "holdout/acc_0" in r), {})

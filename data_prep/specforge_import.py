@@ -1,0 +1,196 @@
+"""Import SpecForge's offline hidden-state files into our store (``capture.backend: specforge``).
+
+Why: a 1T-parameter target runs only inside a tensor/expert-parallel SGLang, and SpecForge's
+``scripts/prepare_hidden_states.py`` is the capture that is known to work there (it trained the AQ-MedAI
+Kimi drafters; it drives SGLang's model runner directly and patches its logits processor to hand out the
+aux and final states). We run it as it is and convert its files exactly; nothing here loads the target.
+
+What SpecForge writes (read from SpecForge 0.2.0, the PyPI wheel = github.com/sgl-project/SpecForge
+``scripts/prepare_hidden_states.py``; the names it writes come from
+``specforge/algorithms/eagle3/providers.py`` ``OfflineCaptureLayout``):
+- ``<output-path>/rows_<g>-<g+G>/data_<i>.ckpt`` (``HiddenStatesGenerator._get_file_path``; G =
+  ``--file-group-size``, 2000), or ``data_<i>.ckpt.gz`` with ``--compress`` (gzip around the same bytes); ``i``
+  is the sample's row in its ``--data-path``; a record holding a NaN is not written (a gap in ``i``).
+- each file: ``torch.save`` of a dict of tensors (loaded here with ``weights_only=True``: tensors only):
+  ``input_ids`` (L,) int64 and ``loss_mask`` (L,) int64 as SpecForge tokenized them (its dataloader pads a
+  batch with zeros on the right, and the padding is saved too); ``aux_hidden_state`` (1, L, 3H) and
+  ``hidden_state`` (1, L, H) in the target's dtype.
+- ``aux_hidden_state``: SGLang's aux states for the capture layers, concatenated in layer order
+  (``LogitsProcessor._get_hidden_states_to_store``, FULL capture mode), i.e. for the drafter's
+  ``eagle_aux_hidden_state_layer_ids`` exactly what SGLang serves it (``drafter.target.sglang_captured_outputs``).
+  SpecForge's layers (``specforge/algorithms/model_providers.py`` ``resolve_eagle_capture_layers``): the run's
+  override, else the draft config's ids, else [1, N//2-1, N-4]. The files do not record them, so the config
+  names them (target.aux_layer_ids or drafter.init_from).
+- ``hidden_state``: the final-normed state at each position (the lm_head input), *not* shifted: position t
+  holds the target's distribution for token t+1. SpecForge shifts it at train time
+  (``specforge/modeling/target/target_head.py`` ``TargetHead.preprocess``: ``padding(target, left=False)``,
+  with the input ids), so the drafter at t, reading token t+1, learns the distribution at t+1. Our
+  ``last_hidden`` is the same unshifted state with the same meaning (ARCHITECTURE.md, "Positions"): copied
+  as is.
+- ``loss_mask``: 1 from after each assistant header through its end-of-turn token (``specforge/data/parse.py``
+  ``GeneralParser``), the span ours marks for ChatML-style templates. Kept as the file has it. SpecForge
+  weights its position t by ``loss_mask[t]`` (its normalizer also zeroes the last one), while our training
+  weights position t by ``loss_mask[t+2+i]``: same per-token mask, each loss applied by its own trainer.
+
+Conversion: ``last_hidden`` = ``hidden_state[0]``, ``aux`` = ``aux_hidden_state[0]``, ``input_ids`` and
+``loss_mask`` as they are, ``target_argmax`` (and top-k for teacher 'topk') from the target's lm_head over
+``last_hidden``, as for every backend. Positions after a sample's last loss token are dropped (SpecForge's
+batch padding among them): no loss term of ours reads them, so the cut changes no training signal; the
+count is reported. Samples are named ``specforge-<i>`` and kept in ``i`` order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import re
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from data_prep.capture import CaptureError, Sample
+
+FILE_RE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
+KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+
+
+def list_files(root: Path) -> dict[int, Path]:
+    """Sample row -> its file, over every ``rows_*`` group (``specforge/runtime/data_plane/offline_reader.py``
+    lists ``.ckpt``/``.ckpt.gz`` the same way); a row written twice is an error."""
+    out: dict[int, Path] = {}
+    for path in sorted(root.rglob("data_*.ckpt*")):
+        m = FILE_RE.match(path.name)
+        if not m:
+            continue
+        i = int(m[1])
+        if i in out:
+            raise CaptureError(f"{root}: sample {i} is written twice ({out[i].name} and {path.name}); keep one")
+        out[i] = path
+    return dict(sorted(out.items()))
+
+
+def read_file(path: Path) -> dict[str, Tensor]:
+    """One SpecForge record; plain files are memory-mapped, so reading the ids does not read the states."""
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                rec = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+        else:
+            rec = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises several types for a torn or foreign file
+        raise CaptureError(f"{path}: not a SpecForge hidden-state file ({type(e).__name__}: {e})") from None
+    missing = [k for k in KEYS if not isinstance(rec, dict) or not isinstance(rec.get(k), Tensor)]
+    if missing:
+        raise CaptureError(f"{path}: missing tensors {missing} (SpecForge's EAGLE-3 files hold {list(KEYS)})")
+    return rec
+
+
+def checked(rec: dict[str, Tensor], path: Path, hidden_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(input_ids (L,), loss_mask (L,), aux (L, 3H), last_hidden (L, H)) after checking every shape."""
+    ids, mask = rec["input_ids"].reshape(-1), rec["loss_mask"].reshape(-1)
+    aux, last = rec["aux_hidden_state"], rec["hidden_state"]
+    aux = aux[0] if aux.dim() == 3 else aux
+    last = last[0] if last.dim() == 3 else last
+    n = ids.numel()
+    problems = []
+    if mask.numel() != n:
+        problems.append(f"loss_mask has {mask.numel()} entries for {n} input_ids")
+    if tuple(aux.shape) != (n, 3 * hidden_size):
+        problems.append(f"aux_hidden_state is {tuple(rec['aux_hidden_state'].shape)}, expected (1, {n}, "
+                        f"{3 * hidden_size}) (3 aux layers of the target's hidden size {hidden_size})")
+    if tuple(last.shape) != (n, hidden_size):
+        problems.append(f"hidden_state is {tuple(rec['hidden_state'].shape)}, expected (1, {n}, {hidden_size})")
+    if ids.is_floating_point() or not (aux.is_floating_point() and last.is_floating_point()):
+        problems.append("input_ids must be integers and the states floats")
+    if problems:
+        raise CaptureError(f"{path}: " + "; ".join(problems))
+    return ids.long(), mask, aux, last
+
+
+class SpecForgeImport:
+    """The samples SpecForge captured, and their states as a capture backend hands them to the shard writer."""
+
+    def __init__(self, root: Path, hidden_size: int, max_length: int):
+        if not root.is_dir():
+            raise CaptureError(f"capture.specforge_dir: {root} is not a directory")
+        self.root, self.hidden_size, self.max_length = root, hidden_size, max_length
+        self.files = list_files(root)
+        if not self.files:
+            raise CaptureError(f"capture.specforge_dir: {root} holds no rows_*/data_<i>.ckpt[.gz] files; run "
+                               "SpecForge's scripts/prepare_hidden_states.py with --output-path there first")
+        self.dropped_tail_tokens = 0
+        self._paths: dict[bytes, Path] = {}  # digest of a sample's tokens -> its file
+
+    @staticmethod
+    def sample_id(index: int) -> str:
+        return f"specforge-{index:08d}"
+
+    def samples(self) -> tuple[list[Sample], Counter[str]]:
+        """Every file's tokens and loss mask, cut after the last loss token and to max_length; a sample with
+        no loss token and rows SpecForge did not write (a NaN record; a gap in the indices) are counted."""
+        out: list[Sample] = []
+        skipped: Counter[str] = Counter()
+        skipped["specforge_not_written"] = max(self.files) + 1 - len(self.files)
+        for i, path in self.files.items():
+            ids, mask, _, _ = checked(read_file(path), path, self.hidden_size)
+            nonzero = mask.nonzero()
+            if not len(nonzero):
+                skipped["no_loss_tokens"] += 1
+                continue
+            keep = min(int(nonzero[-1]) + 1, self.max_length)
+            self.dropped_tail_tokens += ids.numel() - int(nonzero[-1]) - 1
+            if int(mask[:keep].sum()) == 0:
+                skipped["no_loss_tokens"] += 1
+                continue
+            tokens = ids[:keep].tolist()
+            self._paths.setdefault(_digest(tokens), path)  # equal tokens have equal states: either file will do
+            out.append(Sample(self.sample_id(i), tokens, [int(m != 0) for m in mask[:keep].tolist()]))
+        return out, Counter({k: v for k, v in skipped.items() if v})
+
+    def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
+        """The stored states of each sample (``capture.CaptureBackend``: samples come as their tokens)."""
+        outs = []
+        for tokens in batch:
+            path = self._paths[_digest(tokens)]
+            ids, _, aux, last = checked(read_file(path), path, self.hidden_size)
+            n = len(tokens)
+            if ids[:n].tolist() != list(tokens):
+                raise CaptureError(f"{path}: changed since its tokens were read; rerun capture")
+            outs.append({"aux": aux[:n], "last_hidden": last[:n]})
+        return outs
+
+
+def _digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.sha1(torch.tensor(list(tokens), dtype=torch.int64).numpy().tobytes()).digest()
+
+
+def export_for_specforge(conversations: Sequence[dict[str, Any]], path: Path) -> int:
+    """Our regenerated conversations in SpecForge's --data-path format (one ``{"id", "conversations": messages,
+    "tools"}`` per line; ``specforge/utils.py`` ``safe_conversations_generator`` reads "conversations" and
+    "tools"). Returns the number written."""
+    from common.files import write_jsonl_atomic
+
+    rows = [{"id": c["id"], "conversations": c["messages"]} | ({"tools": c["tools"]} if c.get("tools") else {})
+            for c in conversations]
+    write_jsonl_atomic(path, rows)
+    return len(rows)
+
+
+def specforge_command(cfg: Any, data_path: Path) -> str:
+    """The SpecForge run that fills capture.specforge_dir for this config (tp/ep from the capture section)."""
+    cap = cfg.capture
+    parts = [f"torchrun --nproc_per_node={cap.tensor_parallel_size} scripts/prepare_hidden_states.py",
+             f"--target-model-path {cfg.target.name}", f"--data-path {data_path}",
+             f"--output-path {cap.specforge_dir}", "--chat-template <SpecForge's template for the target, e.g. "
+             "kimi-k2-instruct>", f"--max-length {cap.max_length}", f"--tp-size {cap.tensor_parallel_size}",
+             f"--sglang-ep-size {cap.expert_parallel_size}"]
+    if cfg.drafter.init_from:
+        parts.append(f"--draft-model-config {cfg.drafter.init_from}/config.json")
+    if cfg.target.trust_remote_code:
+        parts.append("--trust-remote-code")
+    return " \\\n    ".join(parts)

@@ -1,0 +1,55 @@
+"""Acceptance of a drafter on whole eval sets in a few batched passes: tau, alpha_k and the lossless check.
+
+The batch-1 engine (``eval.measure``) gives timings; this gives the acceptance statistics of every prompt
+at once (``eval.batched_speculative``), against greedy references from the same target
+(``data_prep.continuous_batching``, with the top-1/top-2 margin behind each token), reduced by the same
+functions as the batch-1 report: a divergence at a near-tie (``eval.lossless``) is reported apart, not as a
+mismatch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from data_prep.continuous_batching import generate
+from drafter.batched_target import BatchedTarget
+from drafter.model import Eagle3Drafter
+from drafter.target import TargetModel, stop_token_ids
+from eval.batched_speculative import speculative_batch
+from eval.measure import dataset_stats, divergences
+from eval.speculative import Generation
+
+
+def greedy_references(target: TargetModel, prompts: Mapping[str, Sequence[Sequence[int]]],
+                      max_new: int) -> dict[str, list[Generation]]:
+    """The target's own greedy answers (what T=0 speculative output must equal) and their margins."""
+    engine, stops = BatchedTarget(target.model), stop_token_ids(target.tokenizer)
+    out = {}
+    for name, ps in prompts.items():
+        gens = generate(engine, ps, max_new, stops, desc=f"greedy {name}", margins=True)
+        # the speculative engines emit the stop token as part of the sequence they are compared on
+        out[name] = [Generation(g.tokens + ([] if g.stop_token is None else [g.stop_token]), g.margins)
+                     for g in gens]
+    return out
+
+
+def acceptance(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
+               prompts: Mapping[str, Sequence[Sequence[int]]], k: int, temperature: float, max_new: int,
+               references: Mapping[str, Sequence[Generation]] | None = None, seed: int = 0,
+               rule: str = "sglang", tie_epsilon: float = 1e-4) -> dict:
+    """Per dataset: tau, histogram, alpha_k (conditional and not), tokens; at T=0 with references, the
+    prompts whose speculative output differs from greedy (``lossless_mismatches``) and those that part at a
+    top-1/top-2 margin below ``tie_epsilon`` (``lossless_near_ties``). ``rule``: eval.acceptance at T > 0."""
+    engine, stops = BatchedTarget(target.model, aux_ids), stop_token_ids(target.tokenizer)
+    out: dict = {}
+    for name, ps in prompts.items():
+        rows = speculative_batch(engine, drafter, ps, k, max_new, stops, temperature, seed, desc=f"{name} k={k}",
+                                 acceptance=rule)
+        gens = [Generation(r.tokens, accepted=r.accepted) for r in rows]
+        stats = dataset_stats(gens, k) | {"prompts": len(ps)}
+        if temperature == 0 and references is not None:
+            found = divergences(references[name], gens, name, tie_epsilon)
+            stats["lossless_mismatches"] = [m for m in found if not m["near_tie"]]
+            stats["lossless_near_ties"] = [m for m in found if m["near_tie"]]
+        out[name] = stats
+    return out

@@ -1,0 +1,187 @@
+"""Speculative decoding for many prompts at once: the acceptance statistics of a full eval in one pass.
+
+Acceptance (tau, alpha_k) depends only on what the drafter proposes and what the target verifies, not on
+timing, so every prompt can run in one batch: each row keeps its own position in a position-indexed
+cache (``drafter.batched_target``), accepts its own number of drafts per cycle, and reads nothing that a
+rejected draft left behind (keys beyond a row's committed length are overwritten before they are read).
+Per row, the cycle is the one ``eval.speculative.Engine`` runs at batch size 1 (same positions, same
+draft-extend from the target's aux states, same acceptance rule chosen by name through
+``eval.speculative.acceptance_rule``), which a test checks token by token.
+Timings, which do depend on the batch, still come from the batch-1 engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from drafter.batched_target import BatchedTarget, position_masked_attention
+from drafter.model import Eagle3Drafter, StepOutput
+from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
+
+PREFILL_TOKENS = 32768  # padded prompt tokens per prefill call
+
+
+@dataclass
+class RowResult:
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # drafts kept per verify cycle
+
+
+class BatchedDrafter:
+    """The drafter over a position-indexed cache of ``slots`` rows (the same layout as the target's)."""
+
+    def __init__(self, drafter: Eagle3Drafter, slots: int, max_len: int):
+        s = drafter.shape
+        self.d = drafter.eval()
+        p = drafter.fc.weight
+        self.k = torch.zeros(slots, s.num_key_value_heads, max_len, s.head_dim, dtype=p.dtype, device=p.device)
+        self.v = torch.zeros_like(self.k)
+        self.scale = s.head_dim ** -0.5
+
+    @torch.no_grad()
+    def step(self, rows: slice, ids: Tensor, hidden: Tensor, positions: Tensor) -> StepOutput:
+        """One decoder pass for ``ids``/``hidden`` (B, T) at ``positions``; keys land at their positions."""
+        b = ids.shape[0]
+        index = torch.arange(b, device=ids.device)[:, None]
+        k_rows, v_rows = self.k[rows], self.v[rows]
+        span = int(positions.max()) + 1
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, _mask: Tensor | None, _diag: Sequence) -> Tensor:
+            k_rows[index, :, positions] = k.transpose(1, 2)
+            v_rows[index, :, positions] = v.transpose(1, 2)
+            return position_masked_attention(q, k_rows[:, :, :span], v_rows[:, :, :span], positions, self.scale)
+
+        return self.d.step(ids, hidden, positions, attn_fn=attend)
+
+
+@torch.no_grad()
+def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Sequence[Sequence[int]], k: int,
+                      max_new: int, stop_ids: Sequence[int], temperature: float = 0.0, seed: int = 0,
+                      desc: str = "speculative", acceptance: str = "sglang") -> list[RowResult]:
+    """Chain-draft ``k`` tokens per cycle for every prompt; per row, the tokens and drafts kept per cycle.
+
+    ``target.aux_layer_ids`` must be the drafter's. At T > 0 each row draws from its own generator,
+    seeded by ``seed`` and the row index, and accepts by the rule ``acceptance`` names (eval.acceptance):
+    SGLang's drafts greedily, ``speculative_sampling`` samples its drafts from q.
+    """
+    accept, sample_drafts = acceptance_rule(acceptance, temperature)
+    dev, n = target.device, len(prompts)
+    stops = set(stop_ids)
+    lens = torch.tensor([len(p) for p in prompts], device=dev)
+    max_len = int(lens.max()) + max_new + k + 2
+    cache = target.new_cache(n, max_len)
+    dr = BatchedDrafter(drafter, n, max_len)
+    d = drafter
+    draft_targets = d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=dev))
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)] if temperature > 0 else None
+    results = [RowResult() for _ in range(n)]
+    done = [False] * n
+
+    def emit(i: int, toks: Sequence[int]) -> None:
+        for tok in toks:
+            results[i].tokens.append(tok)
+            if tok in stops or len(results[i].tokens) >= max_new:
+                done[i] = True
+                return
+
+    # -- prefill: the target over each prompt, then the drafter over the same positions -------------
+    last = torch.zeros(n, 1, d.shape.hidden_size, dtype=d.fc.weight.dtype, device=dev)
+    for a, b in _groups([len(p) for p in prompts], PREFILL_TOKENS):
+        width = max(len(p) for p in prompts[a:b])
+        ids = torch.zeros(b - a, width, dtype=torch.long, device=dev)
+        for j, p in enumerate(prompts[a:b]):
+            ids[j, : len(p)] = torch.tensor(p, device=dev)
+        pos = torch.arange(width, device=dev)[None].expand(b - a, width)
+        out = target.forward(cache, torch.arange(a, b, device=dev), ids, pos, fresh=True,
+                             logits_at=lens[a:b] - 1, aux=True)
+        first = [pick(out.logits[j], temperature, gens[a + j] if gens else None) for j in range(b - a)]
+        for j, tok in enumerate(first):
+            emit(a + j, [tok])
+        # drafter position t reads aux(t) and token t+1: the prompt shifted by one, then the first answer token
+        nxt = torch.cat([ids[:, 1:], torch.zeros(b - a, 1, dtype=torch.long, device=dev)], 1)
+        nxt[torch.arange(b - a, device=dev), lens[a:b] - 1] = torch.tensor(first, device=dev)
+        hid = d.project_aux(out.aux.to(d.fc.weight.dtype))
+        step = dr.step(slice(a, b), nxt, hid, pos)
+        last[a:b] = step.prenorm[torch.arange(b - a, device=dev), lens[a:b] - 1][:, None]
+    committed = lens.clone()  # target positions with a cached key and known aux: all but the newest token
+    newest = torch.tensor([r.tokens[-1] for r in results], device=dev)
+
+    bar = tqdm(total=n, initial=sum(done), desc=desc, unit=" seq")
+    rows = slice(0, n)
+    while not all(done):
+        # -- draft k tokens per row (greedy over the draft vocab; sampled at T > 0) -------------------
+        drafts, probs, hidden = [], [], last
+        for i in range(k):
+            if i:
+                out = dr.step(rows, drafts[-1][:, None], hidden, (committed - 1 + i)[:, None])
+                hidden = out.prenorm
+            logits = d.logits(hidden)[:, -1].float()
+            if sample_drafts:
+                q = torch.softmax(logits / temperature, -1)
+                choice = torch.stack([torch.multinomial(q[j].cpu(), 1, generator=gens[j]) for j in range(n)])
+                probs.append(q)
+                drafts.append(draft_targets[choice.squeeze(-1).to(dev)])
+            else:
+                drafts.append(draft_targets[logits.argmax(-1)])
+        draft_ids = torch.stack(drafts, 1)  # (B, k) target ids
+        # -- verify [newest, d1..dk] at positions committed..committed+k -------------------------------
+        ids = torch.cat([newest[:, None], draft_ids], 1)
+        pos = committed[:, None] + torch.arange(k + 1, device=dev)[None]
+        out = target.forward(cache, rows, ids, pos, fresh=False, all_logits=True, aux=True)
+        accepted, nexts = _accept(accept, out.logits, draft_ids, probs, d, temperature, gens, done)
+        for i in range(n):
+            if not done[i]:
+                a = accepted[i]
+                results[i].accepted.append(a)
+                emit(i, draft_ids[i, :a].tolist() + [nexts[i]])
+                if done[i]:
+                    bar.update(1)
+        # -- draft-extend over the accepted positions (padding rows beyond a are overwritten later) ----
+        acc = torch.tensor(accepted, device=dev)
+        nxt_t = torch.tensor(nexts, device=dev)
+        ext = torch.cat([draft_ids, draft_ids[:, -1:]], 1)
+        ext[torch.arange(n, device=dev), acc] = nxt_t
+        step = dr.step(rows, ext, d.project_aux(out.aux.to(d.fc.weight.dtype)), pos)
+        live = torch.tensor([not x for x in done], device=dev)
+        last = torch.where(live[:, None, None], step.prenorm[torch.arange(n, device=dev), acc][:, None], last)
+        committed = torch.where(live, committed + acc + 1, committed)
+        newest = torch.where(live, nxt_t, newest)
+    bar.close()
+    return results
+
+
+def _groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive index ranges whose padded size (rows x longest) stays within ``budget``."""
+    out, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and max(longest, n) * (i - start + 1) > budget:
+            out.append((start, i))
+            start, longest = i, 0
+        longest = max(longest, n)
+    out.append((start, len(lengths)))
+    return out
+
+
+def _accept(accept: AcceptRule, logits: Tensor, drafts: Tensor, probs: list[Tensor], d: Eagle3Drafter,
+            temperature: float, gens: list[torch.Generator] | None, done: list[bool]) -> tuple[list[int], list[int]]:
+    """Per row: drafts kept and the target's own next token, by the batch-1 engine's rule. ``probs`` (the
+    draft distributions, per step (B, draft vocab)) only when the rule samples its drafts."""
+    draft_targets = d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=logits.device)).cpu()
+    pairs = []
+    for i in range(logits.shape[0]):
+        if done[i]:
+            pairs.append((0, 0))
+            continue
+        full = None
+        if probs:
+            full = torch.zeros(len(probs), d.shape.vocab_size)
+            for j, q in enumerate(probs):
+                full[j, draft_targets] = q[i].cpu()
+        row = logits[i] if temperature <= 0 else logits[i].cpu()
+        pairs.append(accept(row, Draft(drafts[i].tolist(), full), temperature, gens[i] if gens else None))
+    return [a for a, _ in pairs], [t for _, t in pairs]

@@ -1,0 +1,354 @@
+"""The gate fed by live SGLang servers (``python -m eval gate --live``, ``eval run --live``).
+
+A drafter for a 1T target can only be measured where it is served. Three servers of the same target:
+``eval.sglang.server_url`` speculates with the candidate, ``incumbent_url`` with the drafter serving now (same
+``--speculative-*`` flags), ``baseline_url`` does not speculate. At each concurrency in ``eval.sglang.concurrency``
+every eval prompt goes to each server with that many requests in flight; per request SGLang's ``meta_info``
+(``eval.sglang_client``) gives the tokens, verify passes, the acceptance histogram and the latencies:
+
+    tau       = tokens per verify cycle after the prefill token: from the histogram, sum((a+1) h[a]) / sum(h)
+                (else (completion_tokens - 1) / spec_verify_ct per request, summed)
+    alpha_k   = conditional acceptance per draft position, from the histogram
+    t_cycle   = decode time / spec_verify_ct on the candidate's server (decode time = e2e_latency -
+                first_token_latency, the latter with --enable-metrics; else e2e_latency, prefill included)
+    t_decode  = decode time / (completion_tokens - 1) on the baseline (e2e_latency / completion_tokens without
+                first_token_latency); without a baseline server, eval.timings (decode_ms, cycle_ms[k]) instead
+    tau*      = t_cycle / t_decode, per concurrency
+
+The decision is ``eval.gate.decide`` once per concurrency (tau >= tau* (1 + margin), tau >= incumbent + min_delta
+on every gate dataset); the candidate ships only if it passes at every concurrency. The servers' own settings
+(``/server_info``) are checked first: the candidate and incumbent must speculate with the same flags, the
+baseline must not, all must serve one target, and a server must serve the checkpoint it is gated as.
+
+Promotion is the HF gate's (``eval.gate``): the whole gate holds the promotions lock after ``reconcile``, the report
+is saved, then the decision record is appended (for a promotion, before ``promoted`` switches to its immutable copy),
+then the decision is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, RunConfig
+from common.files import write_text_atomic
+from drafter.checkpoint import check_checkpoint, fingerprint
+from eval import breakeven, metrics
+from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
+from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
+
+SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
+ROLE_KEYS = {"candidate": "server_url", "incumbent": "incumbent_url", "baseline": "baseline_url"}
+
+
+# ---------------------------------------------------------------- one request, one server
+@dataclass(frozen=True)
+class RequestStats:
+    """What one finished /generate says about itself."""
+
+    completion_tokens: int
+    verify: int | None  # spec_verify_ct; None on a server without speculation
+    histogram: list[int] | None
+    e2e_s: float  # meta_info.e2e_latency, else the client's wall time
+    ttft_s: float | None  # meta_info.first_token_latency (servers started with --enable-metrics)
+
+    @property
+    def decode_s(self) -> float:
+        return self.e2e_s - (self.ttft_s or 0.0)
+
+
+def request_stats(body: dict, client_s: float, url: str, speculative: bool) -> RequestStats:
+    meta = body["meta_info"]
+    tokens = meta.get("completion_tokens")
+    verify = meta.get("spec_verify_ct")
+    if not isinstance(tokens, int):
+        raise ServerError(f"{url}/generate: meta_info.completion_tokens missing")
+    if speculative and not isinstance(verify, int):
+        raise ServerError(f"{url}/generate: meta_info.spec_verify_ct missing (is speculative decoding on?)")
+    e2e = meta.get("e2e_latency")
+    ttft = meta.get("first_token_latency")
+    return RequestStats(tokens, verify if speculative else None, histogram_of(meta) if speculative else None,
+                        float(e2e) if isinstance(e2e, int | float) else client_s,
+                        float(ttft) if isinstance(ttft, int | float) else None)
+
+
+def run_prompts(url: str, prompts: Sequence[Sequence[int]], concurrency: int, temperature: float,
+                max_new_tokens: int, timeout: float, headers: Mapping[str, str],
+                speculative: bool) -> list[RequestStats]:
+    """Every prompt once, ``concurrency`` requests in flight; results in prompt order."""
+    def one(ids: Sequence[int]) -> RequestStats:
+        body, elapsed = generate(url, ids, temperature, max_new_tokens, timeout, headers)
+        return request_stats(body, elapsed, url, speculative)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, prompts))
+
+
+def spec_summary(results: Sequence[RequestStats]) -> dict:
+    """tau, alpha_k and t_cycle of a speculating server over some requests."""
+    verify = sum(r.verify or 0 for r in results)
+    tokens = sum(r.completion_tokens for r in results)
+    hist: list[int] = []
+    for r in results:
+        add_histogram(hist, r.histogram or [])
+    exact = all(r.histogram is not None for r in results) and sum(hist) == verify and verify > 0
+    if exact:
+        tau, source = metrics.tau_from_histogram(hist), "spec_correct_drafts_histogram"
+    else:
+        tau = (tokens - len(results)) / verify if verify else float("nan")
+        source = "(completion_tokens - 1) / spec_verify_ct"
+    timed = all(r.ttft_s is not None for r in results)
+    out = {"requests": len(results), "completion_tokens": tokens, "spec_verify_ct": verify, "tau": tau,
+           "tau_source": source, "sglang_accept_length": tokens / verify if verify else float("nan"),
+           "histogram": hist if exact else None,
+           "cycle_ms": 1000 * sum(r.decode_s for r in results) / verify if verify else float("nan"),
+           "cycle_source": "e2e_latency - first_token_latency" if timed else
+           "e2e_latency (prefill and queueing included: start the servers with --enable-metrics)"}
+    if exact:
+        out["alpha_conditional"] = metrics.conditional_rates(hist)
+        out["alpha_unconditional"] = metrics.unconditional_rates(hist)
+    return out
+
+
+def decode_summary(results: Sequence[RequestStats]) -> dict:
+    """t_decode of a server without speculation."""
+    timed = all(r.ttft_s is not None for r in results)
+    steps = sum(r.completion_tokens - (1 if timed else 0) for r in results)
+    seconds = sum(r.decode_s for r in results)
+    return {"requests": len(results), "completion_tokens": sum(r.completion_tokens for r in results),
+            "decode_ms": 1000 * seconds / steps if steps else float("nan"),
+            "source": "(e2e_latency - first_token_latency) / (completion_tokens - 1)" if timed else
+            "e2e_latency / completion_tokens (prefill included: start the servers with --enable-metrics)"}
+
+
+# ---------------------------------------------------------------- the servers' own settings
+def served_settings(info: dict) -> dict:
+    """The fields of /server_info the gate relies on (sglang srt/arg_groups/fields/spec.py names)."""
+    return {"model_path": info.get("model_path"), "speculative_algorithm": info.get("speculative_algorithm"),
+            "num_steps": info.get("speculative_num_steps"), "topk": info.get("speculative_eagle_topk"),
+            "draft_tokens": info.get("speculative_num_draft_tokens"),
+            "draft_model_path": info.get("speculative_draft_model_path"), "version": info.get("version")}
+
+
+def _name(path: Any) -> str:
+    return Path(str(path).rstrip("/")).name
+
+
+def check_servers(servers: Mapping[str, dict], urls: Mapping[str, str], checkpoints: Mapping[str, str]) -> list[str]:
+    """Every reason the servers cannot be compared as configured; empty when they can."""
+    problems = []
+    for role in ("candidate", "incumbent"):
+        s = servers.get(role)
+        if s is None:
+            continue
+        if s["speculative_algorithm"] not in SPEC_ALGORITHMS:
+            problems.append(f"eval.sglang.{ROLE_KEYS[role]}: {urls[role]} serves with speculative_algorithm "
+                            f"{s['speculative_algorithm']!r}; start it with --speculative-algorithm EAGLE3 "
+                            f"--speculative-draft-model-path <the {role}>")
+        elif role in checkpoints and _name(s["draft_model_path"]) != _name(checkpoints[role]):
+            problems.append(f"eval.sglang.{ROLE_KEYS[role]}: {urls[role]} serves the drafter "
+                            f"{s['draft_model_path']}, not the {role} {checkpoints[role]}")
+    base = servers.get("baseline")
+    if base is not None and base["speculative_algorithm"]:
+        problems.append(f"eval.sglang.baseline_url: {urls['baseline']} speculates ({base['speculative_algorithm']}); "
+                        "t_decode needs a server without --speculative-algorithm")
+    flags = ("num_steps", "topk", "draft_tokens")
+    if "incumbent" in servers and "candidate" in servers:
+        c, i = ([servers[r][f] for f in flags] for r in ("candidate", "incumbent"))
+        if c != i:
+            problems.append(f"eval.sglang.server_url and eval.sglang.incumbent_url speculate with different "
+                            f"(num_steps, topk, draft_tokens): {tuple(c)} vs {tuple(i)}; serve both with the same "
+                            "--speculative-* flags (eval sweep compares settings)")
+    models = {r: _name(s["model_path"]) for r, s in servers.items()}
+    if len(set(models.values())) > 1:
+        problems.append(f"eval.sglang: the servers serve different targets {models}")
+    return problems
+
+
+# ---------------------------------------------------------------- measure, decide
+def measure_live(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]],
+                 checkpoints: Mapping[str, str]) -> dict:
+    """The live report: settings of every server and, per concurrency, t_decode, t_cycle, tau* and each
+    drafter's tau/alpha per dataset. ``checkpoints``: role -> local dir the server of that role must serve."""
+    live = cfg.eval.sglang
+    if live is None:
+        raise ConfigError("eval.sglang: missing; --live needs at least eval.sglang.server_url")
+    urls = {role: getattr(live, key) for role, key in ROLE_KEYS.items() if getattr(live, key)}
+    headers = auth_headers(live.api_key_env)
+    if "incumbent" in checkpoints and "incumbent" not in urls:
+        raise ConfigError("eval.sglang.incumbent_url: missing; an incumbent is measured on its own server")
+    servers = {role: served_settings(server_info(url, live.timeout_s, headers)) for role, url in urls.items()}
+    problems = check_servers(servers, urls, checkpoints)
+    if problems:
+        raise ServerError("; ".join(problems))
+    k = int(servers["candidate"]["num_steps"] or cfg.eval.num_steps)
+    if "baseline" not in urls:
+        t = cfg.eval.timings
+        if t is None or k not in t.cycle_ms:
+            raise ConfigError(f"eval.sglang.baseline_url: missing, and eval.timings has no cycle time for the "
+                              f"served k = {k}; give a baseline server or eval.timings.cycle_ms.{k}")
+    T, n_new = cfg.eval.temperature, cfg.eval.max_new_tokens
+    report: dict = {"mode": "live", "target": servers["candidate"]["model_path"], "servers": servers,
+                    "urls": urls, "prompts": {ds: len(p) for ds, p in prompts.items()},
+                    "settings": {"num_steps": k, "topk": servers["candidate"]["topk"],
+                                 "draft_tokens": servers["candidate"]["draft_tokens"], "temperature": T,
+                                 "max_new_tokens": n_new, "concurrency": list(live.concurrency)},
+                    "by_concurrency": {}}
+    everything = [p for ps in prompts.values() for p in ps]
+    for c in live.concurrency:
+        row: dict = {"drafters": {}}
+        if "baseline" in urls:
+            base = decode_summary(run_prompts(urls["baseline"], everything, c, T, n_new, live.timeout_s, headers,
+                                              speculative=False))
+            row["baseline"] = base
+            decode_ms, source = base["decode_ms"], "measured (baseline server)"
+        else:
+            decode_ms, source = cfg.eval.timings.decode_ms, f"config (eval.timings, k = {k})"
+        for role in ("candidate", "incumbent"):
+            if role not in urls:
+                continue
+            per_ds = {ds: run_prompts(urls[role], p, c, T, n_new, live.timeout_s, headers, speculative=True)
+                      for ds, p in prompts.items()}
+            row["drafters"][role] = {"datasets": {ds: spec_summary(rs) for ds, rs in per_ds.items()},
+                                     "all": spec_summary([r for rs in per_ds.values() for r in rs])}
+        cycle_ms = (row["drafters"]["candidate"]["all"]["cycle_ms"] if "baseline" in urls
+                    else cfg.eval.timings.cycle_ms[k])
+        row["breakeven"] = breakeven.breakeven(decode_ms, cycle_ms, k, cfg.eval.target_tps) | {"source": source}
+        for d in row["drafters"].values():
+            tau = d["all"]["tau"]
+            d["tokens_per_s_per_request"] = 1000 * tau / cycle_ms if math.isfinite(tau) else float("nan")
+            d["speedup"] = tau / row["breakeven"]["tau_star"]
+        report["by_concurrency"][str(c)] = row
+    return report
+
+
+def decide_live(report: dict, gate_datasets: Sequence[str], margin: float,
+                min_delta: float) -> tuple[bool, list[str], dict]:
+    """``decide`` at every concurrency; passes only if every one passes. Returns (promote, reasons, taus)."""
+    ok, reasons, taus = True, [], {}
+    for c, row in report["by_concurrency"].items():
+        cand = row["drafters"]["candidate"]["datasets"]
+        inc = row["drafters"].get("incumbent", {}).get("datasets")
+        tau = {ds: cand[ds]["tau"] for ds in gate_datasets}
+        taus[c] = tau
+        d = decide(tau, row["breakeven"]["tau_star"], margin, {ds: inc[ds]["tau"] for ds in gate_datasets}
+                   if inc else None, min_delta)
+        ok = ok and d.promote
+        reasons += [f"concurrency {c}: {r}" for r in d.reasons]
+    return ok, reasons, taus
+
+
+def _f(x: Any, nd: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+
+
+def markdown(r: dict) -> str:
+    s = r["settings"]
+    lines = [f"# Live eval report: {r['name']}", "",
+             f"Target `{r['target']}` on SGLang, k = {s['num_steps']}, topk = {s['topk']}, draft tokens = "
+             f"{s['draft_tokens']}, T = {s['temperature']}, max_new_tokens = {s['max_new_tokens']}; prompts: "
+             + ", ".join(f"{n} {d}" for d, n in r["prompts"].items()) + ".", ""]
+    for role, srv in r["servers"].items():
+        lines.append(f"- {role}: {r['urls'][role]} (drafter `{srv['draft_model_path']}`, SGLang {srv['version']})")
+    for c, row in r["by_concurrency"].items():
+        be = row["breakeven"]
+        lines += ["", f"## Concurrency {c}", "",
+                  f"- tau* = {_f(be['tau_star'])} = cycle {_f(be['cycle_ms'], 2)} ms / decode {_f(be['decode_ms'], 2)} "
+                  f"ms ({be['source']})"]
+        hdr = ["drafter", "dataset", "tau", "alpha_1..k", "cycle ms", "tok/s per request", "speed-up"]
+        lines += ["", "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
+        for role, d in row["drafters"].items():
+            for ds, st in d["datasets"].items():
+                alphas = " / ".join(_f(a, 2) for a in st.get("alpha_conditional") or []) or "–"
+                lines.append(f"| {role} | {ds} | {_f(st['tau'])} | {alphas} | {_f(st['cycle_ms'], 2)} | "
+                             f"{_f(d['tokens_per_s_per_request'], 1)} | x{_f(d['speedup'], 2)} |")
+    lines += ["", "Lossless: not checked on live servers (compare outputs with `eval gate` on the HF target)."]
+    if "gate" in r:
+        g = r["gate"]
+        lines += ["", f"## Gate: **{g['decision'].upper()}**", "", *[f"- {x}" for x in g["reasons"]]]
+    return "\n".join(lines) + "\n"
+
+
+def write_live_report(cfg: RunConfig, report: dict) -> Path:
+    from eval.report import json_safe
+
+    out = cfg.eval_dir / report["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    clean = json_safe(report)
+    write_text_atomic(out / "report.json", json.dumps(clean, indent=2) + "\n")
+    write_text_atomic(out / "report.md", markdown(clean))
+    print(markdown(clean))
+    print(f"report: {out}/report.{{json,md}}")
+    return out
+
+
+def live_prompts(cfg: RunConfig) -> dict[str, list[list[int]]]:
+    """The eval prompts rendered with the target's tokenizer and chat_template_kwargs, as the server renders."""
+    from drafter.target import load_tokenizer, resolve_source
+    from eval.prompts import rendered_datasets
+
+    tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
+    return rendered_datasets(tok, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
+
+
+def run_live(cfg: RunConfig, checkpoint: str | None, name: str,
+             prompts: Mapping[str, Sequence[Sequence[int]]] | None = None) -> dict:
+    """``eval run --live``: the report only."""
+    report = measure_live(cfg, prompts or live_prompts(cfg), {"candidate": checkpoint} if checkpoint else {})
+    report["name"] = name
+    write_live_report(cfg, report)
+    return report
+
+
+def live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str,
+              prompts: Mapping[str, Sequence[Sequence[int]]] | None = None) -> str:
+    """``eval gate --live``: "promoted", "passed" or "rejected"; history and report written as the HF gate's,
+    under the same promotions lock, reconcile and crash-safe promotion (``eval.gate.promote``)."""
+    with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, "eval gate --live"):
+        return _live_gate(cfg, checkpoint, incumbent, do_promote, name, prompts)
+
+
+def _live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str,
+               prompts: Mapping[str, Sequence[Sequence[int]]] | None) -> str:
+    record: dict = {"checkpoint": str(Path(checkpoint).resolve()), "fingerprint": None, "incumbent": None,
+                    "mode": "live"}
+    problems = check_checkpoint(checkpoint)
+    if problems:  # SGLang would serve it wrongly: nothing to measure
+        d = decide({}, float("nan"), cfg.gate.margin, checkpoint_problems=problems)
+        append_history(cfg.gate.history_file, record | {"decision": "rejected", "reasons": d.reasons})
+        print("REJECTED\n" + "\n".join(f"  - {r}" for r in d.reasons))
+        return "rejected"
+    record["fingerprint"] = fingerprint(checkpoint)
+    serving = already_serving(cfg.gate.history_file, record["fingerprint"])
+    if serving is not None and do_promote:  # promoted by an earlier run, killed before its caller saw the exit code
+        print(f"PROMOTED (already: serving since {serving.get('time')}, {cfg.gate.history_file})")
+        return "promoted"
+    checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
+    report = measure_live(cfg, prompts or live_prompts(cfg), checkpoints)
+    report["name"] = name
+    gate_ds = cfg.gate.datasets or [d.name for d in cfg.eval.datasets]
+    passed, reasons, taus = decide_live(report, gate_ds, cfg.gate.margin, cfg.gate.min_delta)
+    decision = ("promoted" if do_promote else "passed") if passed else "rejected"
+    notes = []
+    if decision == "promoted":
+        notes.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
+    report["gate"] = {"decision": decision, "reasons": reasons + notes, "datasets": gate_ds,
+                      "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
+    write_live_report(cfg, report)
+    by_c = report["by_concurrency"]
+    served = report["servers"].get("incumbent")
+    record |= {
+        "incumbent": {"served": served["draft_model_path"], "url": report["urls"]["incumbent"]} if served else None,
+        "tau": taus, "incumbent_tau": {c: {ds: row["drafters"]["incumbent"]["datasets"][ds]["tau"] for ds in gate_ds}
+                                       for c, row in by_c.items()} if served else None,
+        "tau_star": {c: row["breakeven"]["tau_star"] for c, row in by_c.items()},
+        "timings_source": {c: row["breakeven"]["source"] for c, row in by_c.items()},
+        "decision": decision, "reasons": reasons + notes}
+    record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)
+    print(decision.upper())
+    return decision

@@ -1,0 +1,131 @@
+"""The batched engine behind hf regeneration: at T=0 every answer is what plain greedy ``generate`` gives
+for that prompt, whatever the slot count, refills, buckets or compaction; sampling is seeded; budgets and
+stop tokens end answers; an architecture it cannot run is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from data_prep import continuous_batching as cb
+from data_prep.continuous_batching import Sampling, generate, length_buckets
+from drafter.batched_target import BatchedTarget, UnsupportedTargetError
+
+STOPS = [1, 2]
+V = 101
+
+
+def tiny(kind: str = "llama") -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=V, num_hidden_layers=3, rope_theta=10000.0, max_position_embeddings=2048)
+    model = LlamaForCausalLM(LlamaConfig(**common)) if kind == "llama" else Qwen3ForCausalLM(Qwen3Config(**common))
+    return model.eval()
+
+
+def plain_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> tuple[list[int], str]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=STOPS,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    end = next((i for i, t in enumerate(out) if t in STOPS), None)
+    return (out, "length") if end is None else (out[:end], "stop")
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, V, (int(k),), generator=g).tolist() for k in torch.randint(lo, hi, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_greedy_equals_plain_generate_with_refills_and_compaction(kind: str, monkeypatch) -> None:
+    model = tiny(kind)
+    calls = {"compact": 0}
+    original = cb._Run.compact
+
+    def counting(self: cb._Run) -> None:
+        calls["compact"] += 1
+        original(self)
+
+    monkeypatch.setattr(cb._Run, "compact", counting)
+    # Equal prompt lengths: requests are admitted in budget order, so the longest answers sit in the highest
+    # slots and the last steps run with a few live rows far from the front (the compaction case).
+    ps = prompts(30, 10, 11)
+    budgets = [1 + (7 * i) % 24 for i in range(30)]
+    outs = generate(BatchedTarget(model), ps, budgets, STOPS, cpu_slots=12)
+    assert calls["compact"] > 0, "the tail of the run never compacted its rows"
+    for p, budget, o in zip(ps, budgets, outs, strict=True):
+        assert (o.tokens, o.finish_reason) == plain_greedy(model, p, budget)
+
+
+def test_long_prompts_go_to_their_own_bucket_and_stay_exact() -> None:
+    model = tiny()
+    ps = prompts(6, 2, 12) + prompts(3, 600, 700, seed=2)
+    assert [len(b) for b in length_buckets([len(p) + 8 for p in ps])] == [6, 3]
+    outs = generate(BatchedTarget(model), ps, 8, STOPS, cpu_slots=4)
+    for p, o in zip(ps, outs, strict=True):
+        assert (o.tokens, o.finish_reason) == plain_greedy(model, p, 8)
+
+
+def test_per_prompt_budgets_and_stop_tokens() -> None:
+    model = tiny()
+    with torch.no_grad():  # make token 2 (a stop) the greedy choice after token 7
+        model.lm_head.weight[2] = model.model.embed_tokens.weight[7] * 50
+    ps = [[5, 9, 7], [5, 9, 11], [4, 4, 4, 4]]
+    outs = generate(BatchedTarget(model), ps, [3, 5, 0 + 1], STOPS, cpu_slots=2)
+    for p, budget, o in zip(ps, [3, 5, 1], outs, strict=True):
+        assert (o.tokens, o.finish_reason) == plain_greedy(model, p, budget)
+        assert len(o.tokens) <= budget
+    assert outs[0] == cb.Generated([], "stop", 2)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
+    model = tiny()
+    ps = prompts(8, 2, 20)
+    engine = BatchedTarget(model)
+    a = generate(engine, ps, 12, STOPS, Sampling(temperature=1.0, seed=3), cpu_slots=8)
+    b = generate(engine, ps, 12, STOPS, Sampling(temperature=1.0, seed=3), cpu_slots=8)
+    assert a == b
+    assert a != generate(engine, ps, 12, STOPS, Sampling(temperature=1.0, seed=4), cpu_slots=8)
+    greedy = generate(engine, ps, 12, STOPS, cpu_slots=8)
+    assert generate(engine, ps, 12, STOPS, Sampling(temperature=0.7, top_k=1, seed=5), cpu_slots=8) == greedy
+    assert generate(engine, ps, 12, STOPS, Sampling(temperature=0.7, top_p=1e-6, seed=5), cpu_slots=8) == greedy
+
+
+def test_slots_come_from_the_setting_or_the_cpu_default() -> None:
+    engine = BatchedTarget(tiny())
+    assert cb.plan_slots(engine, 512, wanted=100, cpu_slots=16) == 16
+    assert cb.plan_slots(engine, 512, wanted=10, cpu_slots=16) == 10
+    assert cb.plan_slots(engine, 512, wanted=100, cpu_slots=16, slots=40) == 40
+
+
+def test_an_unsupported_architecture_is_one_line() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with pytest.raises(UnsupportedTargetError, match=r"model_type 'gpt2' is not one of .*regenerate.backend: openai"):
+        BatchedTarget(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+
+
+@pytest.mark.real
+def test_real_smollm2_64_prompts_equal_plain_generate(smollm2) -> None:
+    """The Must-show check: 64 chat-templated MT-Bench prompts, fp32, every answer token for token equal to
+    HF ``generate``'s greedy answer (run in left-padded batches of 16: batch 1 would take minutes here)."""
+    from common.config import DatasetConfig
+    from drafter.target import stop_token_ids
+    from eval.prompts import load_eval_prompts, render
+
+    tok = smollm2.tokenizer
+    ps = [render(tok, p) for p in load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)[16:80]]
+    assert len(ps) == 64
+    stops = stop_token_ids(tok)
+    outs = generate(BatchedTarget(smollm2.model), ps, 24, stops, cpu_slots=16)
+    tok.padding_side = "left"
+    try:
+        for i in range(0, 64, 16):
+            enc = tok.pad({"input_ids": ps[i:i + 16]}, return_tensors="pt")
+            ref = smollm2.model.generate(**enc, max_new_tokens=24, do_sample=False, eos_token_id=stops,
+                                         pad_token_id=tok.pad_token_id)[:, enc["input_ids"].shape[1]:]
+            for row, o in zip(ref.tolist(), outs[i:i + 16], strict=True):
+                end = next((j for j, t in enumerate(row) if t in stops), None)
+                assert o.tokens == (row if end is None else row[:end])
+    finally:
+        tok.padding_side = "right"

@@ -1,0 +1,216 @@
+"""Capture without the HF model: SpecForge's offline hidden-state files imported into our store, and the
+target's tokenizer, config and head read from its safetensors index (``drafter.hf_index``).
+
+The files are written the way SpecForge 0.2.0's ``scripts/prepare_hidden_states.py`` writes them
+(``HiddenStatesGenerator``: ``rows_<g>-<g+G>/data_<i>.ckpt[.gz]``, ``torch.save`` of ``input_ids`` and
+``loss_mask`` (int64, batch rows right-padded with zeros), ``aux_hidden_state`` (1, L, 3H) and
+``hidden_state`` (1, L, H)), from a tiny random Llama whose states SGLang would capture as HF
+``hidden_states[id + 1]`` and the final-normed ``hidden_states[-1]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from common.config import parse_config
+from common.wheels import builtin_gguf, converted_gguf_dir
+from data_prep.capture import CaptureError, run_capture
+from data_prep.dataset import ShardDataset
+from data_prep.loss_mask import render_with_mask
+from data_prep.specforge_import import list_files
+from data_prep.store import load_target_head, read_manifest
+from drafter.hf_index import load_indexed_target
+from drafter.target import TargetModel
+
+AUX = [1, 2, 3]
+
+
+def conversations(n: int) -> list[dict]:
+    words = "a cat sat on the warm mat and looked at birds".split()
+    return [{"id": f"c{i}", "source": "t",
+             "messages": [{"role": "user", "content": " ".join(words[: 2 + i])},
+                          {"role": "assistant", "content": " ".join(reversed(words[: 3 + 2 * i]))}]}
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Llama saved in shards with an index, and SmolLM2's tokenizer (49152 tokens)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("ckpt")
+    tok = AutoTokenizer.from_pretrained(converted_gguf_dir(builtin_gguf()))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out, max_shard_size="2MB")
+    tok.save_pretrained(out)
+    assert (out / "model.safetensors.index.json").is_file()
+    return out
+
+
+def write_specforge(root: Path, model: TargetModel, samples: list[tuple[list[int], list[int]]],
+                    batch_size: int = 2, group: int = 2, compress_every: int = 3) -> None:
+    """SpecForge's writer: batches right-padded with zeros, the padded row forwarded and saved whole."""
+    for b in range(0, len(samples), batch_size):
+        rows = samples[b: b + batch_size]
+        width = max(len(ids) for ids, _ in rows)
+        for j, (ids, mask) in enumerate(rows):
+            i = b + j
+            pad = width - len(ids)
+            input_ids = torch.tensor(ids + [0] * pad, dtype=torch.long)
+            out = model.forward(input_ids[None], AUX, logits=False)  # SGLang's capture (LlamaForCausalLM)
+            record = {"input_ids": input_ids, "loss_mask": torch.tensor(mask + [0] * pad, dtype=torch.long),
+                      "aux_hidden_state": out.aux.clone(), "hidden_state": out.last_hidden.clone()}
+            g = (i // group) * group
+            path = root / f"rows_{g}-{g + group}" / f"data_{i}.ckpt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if i % compress_every == compress_every - 1:  # --compress: gzip around the same torch.save bytes
+                buf = io.BytesIO()
+                torch.save(record, buf)
+                with gzip.open(str(path) + ".gz", "wb") as f:
+                    f.write(buf.getvalue())
+            else:
+                torch.save(record, path)
+
+
+def tree(run: Path, checkpoint: Path, backend: str, **capture) -> dict:
+    return {"run_dir": str(run),
+            "target": {"name": str(checkpoint), "dtype": "float32", "device": "cpu", "aux_layer_ids": AUX},
+            "data": {"sources": [{"kind": "lines", "path": "unused"}]},
+            "capture": {"backend": backend, "max_length": 64, "dtype": "float32", "teacher": "hidden",
+                        "shard_samples": 2, **capture},
+            "eval": {"datasets": [{"name": "x", "kind": "lines"}]}}
+
+
+@pytest.fixture
+def no_hf_model(monkeypatch):
+    """Fails the test if any HF model is instantiated (from_pretrained, from_config or directly)."""
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("an HF model was instantiated during a capture that must not build one")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", refuse)
+
+
+def test_specforge_import_equals_hf_capture_without_building_the_model(tmp_path, checkpoint, monkeypatch):
+    from drafter.target import load_target
+
+    convs = conversations(5)
+    hf_run = tmp_path / "hf"
+    hf_run.mkdir()
+    (hf_run / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
+    model = load_target(str(checkpoint), dtype="float32", device="cpu")
+    run_capture(parse_config(tree(hf_run, checkpoint, "hf")), target=model)
+
+    # SpecForge tokenized the same chats (our render stands in for its parser) and captured them in SGLang.
+    rendered = [render_with_mask(model.tokenizer, c["messages"], 64) for c in convs]
+    sf_dir = tmp_path / "specforge"
+    write_specforge(sf_dir, model, [(r.input_ids, r.loss_mask) for r in rendered])
+    assert sorted(p.relative_to(sf_dir).as_posix() for p in sf_dir.rglob("data_*"))[:3] == [
+        "rows_0-2/data_0.ckpt", "rows_0-2/data_1.ckpt", "rows_2-4/data_2.ckpt.gz"]
+    assert list(list_files(sf_dir)) == [0, 1, 2, 3, 4]
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("an HF model was instantiated during a specforge capture")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "__init__", refuse)
+    sf_run = tmp_path / "sf"
+    summary = run_capture(parse_config(tree(sf_run, checkpoint, "specforge", specforge_dir=str(sf_dir))))
+
+    ref, got = ShardDataset(hf_run / "store"), ShardDataset(sf_run / "store")
+    assert len(got) == len(ref) == 5 and [got[i]["id"] for i in range(5)] == [f"specforge-{i:08d}" for i in range(5)]
+    for i in range(5):
+        a, b = ref[i], got[i]
+        n = len(b["input_ids"])
+        last_loss = int(a["loss_mask"].nonzero()[-1])
+        assert n == last_loss + 1  # cut after the last loss token: the padding and the template's "\n" go
+        for key in ("input_ids", "loss_mask", "target_argmax"):
+            assert torch.equal(b[key], a[key][:n]), (i, key)
+        for key in ("aux", "last_hidden"):  # padded batch vs alone: equal up to fp32 summation order
+            torch.testing.assert_close(b[key], a[key][:n], rtol=1e-5, atol=1e-5)
+    ref_head, got_head = load_target_head(hf_run / "store"), load_target_head(sf_run / "store")
+    assert all(torch.equal(ref_head[k], got_head[k]) for k in ref_head)
+    m = read_manifest(sf_run / "store")
+    assert m["aux_layer_ids"] == AUX and m["target"]["num_layers"] == 5 and m["target"]["hidden_size"] == 32
+    widths = [max(len(r.input_ids) for r in rendered[b: b + 2]) for b in (0, 0, 2, 2, 4)]  # batch padding
+    last = [int(torch.tensor(r.loss_mask).nonzero()[-1]) for r in rendered]
+    assert summary.tail_tokens_dropped == sum(w - k - 1 for w, k in zip(widths, last, strict=True))
+    assert summary.samples == 5 and not summary.skipped
+
+
+def test_the_index_reader_loads_only_the_two_head_tensors(checkpoint, no_hf_model, monkeypatch):
+    loaded: list[str] = []
+    real = safe_open
+
+    class Spy:
+        def __init__(self, *a, **k):
+            self.f = real(*a, **k)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_tensor(self, name):
+            loaded.append(name)
+            return self.inner.get_tensor(name)
+
+        def keys(self):
+            return self.inner.keys()
+
+    monkeypatch.setattr("drafter.hf_index.safe_open", Spy)
+    target = load_indexed_target(str(checkpoint), dtype="float32")
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (5, 32, 49152)
+    assert target.embed_weight().shape == target.lm_head_weight().shape == (49152, 32)
+    assert sorted(loaded) == ["lm_head.weight", "model.embed_tokens.weight"]
+    with open(checkpoint / "model.safetensors.index.json") as f:
+        shard = json.load(f)["weight_map"]["lm_head.weight"]
+    with real(str(checkpoint / shard), framework="pt") as f:
+        assert torch.equal(target.lm_head_weight(), f.get_tensor("lm_head.weight"))
+
+
+def test_head_names_for_k25_layouts(tmp_path, checkpoint):
+    """K2.5 nests the LM (text_config, language_model.* names) and DeepSeek-V3's MTP layer has its own
+    embed_tokens; a tied model has no lm_head tensor."""
+    from drafter.hf_index import head_tensor_names
+
+    names = ["language_model.model.layers.61.embed_tokens.weight", "language_model.model.embed_tokens.weight",
+             "language_model.lm_head.weight", "vision_tower.patch_embed.proj.weight"]
+    assert head_tensor_names(names, False, "k25") == ("language_model.model.embed_tokens.weight",
+                                                      "language_model.lm_head.weight")
+    assert head_tensor_names(["model.embed_tokens.weight"], True, "x") == ("model.embed_tokens.weight",) * 2
+    with pytest.raises(Exception, match="lm_head.weight"):
+        head_tensor_names(["model.embed_tokens.weight"], False, "x")
+
+
+def test_missing_or_malformed_specforge_files_are_clear(tmp_path, checkpoint, no_hf_model):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(2)))
+    sf_dir = tmp_path / "sf"
+    cfg = parse_config(tree(run, checkpoint, "specforge", specforge_dir=str(sf_dir), tensor_parallel_size=8,
+                            expert_parallel_size=8))
+    with pytest.raises(CaptureError) as e:
+        run_capture(cfg)
+    msg = str(e.value)
+    assert "holds no SpecForge hidden states" in msg and "--tp-size 8" in msg and "--sglang-ep-size 8" in msg
+    exported = [json.loads(line) for line in (run / "specforge_input.jsonl").read_text().splitlines()]
+    assert [r["conversations"] for r in exported] == [c["messages"] for c in conversations(2)]
+
+    bad = sf_dir / "rows_0-2000" / "data_0.ckpt"
+    bad.parent.mkdir(parents=True)
+    torch.save({"input_ids": torch.arange(4), "loss_mask": torch.ones(4, dtype=torch.long),
+                "hidden_state": torch.zeros(1, 4, 32), "aux_hidden_state": torch.zeros(1, 4, 64)}, bad)
+    with pytest.raises(CaptureError, match=r"data_0.ckpt: aux_hidden_state is \(1, 4, 64\), expected \(1, 4, 96\)"):
+        run_capture(cfg)

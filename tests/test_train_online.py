@@ -1,0 +1,77 @@
+"""Online training (train.source: online) trains on exactly what the store path trains on: the same
+batches and the same TTT loss, with the target's states computed per batch instead of read from shards.
+Checked with the real SmolLM2 target in fp32: every per-step loss of the two runs agrees within 1e-5."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.config import load_config
+from data_prep.capture import run_capture
+from train.loop import run as run_training
+
+CHATS = [
+    ["Name three primary colours.", "Red, yellow and blue.", "And secondary ones?", "Green, orange and purple."],
+    ["What is 12 times 12?", "12 times 12 is 144."],
+    ["Write a haiku about rain.", "Soft rain on the roof,\nthe garden drinks quietly,\nclouds hum their grey song."],
+    ["Translate 'good morning' to French.", "Bonjour.", "And to Spanish?", "Buenos días."],
+    ["List the planets.", "Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus and Neptune."],
+    ["Give me a synonym for happy.", "Joyful."],
+    ["How many legs does a spider have?", "Eight."],
+    ["What is the boiling point of water?", "100 degrees Celsius at sea level.", "In Fahrenheit?", "212 °F."],
+]
+
+
+def write_run(root: Path, source: str) -> Path:
+    root.mkdir(parents=True)
+    with open(root / "conversations.jsonl", "w") as f:
+        for i, turns in enumerate(CHATS):
+            msgs = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns)]
+            f.write(json.dumps({"id": f"c{i}", "source": "test", "messages": msgs, "finish_reasons": [],
+                                "backend": "test"}) + "\n")
+    tree = {
+        "run_dir": str(root),
+        "target": {"name": "smollm2-135m-instruct", "dtype": "float32", "device": "cpu", "aux_layer_ids": [2, 15, 27]},
+        "drafter": {"draft_vocab_size": 512},
+        "data": {"sources": [{"kind": "lines", "path": "unused"}]},
+        "capture": {"max_length": 128, "dtype": "float32", "shard_samples": 3, "batch_tokens": 256},
+        "train": {"source": source, "max_steps": 6, "epochs": 3, "batch_tokens": 160, "lr": 3e-3, "ttt_length": 3,
+                  "holdout_fraction": 0.2, "eval_every": 3, "save_every": 1000, "log_every": 1,
+                  "mixed_precision": "no"},
+        "eval": {"datasets": [{"name": "x", "kind": "lines"}]},
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def step_losses(root: Path) -> dict[int, float]:
+    recs = [json.loads(line) for line in (root / "train_log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}
+
+
+def holdout(root: Path) -> list[dict[str, float]]:
+    recs = [json.loads(line) for line in (root / "train_log.jsonl").read_text().splitlines()]
+    return [r for r in recs if "holdout/acc_0" in r]
+
+
+@pytest.mark.real
+def test_online_and_store_training_give_the_same_losses(smollm2, tmp_path: Path) -> None:
+    offline_cfg = write_run(tmp_path / "store", "store")
+    online_cfg = write_run(tmp_path / "online", "online")
+    run_capture(load_config(offline_cfg), target=smollm2)
+    assert run_training(offline_cfg) == 0
+    assert run_training(online_cfg) == 0
+    assert not (tmp_path / "online" / "store").exists(), "online training wrote a store"
+    offline, online = step_losses(tmp_path / "store"), step_losses(tmp_path / "online")
+    assert sorted(offline) == sorted(online) == list(range(1, 7))
+    assert max(abs(offline[s] - online[s]) for s in offline) <= 1e-5, (offline, online)
+    a, b = holdout(tmp_path / "store"), holdout(tmp_path / "online")
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b, strict=True):
+        assert x["holdout/acc_0"] == pytest.approx(y["holdout/acc_0"], abs=1e-6)
+        assert x["holdout/loss_0"] == pytest.approx(y["holdout/loss_0"], abs=1e-5)
