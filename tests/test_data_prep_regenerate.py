@@ -536,3 +536,103 @@ def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path) -> N
     by_id = lambda cfg: {r["id"]: r["messages"] for r in assert_each_id_once(cfg, ids)}  # noqa: E731
     assert by_id(one) == by_id(two)
 
+
+def _on_two_devices(cfg: RunConfig) -> Any:
+    """regenerate_on_devices over two worker processes. The openai backend stands in for the target (no model
+    to load): the spawned workers, their part files and the summing are the same for any backend."""
+    from data_prep.regenerate import load_prompt_records, regenerate_on_devices
+
+    return regenerate_on_devices(cfg, load_prompt_records(cfg.prompts_path, None), ["cpu:0", "cpu:1"])
+
+
+def test_failure_limits_apply_to_all_devices_together(tmp_path: Path, fake: Any) -> None:
+    from data_prep.regenerate import check_failures, share_of
+
+    # 1 failed prompt in 12 is under max_failure_share 0.1 for the run, though more than that of its device's share.
+    cfg = openai_cfg(tmp_path / "one", [fake.url], max_failure_share=0.1)
+    ids = write_prompts(cfg, [[user("[400x9] bad")]] + [[user(f"q{i}")] for i in range(11)])
+    assert 1 / sum(share_of(i, 2) == share_of(ids[0], 2) for i in ids) > 0.1
+    summary = _on_two_devices(cfg)
+    check_failures(cfg, summary)
+    assert summary.failed == {"http_400": 1} and summary.tried == 12 and summary.written == 11
+    assert summary.records == 11 and summary.missing == 1 and not list(cfg.root.glob("*.part-*"))
+    # One failure on each device: 2 of 12 together is more than 0.1.
+    cfg = openai_cfg(tmp_path / "two", [fake.url], max_failure_share=0.1)
+    chats = [[user(f"[400x9] r{i}" if i in (0, 1) else f"r{i}")] for i in range(12)]
+    ids = write_prompts(cfg, chats)
+    assert share_of(ids[0], 2) != share_of(ids[1], 2)
+    with pytest.raises(StepFailed, match=r"2 of 12 prompts failed \(http_400: 2; .*max_failure_share=0\.1"):
+        check_failures(cfg, _on_two_devices(cfg))
+    # A device whose prompts fail in a row stops its share; the parent names it.
+    cfg = openai_cfg(tmp_path / "dead", [fake.url], max_consecutive_failures=2, max_failure_share=1.0)
+    ids = write_prompts(cfg, [[user(f"[400x9] s{i}")] for i in range(16)])
+    summary = _on_two_devices(cfg)
+    assert summary.tried == 4 and summary.failed == {"http_400": 4}
+    with pytest.raises(StepFailed, match=r"4 of 4 prompts failed .*stopped early: cpu:0: 2 prompts in a row "
+                                         r"failed \(regenerate\.max_consecutive_failures=2\); \d+ not tried; "
+                                         r"cpu:1: 2 prompts"):
+        check_failures(cfg, summary)
+
+
+class Hang(BaseHTTPRequestHandler):
+    """A server that accepts a request and never answers (within the test)."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(60)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_device_workers_die_with_the_regenerating_process(tmp_path: Path) -> None:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Hang)
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    tree = config_tree(tmp_path, backend="openai", server_urls=[f"http://127.0.0.1:{srv.server_address[1]}"],
+                       timeout_s=120, concurrency=1, batch_size=1)
+    write_prompts(parse_config(tree), [[user(f"q{i}")] for i in range(8)])
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text(yaml.safe_dump(tree))
+    code = ("import sys; from common.config import load_config; from data_prep.regenerate import load_prompt_records, "
+            "regenerate_on_devices\ncfg = load_config(sys.argv[1])\n"
+            "regenerate_on_devices(cfg, load_prompt_records(cfg.prompts_path, None), ['cpu:0', 'cpu:1'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cfg_file)], cwd=REPO,
+                            env=os.environ | {"PYTHONPATH": str(REPO)})
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(0.2)
+            workers = [k for k in _children(proc.pid)
+                       if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text(errors="replace")]
+        assert len(workers) == 2, "the two device workers did not start"
+        time.sleep(3)  # let them reach the (hanging) server
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers), "a device worker outlived its parent"
+    finally:
+        proc.kill()
+        proc.wait()
+        for w in workers:  # not left behind when the test fails
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        srv.shutdown()
+        srv.server_close()

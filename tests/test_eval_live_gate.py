@@ -7,6 +7,7 @@ hand-made cost table."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,8 +18,11 @@ import pytest
 import yaml
 
 from common.config import ConfigError, parse_config
-from drafter.checkpoint import save_checkpoint
+from common.locking import LockBusy, run_lock
+from drafter.checkpoint import fingerprint, save_checkpoint
+from eval import gate as gate_module
 from eval.commands import gate_command, sweep_command
+from eval.gate import promotions_dir, read_history
 from eval.live_gate import decide_live, live_gate, measure_live
 from eval.serving_sweep import Cost, ServingSetting, chain_tau, recommend
 from eval.sglang_client import ServerError
@@ -174,6 +178,39 @@ def test_live_gate_promotes_k25_drafter_over_k2_drafter(tmp_path, serve, ckpts):
     assert row["decision"] == "promoted" and row["mode"] == "live" and set(row["tau_star"]) == {"1", "3"}
     assert row["incumbent"]["served"].endswith("Kimi-K2-Instruct-eagle3")
     assert "concurrency 3: mtbench: tau 3.000 >= break-even" in "\n".join(report["gate"]["reasons"])
+
+
+def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatch, capsys):
+    """The live gate promotes as the HF gate does: report saved, then the record (fsynced), then ``promoted``
+    switched to an immutable copy; a kill between the last two is finished by the next gate, which does not
+    measure a drafter that is already serving; a second gate fails at once on the promotions lock."""
+    urls = three_servers(serve, ckpts, CAND_GOOD, INC_K2)
+    cand, _, _ = urls.pop("_servers")
+    cfg = parse_config(cfg_tree(tmp_path, urls))
+    k25, promoted, history = str(ckpts["Kimi-K25-eagle3"]), tmp_path / "promoted", tmp_path / "promotions.jsonl"
+    fp = fingerprint(k25)
+
+    def killed(*args: Any) -> None:
+        raise KeyboardInterrupt("killed before the switch")
+
+    monkeypatch.setattr(gate_module, "_switch", killed)
+    with pytest.raises(KeyboardInterrupt):
+        live_gate(cfg, k25, None, True, "k25", prompts=PROMPTS)
+    report = json.loads((tmp_path / "run" / "eval" / "k25" / "report.json").read_text())
+    assert report["gate"]["decision"] == "promoted"  # saved first
+    assert [(r["decision"], r["fingerprint"], r["mode"]) for r in read_history(history)] == [("promoted", fp, "live")]
+    assert not promoted.exists()  # the record is on disk, the switch never happened
+    monkeypatch.undo()
+    measured = len(cand.requests)
+    capsys.readouterr()
+    assert live_gate(cfg, k25, None, True, "k25-again", prompts=PROMPTS) == "promoted"
+    out = capsys.readouterr().out
+    assert "completed the promotion" in out and "PROMOTED (already" in out
+    assert len(cand.requests) == measured and len(read_history(history)) == 1
+    assert promoted.is_symlink() and os.readlink(promoted) == f"promotions/{fp[:16]}"
+    assert (promoted / "model.safetensors").stat().st_mode & 0o777 == 0o444  # the immutable copy
+    with run_lock(promotions_dir(promoted), "another gate"), pytest.raises(LockBusy, match="in use by pid"):
+        live_gate(cfg, k25, None, True, "k25-third", prompts=PROMPTS)
 
 
 @pytest.mark.parametrize(("cand_hist", "inc_hist", "why"), [

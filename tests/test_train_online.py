@@ -67,6 +67,7 @@ def test_online_and_store_training_give_the_same_losses(smollm2, tmp_path: Path)
     assert run_training(offline_cfg) == 0
     assert run_training(online_cfg) == 0
     assert not (tmp_path / "online" / "store").exists(), "online training wrote a store"
+    assert (tmp_path / "online" / ".lock").is_file()  # it trained under the run dir's lock, as the store path does
     offline, online = step_losses(tmp_path / "store"), step_losses(tmp_path / "online")
     assert sorted(offline) == sorted(online) == list(range(1, 7))
     assert max(abs(offline[s] - online[s]) for s in offline) <= 1e-5, (offline, online)
