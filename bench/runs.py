@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from common import lifeline
 from common.config import dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     with open(log, "w") if log else open(os.devnull, "w") as sink:
         proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=sink if log else None,
-                              stderr=subprocess.STDOUT if log else None)
+                              stderr=subprocess.STDOUT if log else None, **lifeline.stage_kwargs())  # dies with us
     if proc.returncode != 0:
         tail = log.read_text()[-3000:] if log else ""
         raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")

@@ -157,7 +157,9 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
         size = -(-len(chats) // (workers * 4))
         jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], max_length, kwargs)
                 for a in range(0, len(chats), size)]
-        with mp.get_context("fork").Pool(workers) as pool:
+        from common.lifeline import die_with_parent
+
+        with mp.get_context("fork").Pool(workers, initializer=die_with_parent) as pool:  # none outlives us
             rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
     else:
         rendered = _render_chunk((tokenizer, chats, tools, max_length, kwargs))
