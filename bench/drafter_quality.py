@@ -10,8 +10,8 @@ first --timing-prompts prompts (one process, nothing else on the GPU), and the g
 setting. The target runs in fp32 so that the lossless check is exact. Writes "quality".
 
 curve: the same tau (k=3, T=0) for each checkpoint a training run kept (train.save_at), against the real
-tokens it had trained on, with the held-out acc_0..acc_n logged at that step; bench/learning_curve.png
-and "learning_curve".
+tokens it had trained on, with the held-out acc_0..acc_n logged at that step; learning_curve.png beside
+the results file (bench/) and "learning_curve".
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import record  # noqa: E402
+from bench.results import record, results_path  # noqa: E402
 from bench.runs import holdout_at  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
 from drafter.factory import load_for_target  # noqa: E402
@@ -37,8 +37,6 @@ from eval.measure import Settings, measure  # noqa: E402
 from eval.prompts import rendered_datasets  # noqa: E402
 from eval.speculative import Eagle3Proposer, Engine  # noqa: E402
 from train.checkpointing import read_trainer_state  # noqa: E402
-
-CURVE_PNG = Path(__file__).resolve().with_name("learning_curve.png")
 
 
 def setup(config: str, limit: int | None = None) -> tuple[RunConfig, TargetModel, dict[str, list[list[int]]]]:
@@ -119,9 +117,11 @@ def cmd_curve(args: argparse.Namespace) -> int:
                        "lossless_mismatches": {n: len(s["lossless_mismatches"]) for n, s in stats.items()},
                        "holdout": {k.split("/")[1]: v for k, v in held.items() if k.startswith("holdout/")}})
         print(json.dumps(points[-1]))
-    plot(points, CURVE_PNG)
+    png = results_path().with_name("learning_curve.png")
+    plot(points, png)
     record("learning_curve", {"run_dir": str(run_dir), "k": 3, "temperature": 0.0, "max_new_tokens": max_new,
                               "points": points, "plot": "bench/learning_curve.png"})
+    print(f"plot: {png}")
     return 0
 
 

@@ -16,6 +16,10 @@
 #   quality      bench/drafter_quality.py eval                      -> "quality"
 #   out          results.json, the plot, the best drafter (in 15 MB parts) and the logs' tails into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
+# DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
+# (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
+# The benchmarks write to runs/results-h200.json (it survives between the calls of one machine hold, where
+# the tracked bench/results.json is replaced by each transfer); `out` returns it as results.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
@@ -24,19 +28,26 @@ LOGS=$RUN/logs
 SITE=$PWD/.gpu/site
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD EAGLE3_CACHE=$PWD/.gpu/cache HF_HUB_OFFLINE=1
-export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled
+export TOKENIZERS_PARALLELISM=false WANDB_MODE=disabled BENCH_RESULTS=$PWD/runs/results-h200.json
+DEADLINE=${DEADLINE:-560}
+RESERVE=25
 mkdir -p "$LOGS"
 failed=()
 
 phase() {  # phase NAME CMD...: run, log, time; a failure is recorded, not fatal
   local name=$1; shift
-  local start=$SECONDS
-  echo "=== $name $(date +%T)"
-  if "$@" > >(tee -a "$LOGS/$name.log" | grep -v -E 'it/s\]|seq/s\]|step/s\]|conv/s\]|tok/s\]|s/it\]') 2>&1; then
+  local start=$SECONDS left=$((DEADLINE - SECONDS - RESERVE))
+  if [ "$left" -lt 30 ]; then
+    echo "=== $name skipped: ${left} s left before the deadline"; failed+=("$name"); return 1
+  fi
+  echo "=== $name $(date +%T) (at most ${left} s)"
+  if timeout --kill-after=15 "$left" "$@" \
+      > >(tee -a "$LOGS/$name.log" | grep -v -E 'it/s\]|seq/s\]|step/s\]|conv/s\]|tok/s\]|s/it\]') 2>&1; then
     echo "=== $name ok in $((SECONDS - start)) s"
   else
     echo "=== $name FAILED (exit $?) after $((SECONDS - start)) s; log: $LOGS/$name.log"
     failed+=("$name")
+    return 1
   fi
 }
 
@@ -62,10 +73,11 @@ for p in "$@"; do
     prompts)
       phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; wc -l $RUN/prompts.jsonl" ;;
     regen-bench)
-      phase regen-bench python3 bench/regenerate_throughput.py --prompts-file $RUN/prompts.jsonl --prompts 4000 \
+      phase regen-bench python3 bench/regenerate_throughput.py --prompts-file $RUN/prompts.jsonl --prompts 3000 \
         --baseline-prompts 256 --baseline-batch 256 --max-tokens 1024 ;;
-    regenerate)
-      phase regenerate python3 -m data_prep regenerate --config "$CONFIG" ;;
+    regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
+      if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before"; else
+        phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --prompts-file $RUN/prompts.jsonl --samples 3000 --steps 30 --precision no ;;
@@ -83,11 +95,11 @@ for p in "$@"; do
       phase curve python3 bench/drafter_quality.py curve --config "$CONFIG" --run-dir $RUN ;;
     quality)
       phase quality python3 bench/drafter_quality.py eval --config "$CONFIG" --checkpoint $RUN/checkpoints/best \
-        --settings 3:0 3:1 5:0 ;;
+        --settings 3:0 3:1 5:0 --timing-prompts 4 ;;
     out)
       if [ -n "${OUT:-}" ]; then
-        cp bench/results.json "$OUT/" 2>/dev/null
-        cp bench/learning_curve.png "$OUT/" 2>/dev/null
+        cp "$BENCH_RESULTS" "$OUT/results.json" 2>/dev/null
+        cp runs/learning_curve.png "$OUT/" 2>/dev/null
         best=$(readlink -f $RUN/checkpoints/best 2>/dev/null)
         if [ -n "$best" ] && [ -f "$best/model.safetensors" ]; then
           cp "$best/config.json" "$OUT/best-config.json"

@@ -36,9 +36,14 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in ["python", *sys.argv])
 
 
+def results_path() -> Path:
+    """bench/results.json, or where BENCH_RESULTS points (plots are written beside it)."""
+    return Path(os.environ.get(RESULTS_ENV, RESULTS))
+
+
 def record(name: str, figures: dict[str, Any], command: str | None = None) -> None:
     """Replace ``name``'s object in the results file with these figures."""
-    path = Path(os.environ.get(RESULTS_ENV, RESULTS))
+    path = results_path()
     entry = {"command": command or command_line(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
              **figures}
     with open(path.with_name(path.name + ".lock"), "w") as lock:

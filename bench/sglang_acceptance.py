@@ -14,23 +14,22 @@ p(d), and the rate of min(1, p/q) with drafts sampled from a hand-made q.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from common.files import write_json_atomic
-from eval.speculative import Draft, accept_sampled, accept_sglang
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import record  # noqa: E402
+from eval.speculative import Draft, accept_sampled, accept_sglang  # noqa: E402
 
 LOGITS = torch.tensor([[1.5, 0.2, -0.3, 0.9, -1.0, 0.0],
                        [0.1, 1.2, 0.4, -0.5, 0.8, -0.2],
                        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
 DRAFT, T = [3, 1], 0.8
 Q = torch.tensor([0.05, 0.05, 0.05, 0.7, 0.05, 0.1])
-RESULTS = Path(__file__).parent / "results.json"
 
 
 def compare(counts: torch.Tensor, p: torch.Tensor) -> dict:
@@ -76,11 +75,7 @@ def main() -> None:
                                                   "sum(min(p,q))": round(float(torch.minimum(p[0], Q).sum()), 5)},
         "seconds": round(time.perf_counter() - t0, 1),
     }
-    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    results["sglang_acceptance"] = {"command": " ".join(["python", *sys.argv]), "device": platform.processor()
-                                    or platform.machine(), "date": time.strftime("%Y-%m-%d"), "figures": figures}
-    write_json_atomic(RESULTS, results)
-    print(json.dumps(figures, indent=1))
+    record("sglang_acceptance", figures)
 
 
 if __name__ == "__main__":
