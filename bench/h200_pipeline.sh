@@ -73,8 +73,8 @@ for p in "$@"; do
     prompts)
       phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; wc -l $RUN/prompts.jsonl" ;;
     regen-bench)
-      phase regen-bench python3 bench/regenerate_throughput.py --prompts-file $RUN/prompts.jsonl --prompts 3000 \
-        --baseline-prompts 256 --baseline-batch 256 --max-tokens 1024 ;;
+      phase regen-bench python3 bench/regenerate_throughput.py --prompts-file $RUN/prompts.jsonl --prompts 2000 \
+        --baseline-prompts 128 --baseline-batch 128 --max-tokens 1024 ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before"; else
         phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;

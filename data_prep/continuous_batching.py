@@ -13,6 +13,7 @@ split into length buckets so one long prompt does not shrink the slot count for 
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -223,6 +224,7 @@ def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_to
     out: list[Generated | None] = [None] * len(prompts)
     pick = _Picker(sampling, target.device)
     stops = set(stop_ids)
+    produced, steps, started = 0, 0, time.perf_counter()
     with tqdm(total=len(prompts), desc=desc, unit=" seq") as bar:
         for bucket in length_buckets([len(p) + n for p, n in zip(prompts, budgets, strict=True)]):
             max_len = max(len(prompts[i]) + budgets[i] for i in bucket)
@@ -237,6 +239,9 @@ def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_to
                     continue
                 if not pending and 0 < run.live * 2 < max(s for s, r in enumerate(run.request) if r >= 0):
                     run.compact()
-                run.step()
+                produced += run.step()
+                steps += 1
+                if steps % 64 == 0:
+                    bar.set_postfix(tok_s=round(produced / (time.perf_counter() - started)), slots=n_slots, refresh=False)
             del run
     return out  # type: ignore[return-value]

@@ -42,17 +42,22 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def position_masked_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scale: float) -> Tensor:
-    """q (B, h, T, d) at ``positions`` (B, T) over position-indexed k, v (B, kv, S, d): key s is visible to a
-    query at position p iff s <= p. The query heads sharing a kv head are folded into the query axis, so
-    keys are never repeated (grouped-query attention at no extra memory)."""
+def position_mask(positions: Tensor, span: int, groups: int) -> Tensor:
+    """Bool (B, 1, groups*T, span): key s visible to a query at position p iff s <= p, for each of the
+    ``groups`` query heads that share a kv head (folded into the query axis, see below)."""
+    b, t = positions.shape
+    mask = torch.arange(span, device=positions.device)[None, None, :] <= positions[:, :, None]  # (B, T, S)
+    return mask[:, None, None].expand(b, 1, groups, t, span).reshape(b, 1, groups * t, span)
+
+
+def position_masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """q (B, h, T, d) over position-indexed k, v (B, kv, S, d) under ``position_mask``. The query heads
+    sharing a kv head are folded into the query axis, so keys are never repeated (grouped-query
+    attention at no extra memory)."""
     b, heads, t, d = q.shape
-    kv, s = k.shape[1], k.shape[2]
-    g = heads // kv
-    mask = torch.arange(s, device=q.device)[None, None, :] <= positions[:, :, None]  # (B, T, S)
-    mask = mask[:, None, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-    o = F.scaled_dot_product_attention(q.reshape(b, kv, g * t, d), k, v, attn_mask=mask, scale=scale)
-    return o.view(b, heads, t, d)
+    kv = k.shape[1]
+    o = F.scaled_dot_product_attention(q.reshape(b, kv, heads // kv * t, d), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(b, heads, t, d)
 
 
 @dataclass
@@ -139,6 +144,7 @@ class BatchedTarget:
         batch_index = torch.arange(b, device=ids.device)[:, None]
         # Keys read per row: up to the furthest position in the batch, rounded up (aligned key blocks).
         span = None if fresh else min(cache.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
+        mask = None if fresh else position_mask(positions, span, self.heads // self.kv_heads)  # one for all layers
         keep: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             residual = h
@@ -160,7 +166,7 @@ class BatchedTarget:
                 layer_k, layer_v = cache.k[i, rows], cache.v[i, rows]  # views (rows is a slice)
                 layer_k[batch_index, :, positions] = k.transpose(1, 2)
                 layer_v[batch_index, :, positions] = v.transpose(1, 2)
-                o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], positions, self.scaling)
+                o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask, self.scaling)
             h = residual + att.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if aux and i in self.aux_layer_ids:

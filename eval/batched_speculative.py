@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from drafter.batched_target import BatchedTarget, position_masked_attention
+from drafter.batched_target import BatchedTarget, position_mask, position_masked_attention
 from drafter.model import Eagle3Drafter, StepOutput
 from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
 
@@ -50,11 +50,12 @@ class BatchedDrafter:
         index = torch.arange(b, device=ids.device)[:, None]
         k_rows, v_rows = self.k[rows], self.v[rows]
         span = int(positions.max()) + 1
+        mask = position_mask(positions, span, self.d.shape.num_attention_heads // self.d.shape.num_key_value_heads)
 
         def attend(q: Tensor, k: Tensor, v: Tensor, _mask: Tensor | None, _diag: Sequence) -> Tensor:
             k_rows[index, :, positions] = k.transpose(1, 2)
             v_rows[index, :, positions] = v.transpose(1, 2)
-            return position_masked_attention(q, k_rows[:, :, :span], v_rows[:, :, :span], positions, self.scale)
+            return position_masked_attention(q, k_rows[:, :, :span], v_rows[:, :, :span], mask, self.scale)
 
         return self.d.step(ids, hidden, positions, attn_fn=attend)
 
