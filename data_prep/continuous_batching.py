@@ -242,6 +242,7 @@ def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_to
                 produced += run.step()
                 steps += 1
                 if steps % 64 == 0:
-                    bar.set_postfix(tok_s=round(produced / (time.perf_counter() - started)), slots=n_slots, refresh=False)
+                    rate = round(produced / (time.perf_counter() - started))
+                    bar.set_postfix(tok_s=rate, slots=n_slots, refresh=False)
             del run
     return out  # type: ignore[return-value]
