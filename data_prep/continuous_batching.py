@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from data_prep.batching import length_batches
 from drafter.batched_target import BatchedTarget, KVCache
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
@@ -114,16 +115,10 @@ class _Run:
         self.live = 0
 
     def admit(self, reqs: list[int]) -> None:
-        """Prefill ``reqs`` into free slots, in groups under the prefill token budget."""
+        """Prefill ``reqs`` into free slots, length-batched under the prefill token budget."""
         budget = PREFILL_TOKENS if self.t.device.type == "cuda" else 4096
-        group: list[int] = []
-        for r in reqs + [-1]:
-            longest = max([len(self.prompts[x]) for x in group] + [len(self.prompts[r]) if r >= 0 else 0])
-            if group and (r < 0 or longest * (len(group) + 1) > budget):
-                self._prefill(group)
-                group = []
-            if r >= 0:
-                group.append(r)
+        for group in length_batches([len(self.prompts[r]) for r in reqs], budget):
+            self._prefill([reqs[i] for i in group])
 
     def _prefill(self, reqs: list[int]) -> None:
         dev = self.t.device

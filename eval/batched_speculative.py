@@ -157,7 +157,9 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
 
 
 def _groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
-    """Consecutive index ranges whose padded size (rows x longest) stays within ``budget``."""
+    """Consecutive index ranges whose padded size (rows x longest) stays within ``budget``: contiguous,
+    unlike ``data_prep.batching.length_batches``, because the drafter's prefill reads its cache rows in place
+    (a slice)."""
     out, start, longest = [], 0, 0
     for i, n in enumerate(lengths):
         if i > start and max(longest, n) * (i - start + 1) > budget:
