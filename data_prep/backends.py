@@ -95,10 +95,9 @@ class HFChatBackend:
 
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
         from data_prep.continuous_batching import Sampling, generate
-        from data_prep.loss_mask import as_server_renders
+        from data_prep.loss_mask import prompt_text
 
-        texts = [self.tok.apply_chat_template(as_server_renders(chat), tokenize=False, add_generation_prompt=True,
-                                              tools=t, **self.template_kwargs)
+        texts = [prompt_text(self.tok, chat, self.template_kwargs, t)
                  for chat, t in zip(batch, tools or [None] * len(batch), strict=True)]
         ids = self.tok(texts, add_special_tokens=False)["input_ids"]
         c = self.cfg

@@ -63,6 +63,14 @@ def _render(tokenizer: Any, messages: list[dict], generation_prompt: bool, kwarg
                                          **kwargs)
 
 
+def prompt_text(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """A chat rendered for the target's next answer exactly as capture renders the text before each answer:
+    as the server renders it, with the target's chat_template_kwargs and the chat's tools."""
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+    return _render(tokenizer, as_server_renders(messages), True, kwargs)
+
+
 def _boundary(offsets: list[tuple[int, int]], starts: list[int], char_pos: int, side: str) -> tuple[int, bool]:
     """Token index of a character boundary, from the whole text's offsets; True when a token straddles
     the boundary (the prefix does not tokenize as a prefix of the whole), where the span is widened to
