@@ -174,7 +174,7 @@ class _Run:
 
     def step(self) -> int:
         """One decode token for every slot up to the last live one; returns tokens produced."""
-        hi = max(s for s, r in enumerate(self.request) if r >= 0) + 1
+        hi = self.last_live() + 1
         rows = slice(0, hi)
         out = self.t.forward(self.cache, rows, self.last[:hi, None], self.pos[:hi, None], fresh=False,
                              logits_at=torch.zeros(hi, dtype=torch.long, device=self.t.device))
@@ -188,6 +188,10 @@ class _Run:
                 produced += 1
                 self._take(slot, tok, m)
         return produced
+
+    def last_live(self) -> int:
+        """The highest slot serving a request (a step decodes every slot up to it)."""
+        return max(s for s, r in enumerate(self.request) if r >= 0)
 
     def compact(self) -> None:
         """Move live rows to the lowest slots (the tail of a run, when most slots are free)."""
@@ -232,7 +236,7 @@ def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_to
                     run.admit([pending.pop() for _ in range(min(len(run.free), len(pending)))])
                 if run.live == 0:
                     continue
-                if not pending and 0 < run.live * 2 < max(s for s, r in enumerate(run.request) if r >= 0):
+                if not pending and 0 < run.live * 2 < run.last_live():
                     run.compact()
                 produced += run.step()
                 steps += 1
