@@ -6,7 +6,8 @@ On every eval prompt (first turn, chat-templated; ``--limit`` for smoke runs) th
 k = eval.num_steps and each cycle is replayed by teacher forcing (``eval.decode_gap``): decode alpha_k, teacher-
 forced acc_k over the same greedy answers (all positions, and the cycle starts only), and the share of cycles the
 replay reproduces. Then teacher forcing on the run's held-out conversations, over whole answers and over the
-first eval.max_new_tokens tokens of each. The target runs in fp32 (the quality eval's setting). Writes
+first eval.max_new_tokens tokens of each. The target runs in fp32 (the quality eval's setting) unless
+--target-dtype says otherwise. Writes
 "decode_gap" with a cause sentence computed from those figures.
 """
 
@@ -34,14 +35,17 @@ def main() -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
     ap.add_argument("--holdout-samples", type=int, default=400, help="held-out conversations to replay (0: none)")
+    ap.add_argument("--target-dtype", default="float32",
+                    help="the target's dtype (bfloat16: the features training saw on a GPU; the eval's is float32)")
     ap.add_argument("--name", default="decode_gap", help="the results.json object to write")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    cfg, target, prompts = setup(args.config, args.limit)
+    cfg, target, prompts = setup(args.config, args.limit, args.target_dtype)
     drafter, aux_ids = load_drafter(target, cfg, args.checkpoint)
     k, max_new = cfg.eval.num_steps, cfg.eval.max_new_tokens
     per_dataset = measure_gap(target, drafter, aux_ids, prompts, k, max_new)
-    figures: dict = {"checkpoint": str(args.checkpoint), "k": k, "max_new_tokens": max_new, **per_dataset}
+    figures: dict = {"checkpoint": str(args.checkpoint), "k": k, "max_new_tokens": max_new,
+                     "target_dtype": args.target_dtype, **per_dataset}
     whole = first = None
     if args.holdout_samples and cfg.conversations_path.is_file():
         samples, _ = render_all(read_conversations(cfg.conversations_path), target.tokenizer, cfg.capture.max_length,
