@@ -72,6 +72,9 @@ class TargetConfig(Section):
     def _ids_distinct(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and (len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0):
             raise ValueError(f"must be 3 distinct non-negative layer ids, got {ids}")
+        if ids is not None and ids != sorted(ids):  # refused, not sorted: a warm start's ids are compared as given
+            raise ValueError(f"must be ascending: write {sorted(ids)}, not {ids} (SGLang concatenates the captured "
+                             "states in layer order, so the drafter's fc would read them permuted)")
         return ids
 
 

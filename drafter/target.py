@@ -60,6 +60,17 @@ def sglang_captured_outputs(ids: Sequence[int], architectures: Sequence[str] | N
     return tuple(ids)
 
 
+def ascending_problem(ids: Sequence[int], field: str) -> str | None:
+    """Why ``ids`` cannot be a drafter's aux ids as ordered (None when ascending). SGLang appends each captured
+    state as its forward passes the layer, i.e. in layer order whatever the config's order, so a drafter trained
+    on another order reads its fc input permuted. Refused rather than sorted: a warm start's ids are compared
+    with the config's as given."""
+    if list(ids) != sorted(ids):
+        return (f"{field}: {list(ids)} must be ascending: write {sorted(ids)} (SGLang concatenates the captured "
+                "states in layer order, so the drafter's fc would read them permuted)")
+    return None
+
+
 def resolve_aux_layer_ids(config_ids: Sequence[int] | None, drafter_ids: Sequence[int] | None,
                           num_layers: int) -> tuple[int, int, int]:
     """The one set of ids for capture, training and serving; disagreement or range is an error.
@@ -82,6 +93,9 @@ def resolve_aux_layer_ids(config_ids: Sequence[int] | None, drafter_ids: Sequenc
                           f"(valid ids 0..{num_layers - 2}; SGLang never captures the last layer)")
     if len(ids) != 3 or len(set(ids)) != 3:
         raise TargetError(f"{field}: {list(ids)} must be 3 distinct layer ids")
+    problem = ascending_problem(ids, field)
+    if problem:
+        raise TargetError(problem)
     return ids  # type: ignore[return-value]
 
 

@@ -287,6 +287,8 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], str]] = {
              "tie_word_embeddings must be false"),
     "no_aux_ids": (lambda d: _edit_config(d, lambda c: c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")),
                    "eagle_aux_hidden_state_layer_ids"),
+    "unsorted_aux_ids": (lambda d: _edit_config(d, lambda c: c["eagle_config"].__setitem__(
+        "eagle_aux_hidden_state_layer_ids", [2, 0, 1])), "must be ascending"),
     "wrong_arch": (lambda d: _edit_config(d, lambda c: c.__setitem__("architectures", ["LlamaForCausalLM"])),
                    "architectures"),
     "int32_d2t": (lambda d: _edit_tensors(d, lambda t: _set(t, "d2t", t["d2t"].int())), "d2t has dtype I32"),

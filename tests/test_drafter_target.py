@@ -150,6 +150,9 @@ def test_default_and_legacy_ids() -> None:
     ([-1, 15, 27], None, ("target.aux_layer_ids", "out of range")),
     (None, (2, 30, 58), ("eagle_aux_hidden_state_layer_ids", "out of range")),
     ([2, 2, 27], None, ("target.aux_layer_ids", "distinct")),
+    # a drafter config's ids in another order: SGLang feeds fc its captures in layer order
+    (None, (15, 2, 27), ("eagle_aux_hidden_state_layer_ids", "[15, 2, 27]", "ascending", "[2, 15, 27]")),
+    ([15, 2, 27], (15, 2, 27), ("target.aux_layer_ids", "ascending", "[2, 15, 27]")),
 ])
 def test_bad_ids_are_one_line_errors(config_ids, drafter_ids, fields) -> None:
     with pytest.raises(TargetError) as e:
