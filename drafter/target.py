@@ -42,12 +42,24 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 # SGLang's DeepSeek-family models set ``layers_to_capture = ids`` (the *inputs* of those layers, i.e. the
-# outputs of id - 1) unless the first id is 1, and only then add 1 as every other model does (sglang
-# srt/models/deepseek_v2.py ``set_eagle3_layers_to_capture``, 0.5.14 through 0.5.23; kimi_k25.py hands the
-# call to its DeepseekV3ForCausalLM language model). So ids [2, 30, 58] on Kimi-K2/K2.5 feed the drafter the
-# outputs of layers [1, 29, 57], exactly as [1, 29, 57] would.
-INPUT_CAPTURE_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                                         "KimiK25ForConditionalGeneration"})
+# outputs of id - 1) unless the first id is 1, and only then add 1 as every other model does. So ids [2, 30, 58]
+# on Kimi-K2/K2.5 feed the drafter the outputs of layers [1, 29, 57], exactly as [1, 29, 57] would.
+# The list is every target architecture whose model class applies that rule, read from sglang 0.5.23 (the PyPI
+# wheel; its _version.py records no commit id), python/sglang/srt/models/: every ``set_eagle3_layers_to_capture``
+# and the class that inherits or delegates to it, registered by name through ``EntryClass``:
+#   deepseek_v2.py     DeepseekV2ForCausalLM (the rule), DeepseekV3ForCausalLM, DeepseekV32ForCausalLM (subclasses)
+#   glm4_moe.py        GlmMoeDsaForCausalLM (a DeepseekV2ForCausalLM)
+#   glm4_moe_lite.py   Glm4MoeLiteForCausalLM (its own copy of the rule)
+#   mistral_large_3.py MistralLarge3ForCausalLM (a DeepseekV3ForCausalLM; SGLang's name for a Mistral-format
+#                      Large 3 checkpoint, utils/hf_transformers/mistral_utils.py)
+#   kimi_k25.py        KimiK25ForConditionalGeneration (hands the call to its DeepseekV3ForCausalLM language model)
+# Left out: the draft-model classes that inherit it (DeepseekV3ForCausalLMNextN, GlmMoeDsaForCausalLMNextN,
+# Glm4MoeLiteForCausalLMNextN, Glm5NextForConditionalGenerationNextN, MistralLarge3ForCausalLMEagle), never an
+# EAGLE-3 target. Every other model with EAGLE-3 support adds 1 (gpt_oss.py keeps ids whose largest equals the
+# layer count as they are: out of our range, 0..N-2).
+INPUT_CAPTURE_ARCHITECTURES = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+    "Glm4MoeLiteForCausalLM", "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration"})
 
 
 def sglang_captured_outputs(ids: Sequence[int], architectures: Sequence[str] | None) -> tuple[int, ...]:
