@@ -181,16 +181,42 @@ def export_for_specforge(conversations: Sequence[dict[str, Any]], path: Path) ->
     return len(rows)
 
 
-def specforge_command(cfg: Any, data_path: Path) -> str:
+def write_draft_config(cfg: Any, aux_ids: Sequence[int], path: Path) -> Path:
+    """The drafter's config.json for SpecForge's --draft-model-config, where it reads the capture layers
+    (``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``draft_vocab_size``; without the option
+    prepare_hidden_states.py fails (it opens the option as a path). A warm start's own config with its ids spelled
+    out; else the fresh drafter train will build, shaped like the target (``drafter.factory.shape_for_target``)."""
+    from common.files import write_json_atomic
+    from drafter.checkpoint import hf_config, read_config
+    from drafter.factory import shape_for_target
+    from drafter.target import target_text_config
+
+    d = cfg.drafter
+    if d.init_from:
+        config = read_config(d.init_from)
+        config["eagle_config"] = {**(config.get("eagle_config") or {}),
+                                  "eagle_aux_hidden_state_layer_ids": list(aux_ids)}
+    else:
+        text = target_text_config(cfg.target)
+        if d.draft_vocab_size > text.vocab_size:
+            raise CaptureError(f"drafter.draft_vocab_size {d.draft_vocab_size} is larger than the target's vocab_size "
+                               f"{text.vocab_size}; set it to at most {text.vocab_size}")
+        shape = shape_for_target(text, d.draft_vocab_size, tuple(aux_ids), d.intermediate_size,
+                                 d.num_attention_heads, d.num_key_value_heads, d.head_dim)
+        config = hf_config(shape)
+    write_json_atomic(path, config)
+    return path
+
+
+def specforge_command(cfg: Any, data_path: Path, draft_config: Path) -> str:
     """The SpecForge run that fills capture.specforge_dir for this config (tp/ep from the capture section)."""
     cap = cfg.capture
     parts = [f"torchrun --nproc_per_node={cap.tensor_parallel_size} scripts/prepare_hidden_states.py",
-             f"--target-model-path {cfg.target.name}", f"--data-path {data_path}",
-             f"--output-path {cap.specforge_dir}", "--chat-template <SpecForge's template for the target, e.g. "
-             "kimi-k2-instruct>", f"--max-length {cap.max_length}", f"--tp-size {cap.tensor_parallel_size}",
+             f"--target-model-path {cfg.target.name}", f"--draft-model-config {draft_config}",
+             f"--data-path {data_path}", f"--output-path {cap.specforge_dir}",
+             "--chat-template <SpecForge's template for the target, e.g. kimi-k2-instruct>",
+             f"--max-length {cap.max_length}", f"--tp-size {cap.tensor_parallel_size}",
              f"--sglang-ep-size {cap.expert_parallel_size}"]
-    if cfg.drafter.init_from:
-        parts.append(f"--draft-model-config {cfg.drafter.init_from}/config.json")
     if cfg.target.trust_remote_code:
         parts.append("--trust-remote-code")
     return " \\\n    ".join(parts)

@@ -272,6 +272,15 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
     return TargetModel(model, tok, name, Path(source) if isinstance(source, Path) else None)
 
 
+def target_text_config(cfg: Any) -> Any:
+    """The target's HF config for its language model (heads, intermediate size, RoPE), without loading weights:
+    a multimodal target (Kimi-K2.5) nests it as ``text_config``. ``cfg`` is a TargetConfig section."""
+    from transformers import AutoConfig
+
+    source = resolve_source(cfg.name, cfg.gguf_file)
+    return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code).get_text_config()
+
+
 def load_target_from_config(cfg: Any) -> TargetModel:
     """``cfg`` is a TargetConfig section (kept out of the signature above: builders take plain values)."""
     return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code)

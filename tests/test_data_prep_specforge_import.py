@@ -214,3 +214,40 @@ def test_missing_or_malformed_specforge_files_are_clear(tmp_path, checkpoint, no
                 "hidden_state": torch.zeros(1, 4, 32), "aux_hidden_state": torch.zeros(1, 4, 64)}, bad)
     with pytest.raises(CaptureError, match=r"data_0.ckpt: aux_hidden_state is \(1, 4, 64\), expected \(1, 4, 96\)"):
         run_capture(cfg)
+
+
+def test_the_specforge_command_always_passes_the_drafters_config(tmp_path, checkpoint, tiny_drafter, no_hf_model):
+    """SpecForge's prepare_hidden_states.py reads the capture layers and draft_vocab_size from
+    --draft-model-config (without it, it fails: the option is read as a path). A fresh drafter's config.json is
+    written to the run dir and passed; a warm start's config is written there with its ids spelled out."""
+    from drafter.checkpoint import check_checkpoint, save_checkpoint, shape_from_config
+
+    run = tmp_path / "fresh"
+    run.mkdir()
+    (run / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(2)))
+    tree_ = tree(run, checkpoint, "specforge", specforge_dir=str(tmp_path / "sf"))
+    tree_["drafter"] = {"draft_vocab_size": 1000}
+    with pytest.raises(CaptureError) as e:
+        run_capture(parse_config(tree_))
+    written = run / "specforge_draft_config.json"
+    assert f"--draft-model-config {written}" in str(e.value)
+    cfg = json.loads(written.read_text())
+    shape = shape_from_config(cfg, str(written))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == AUX
+    assert (shape.hidden_size, shape.vocab_size, shape.draft_vocab_size, shape.num_attention_heads) == (
+        32, 49152, 1000, 4)
+
+    warm = save_checkpoint(tiny_drafter, tmp_path / "warm-drafter", dtype="float32")
+    assert check_checkpoint(warm) == []
+    run = tmp_path / "warm"
+    run.mkdir()
+    (run / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(2)))
+    tree_ = tree(run, checkpoint, "specforge", specforge_dir=str(tmp_path / "sf"))
+    tree_["target"]["aux_layer_ids"] = None
+    tree_["drafter"] = {"init_from": str(warm)}
+    with pytest.raises(CaptureError) as e:
+        run_capture(parse_config(tree_))
+    written = run / "specforge_draft_config.json"
+    assert f"--draft-model-config {written}" in str(e.value)
+    assert json.loads(written.read_text()) == json.loads((warm / "config.json").read_text())
