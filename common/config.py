@@ -326,8 +326,9 @@ class EvalConfig(Section):
         "min(1, p/q). At T = 0 both are greedy verification.")
     tie_epsilon: NonNegativeFloat = Field(
         1e-4, description="T = 0 lossless check: a divergence where the target's top-1/top-2 logit margin is "
-        "below this is a near-tie (a bf16 verify and decode may round it either way), reported apart, not a "
-        "failure.")
+        "below this is a near-tie (verify and decode may round it either way), reported apart, not a failure. "
+        "Only a float32 target is checked: in bf16 rounding alone parts the outputs at margins far above it "
+        "(eval/lossless.py).")
     sglang: SGLangEvalConfig | None = None
     seed: Int = 0
 
