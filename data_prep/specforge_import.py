@@ -35,7 +35,9 @@ What SpecForge writes (read from SpecForge 0.2.0, the PyPI wheel = github.com/sg
   weights its position t by ``loss_mask[t]`` (its normalizer also zeroes the last one), while our training
   weights position t by ``loss_mask[t+2+i]``: same per-token mask, each loss applied by its own trainer.
 
-Rendering: SpecForge renders each conversation itself, ``tokenizer.apply_chat_template`` under its own
+Rendering (``scripts/`` is not in the wheel: read at github.com/sgl-project/SpecForge commit a6b6b023,
+version.txt 0.2.0, whose ``specforge/`` matches the wheel's but for 8 files none of which is read here):
+SpecForge renders each conversation itself, ``tokenizer.apply_chat_template`` under its own
 ``--chat-template`` registry entry (``specforge/data/parse.py``: the entry's ``system_prompt`` put in front of a
 conversation without one; ``enable_thinking=True`` for ``parser_type="thinking"`` entries that set it; the
 GLM parser ``enable_thinking=False``). No option of ``prepare_hidden_states.py`` passes other template kwargs
