@@ -209,6 +209,10 @@ class TrainConfig(Section):
     max_train_samples: PositiveInt | None = Field(
         None, description="Train on the first N training samples only (the held-out split stays whole): "
         "learning curves over data size.")
+    max_answer_tokens: PositiveInt | None = Field(
+        None, description="Only the first N tokens of each assistant turn carry loss (the rest stay in the "
+        "sample as context): a long answer's tail (often a loop) does not outweigh the rest. Applied where "
+        "samples are rendered, so the store must be captured with the same value (capture records it).")
     epochs: PositiveInt = 1
     max_steps: PositiveInt | None = None
     batch_tokens: PositiveInt = 8192
