@@ -65,6 +65,19 @@ def loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, 
     return len(tokens) - int(runs[best])
 
 
+def retokenized_loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256,
+                           ragged: int = 1) -> int | None:
+    """``loop_start`` of an answer's text tokenized again (a server's answer, a stored one): its last ``ragged``
+    tokens may come out otherwise than they were generated (an answer cut at max_tokens ends anywhere, e.g. in a
+    lone space), so a loop that stops up to ``ragged`` tokens before the end counts too (they go with the
+    copies)."""
+    for k in range(min(ragged, max(len(tokens) - 1, 0)) + 1):
+        start = loop_start(tokens[:len(tokens) - k], min_repeat_tokens, max_period)
+        if start is not None:
+            return start
+    return None
+
+
 def loop_tail_tokens(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256) -> int:
     """Tokens in the answer's loop tail (the copies ``loop_start`` would drop); 0 when it has none."""
     start = loop_start(tokens, min_repeat_tokens, max_period)

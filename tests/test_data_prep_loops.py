@@ -15,6 +15,7 @@ from data_prep.loops import (
     loop_start,
     loop_tail_tokens,
     loop_token_share,
+    retokenized_loop_start,
     trailing_runs,
 )
 
@@ -82,6 +83,14 @@ def test_a_loop_that_does_not_reach_the_end_is_not_a_tail_loop() -> None:
     tokens = PROSE[:30] + [8, 9] * 60 + PROSE[100:140]
     assert loop_start(tokens) is None
     assert loop_start(tokens[:150]) == 32  # the same answer stopped inside the loop
+
+
+def test_a_retokenized_answer_may_end_in_a_ragged_token() -> None:
+    tokens = PROSE[:10] + [1, 2, 3] * 30 + [99]  # the text cut mid-block tokenizes its last piece otherwise
+    assert loop_start(tokens) is None
+    assert retokenized_loop_start(tokens) == 13
+    assert retokenized_loop_start(tokens + [98]) is None and retokenized_loop_start(tokens + [98], ragged=2) == 13
+    assert retokenized_loop_start(PROSE) is None and retokenized_loop_start([]) is None
 
 
 def test_the_engines_window_gives_the_whole_answers_cut() -> None:

@@ -71,8 +71,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LOOPING = "Sure. " + "Let me say it again. " * 60  # what a small target at T=0 answers too often
+
+
 class FakeChat(BaseHTTPRequestHandler):
-    """An OpenAI-style echo server; a user turn containing "[503x2]" gets HTTP 503 for its first 2 requests."""
+    """An OpenAI-style echo server; a user turn containing "[503x2]" gets HTTP 503 for its first 2 requests, one
+    containing "[loop]" an answer that loops until max_tokens."""
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         srv: Any = self.server
@@ -86,8 +90,9 @@ class FakeChat(BaseHTTPRequestHandler):
         if fail and n <= int(fail[2]):
             self.send_error(int(fail[1]))
             return
-        reply = json.dumps({"choices": [{"index": 0, "finish_reason": "stop",
-                                         "message": {"role": "assistant", "content": f"echo {last}"}}]}).encode()
+        content, finish = (LOOPING, "length") if "[loop]" in last else (f"echo {last}", "stop")
+        reply = json.dumps({"choices": [{"index": 0, "finish_reason": finish,
+                                         "message": {"role": "assistant", "content": content}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(reply)))
@@ -144,6 +149,48 @@ def test_turn_by_turn_feeds_back_the_targets_answers(tmp_path: Path, fake: Any) 
     assert (summary.written, summary.records, summary.turns, summary.missing) == (2, 2, 3, 0)
     assert summary.finish_reasons == {"stop": 3} and "3 answers" in str(summary)
     assert json.loads(json.dumps(summary.to_dict()))["selected"] == 2
+
+
+@pytest.mark.parametrize("stop_loops", [True, False])
+def test_a_servers_looping_answer_is_cut_afterwards_and_counted(tmp_path: Path, fake: Any, stop_loops: bool) -> None:
+    """A server cannot stop on a loop: with regenerate.stop_loops the returned answer is cut by the target's
+    tokens to the loop's first copy (finish reason "loop") and counted; other answers are left alone."""
+    cfg = openai_cfg(tmp_path, [fake.url], stop_loops=stop_loops)
+    ids = write_prompts(cfg, [[user("q [loop]"), {"role": "assistant", "content": "old"}, user("again")],
+                              [user("plain")]])
+    summary = run_regenerate(cfg)
+    records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
+    looped, plain = records[ids[0]], records[ids[1]]
+    assert plain["messages"][-1]["content"] == "echo plain" and plain["finish_reasons"] == ["stop"]
+    answer = looped["messages"][1]["content"]
+    sent = next(r["body"] for r in fake.requests if r["body"]["messages"][-1]["content"] == "again")
+    assert sent["messages"][1]["content"] == answer  # the next turn is asked after the answer as kept
+    if not stop_loops:
+        assert (answer, looped["finish_reasons"], summary.loop_cuts) == (LOOPING, ["length", "stop"], 0)
+        return
+    # the block that repeats is ". Let me say it again" (its first "." follows "Sure"): one copy is kept
+    assert answer == "Sure. Let me say it again" and LOOPING.startswith(answer)
+    assert looped["finish_reasons"] == ["loop", "stop"]
+    assert (summary.loop_cuts, summary.loop_tokens_kept, summary.loop_answers) == (1, 7, 1)
+    assert summary.loop_tokens_generated == 2 + 6 * 60 + 1  # the last token, a lone " ", breaks the period
+    assert summary.flagged["loop"] == [ids[0]] and "1 answers cut at their loop's first copy" in str(summary)
+
+
+def test_loop_cuts_are_summed_over_the_run(tmp_path: Path) -> None:
+    from data_prep.backends import Completion
+    from data_prep.regenerate import load_prompt_records, regenerate
+
+    class Looping(ScriptedBackend):
+        def complete(self, batch: list[list[dict[str, str]]], tools: list[Any] | None = None) -> list[Any]:
+            return [Completion(text="x", finish_reason="loop", loop_tokens=(320, 100)) if "[loop]" in c[-1]["content"]
+                    else Completion(text="y", finish_reason="stop") for c in batch]
+
+    cfg = make_cfg(tmp_path)
+    write_prompts(cfg, [[user("a [loop]"), user("b [loop]")], [user("c")], [user("d [loop]")]])
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), Looping())
+    assert (summary.loop_cuts, summary.loop_tokens_generated, summary.loop_tokens_kept) == (3, 960, 300)
+    assert summary.finish_reasons == {"loop": 3, "stop": 1} and summary.loop_answers == 3
+    assert "3 cut at a loop" in summary.to_markdown()
 
 
 def test_503_is_retried_with_backoff_until_success(tmp_path: Path, fake: Any) -> None:
