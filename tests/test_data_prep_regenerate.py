@@ -380,6 +380,48 @@ def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
     assert story.finish_reason == "length" and story.text.strip()
 
 
+@pytest.mark.real
+def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path: Path, smollm2, monkeypatch) -> None:
+    """Greedy SmolLM2 loops on most MT-Bench writing prompts (issue #18). At max_tokens=512 without stop_loops
+    these run to the cap with a loop at the end; with it they end as "loop" after a few hundred tokens, and what
+    is kept is the start of the answer generated without it, token for token. A prompt answered without a loop
+    is the same answer either way. The hf backend gives the same answers and counts."""
+    import drafter.target
+    from common.config import DatasetConfig
+    from data_prep.continuous_batching import LoopStop, generate
+    from data_prep.loops import loop_start
+    from data_prep.loss_mask import prompt_text
+    from drafter.batched_target import BatchedTarget
+    from eval.prompts import load_eval_prompts
+
+    tok = smollm2.tokenizer
+    mtbench = load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)
+    chats = [[user(mtbench[i])] for i in (4, 11, 10, 21)]  # a character, Sheldon, Elon Musk; the red house riddle
+    ids = [tok(prompt_text(tok, c), add_special_tokens=False)["input_ids"] for c in chats]
+    cfg = make_cfg(tmp_path, max_tokens=512, batch_size=4)
+    r = cfg.regenerate
+    assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
+    engine, stops = BatchedTarget(smollm2.model), drafter.target.stop_token_ids(tok)
+    plain = generate(engine, ids, 512, stops, cpu_slots=4)
+    cut = generate(engine, ids, 512, stops, cpu_slots=4, loops=LoopStop(r.loop_min_repeat_tokens, r.loop_max_period))
+    looped = 0
+    for p, o in zip(plain, cut, strict=True):
+        if o.finish_reason == "loop":
+            looped += 1
+            assert p.finish_reason == "length" and len(p.tokens) == 512
+            assert loop_start(p.tokens) is not None  # the uncut answer still ends in a loop at the cap
+            assert len(o.tokens) < o.generated < 512 and o.tokens == p.tokens[:len(o.tokens)]
+        else:
+            assert (o.tokens, o.finish_reason) == (p.tokens, p.finish_reason)
+    assert looped >= 2 and cut[3].finish_reason == "stop"
+
+    monkeypatch.setattr(drafter.target, "load_target_from_config", lambda target_cfg: smollm2)
+    answers = HFChatBackend(cfg.target, r).complete(chats)
+    for a, o in zip(answers, cut, strict=True):
+        assert a.finish_reason == o.finish_reason and a.text == tok.decode(o.tokens, skip_special_tokens=True)
+        assert a.loop_tokens == ((o.generated, len(o.tokens)) if o.finish_reason == "loop" else None)
+
+
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
