@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import record  # noqa: E402
 from bench.runs import REPO, holdout_at, make_run, read_log  # noqa: E402
 from common import lifeline  # noqa: E402
+from common.cli import exit_reason  # noqa: E402
 
 ROWS = {
     "baseline": [],
@@ -138,7 +139,8 @@ def main() -> int:
     results = [json.loads((args.out / f"row-{n}.json").read_text()) for n in names
                if (args.out / f"row-{n}.json").is_file()]
     if any(codes) or len(results) < len(names):
-        print(f"ablation workers exited {codes}; see {args.out}/gpu*.log", file=sys.stderr)
+        print(f"ablation workers ended: {', '.join(exit_reason(c) for c in codes)}; see {args.out}/gpu*.log",
+              file=sys.stderr)
     base = next((r for r in results if r["name"] == "baseline"), None)
     keep = []
     if base is not None:

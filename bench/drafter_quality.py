@@ -39,9 +39,10 @@ from eval.speculative import Eagle3Proposer, Engine  # noqa: E402
 from train.checkpointing import read_trainer_state  # noqa: E402
 
 
-def setup(config: str, limit: int | None = None) -> tuple[RunConfig, TargetModel, dict[str, list[list[int]]]]:
-    """The config, the fp32 target and every eval prompt (``limit`` per dataset: smoke runs only)."""
-    cfg = load_config(config, ["target.dtype=float32"])
+def setup(config: str, limit: int | None = None, dtype: str = "float32",
+          ) -> tuple[RunConfig, TargetModel, dict[str, list[list[int]]]]:
+    """The config, the target (fp32 unless asked) and every eval prompt (``limit`` per dataset: smoke runs only)."""
+    cfg = load_config(config, [f"target.dtype={dtype}"])
     target = load_target_from_config(cfg.target)
     datasets = [ds.model_copy(update={"limit": limit}) for ds in cfg.eval.datasets]
     return cfg, target, rendered_datasets(target.tokenizer, datasets, template_kwargs=cfg.target.chat_template_kwargs)

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from common import lifeline
+from common.cli import exit_reason
 from common.config import dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +49,7 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
                               stderr=subprocess.STDOUT if log else None, **lifeline.stage_kwargs())  # dies with us
     if proc.returncode != 0:
         tail = log.read_text()[-3000:] if log else ""
-        raise RuntimeError(f"exit {proc.returncode}: {' '.join(cmd)}\n{tail}")
+        raise RuntimeError(f"{exit_reason(proc.returncode)}: {' '.join(cmd)}\n{tail}")
 
 
 def read_log(run_dir: Path) -> list[dict[str, Any]]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import errno
 import functools
+import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ParamSpec
 
 EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
@@ -29,6 +30,38 @@ _OS_HINTS = {
     errno.ENOENT: "no such file or directory",
     errno.ENOTDIR: "a path component is not a directory",
 }
+
+
+# What a child killed by a signal most likely met. A negative return code is all the parent learns, and
+# "exited early (-4)" names neither the signal nor the fix.
+SIGNAL_CAUSES = {
+    signal.SIGILL: "an instruction this CPU does not allow (a native library built for another CPU)",
+    signal.SIGKILL: "killed from outside: by hand, or by the kernel's out-of-memory killer (`dmesg` says which)",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGBUS: "a bus error (a memory-mapped file truncated under it, or a full /dev/shm)",
+    signal.SIGABRT: "aborted by native code (a failed assertion)",
+    signal.SIGTERM: "asked to stop",
+}
+# llama.cpp compiles with -march=native by default: on a VM that reports AVX-512/AMX it cannot run, the server
+# dies with SIGILL on its first completion.
+LLAMA_CPP_CAUSES = {
+    signal.SIGILL: "the llama.cpp build uses CPU instructions this machine does not allow; rebuild llama-cpp-python "
+                   "with CMAKE_ARGS=-DGGML_NATIVE=OFF (make setup does)",
+}
+
+
+def exit_reason(returncode: int, causes: Mapping[int, str] | None = None) -> str:
+    """How a child process ended, for people: ``exit 3``, or ``killed by SIGILL (signal 4): <likely cause>``
+    (``causes`` first, for what the child runs, then ``SIGNAL_CAUSES``)."""
+    if returncode >= 0:
+        return f"exit {returncode}"
+    number = -returncode
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        return f"killed by signal {number}"
+    cause = {**SIGNAL_CAUSES, **(causes or {})}.get(number)
+    return f"killed by {name} (signal {number})" + (f": {cause}" if cause else "")
 
 
 def os_error_line(e: OSError) -> str:

@@ -72,6 +72,9 @@ class TargetConfig(Section):
     def _ids_distinct(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and (len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0):
             raise ValueError(f"must be 3 distinct non-negative layer ids, got {ids}")
+        if ids is not None and ids != sorted(ids):  # refused, not sorted: a warm start's ids are compared as given
+            raise ValueError(f"must be ascending: write {sorted(ids)}, not {ids} (SGLang concatenates the captured "
+                             "states in layer order, so the drafter's fc would read them permuted)")
         return ids
 
 
@@ -336,8 +339,9 @@ class EvalConfig(Section):
         "min(1, p/q). At T = 0 both are greedy verification.")
     tie_epsilon: NonNegativeFloat = Field(
         1e-4, description="T = 0 lossless check: a divergence where the target's top-1/top-2 logit margin is "
-        "below this is a near-tie (a bf16 verify and decode may round it either way), reported apart, not a "
-        "failure.")
+        "below this is a near-tie (verify and decode may round it either way), reported apart, not a failure. "
+        "Only a float32 target is checked: in bf16 rounding alone parts the outputs at margins far above it "
+        "(eval/lossless.py).")
     sglang: SGLangEvalConfig | None = None
     seed: Int = 0
 

@@ -351,18 +351,26 @@ def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
     """The samples to store, what was skipped, and the backend that gives their states."""
     cap = cfg.capture
     if cap.backend == "specforge":
-        from data_prep.specforge_import import SpecForgeImport, export_for_specforge, specforge_command
+        from data_prep.specforge_import import (
+            ServerRendering,
+            SpecForgeImport,
+            export_for_specforge,
+            specforge_command,
+            write_draft_config,
+        )
 
         root = Path(cap.specforge_dir)
+        data_path = cfg.root / "specforge_input.jsonl"
         if not root.is_dir() or not any(root.rglob("data_*.ckpt*")):
-            data_path = cfg.root / "specforge_input.jsonl"
             wrote = cfg.conversations_path.is_file()
             if wrote:  # our regenerated conversations, in SpecForge's --data-path format
                 export_for_specforge(read_conversations(cfg.conversations_path), data_path)
-            raise CaptureError(f"capture.specforge_dir: {root} holds no SpecForge hidden states yet; "
-                               f"{'wrote ' + str(data_path) + ' and ' if wrote else ''}"
-                               f"run SpecForge there, then capture again:\n    {specforge_command(cfg, data_path)}")
-        source = SpecForgeImport(root, target.hidden_size, cap.max_length)
+            draft_config = write_draft_config(cfg, aux_ids, cfg.root / "specforge_draft_config.json")
+            raise CaptureError(f"capture.specforge_dir: {root} holds no SpecForge hidden states yet; wrote "
+                               f"{str(data_path) + ' and ' if wrote else ''}{draft_config}; run SpecForge there, "
+                               f"then capture again:\n    {specforge_command(cfg, data_path, draft_config)}")
+        rendering = ServerRendering(data_path, target.tokenizer, cfg.target.chat_template_kwargs, cap.max_length)
+        source = SpecForgeImport(root, target.hidden_size, cap.max_length, rendering)
         samples, skipped = source.samples()
         return samples, skipped, source
     samples, skipped = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs,

@@ -73,6 +73,13 @@ def prompt_text(tokenizer: Any, messages: list[dict], template_kwargs: dict | No
     return _render(tokenizer, as_server_renders(messages), True, kwargs)
 
 
+def conversation_text(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None,
+                      tools: list[dict] | None = None) -> str:
+    """A whole chat rendered as the server renders it (no generation prompt): the text capture tokenizes."""
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools is not None else {})}
+    return _render(tokenizer, as_server_renders(messages), False, kwargs)
+
+
 def _boundary(offsets: list[tuple[int, int]], starts: list[int], char_pos: int, side: str) -> tuple[int, bool]:
     """Token index of a character boundary, from the whole text's offsets; True when a token straddles
     the boundary (the prefix does not tokenize as a prefix of the whole), where the span is widened to

@@ -10,7 +10,10 @@ What SpecForge writes (read from SpecForge 0.2.0, the PyPI wheel = github.com/sg
 ``specforge/algorithms/eagle3/providers.py`` ``OfflineCaptureLayout``):
 - ``<output-path>/rows_<g>-<g+G>/data_<i>.ckpt`` (``HiddenStatesGenerator._get_file_path``; G =
   ``--file-group-size``, 2000), or ``data_<i>.ckpt.gz`` with ``--compress`` (gzip around the same bytes); ``i``
-  is the sample's row in its ``--data-path``; a record holding a NaN is not written (a gap in ``i``).
+  is the sample's row in the *shuffled* ``--data-path``: ``specforge/data/preprocessing.py``
+  ``build_eagle3_dataset`` shuffles the rows (``dataset.shuffle(seed=shuffle_seed)``, 42 by default, which the
+  script keeps; so since v0.1.0) and the dataloader numbers them in that order (shuffle=False); a record holding
+  a NaN is not written (a gap in ``i``).
 - each file: ``torch.save`` of a dict of tensors (loaded here with ``weights_only=True``: tensors only):
   ``input_ids`` (L,) int64 and ``loss_mask`` (L,) int64 as SpecForge tokenized them (its dataloader pads a
   batch with zeros on the right, and the padding is saved too); ``aux_hidden_state`` (1, L, 3H) and
@@ -32,6 +35,22 @@ What SpecForge writes (read from SpecForge 0.2.0, the PyPI wheel = github.com/sg
   weights its position t by ``loss_mask[t]`` (its normalizer also zeroes the last one), while our training
   weights position t by ``loss_mask[t+2+i]``: same per-token mask, each loss applied by its own trainer.
 
+Rendering (``scripts/`` is not in the wheel: read at github.com/sgl-project/SpecForge commit a6b6b023,
+version.txt 0.2.0, whose ``specforge/`` matches the wheel's but for 8 files none of which is read here):
+SpecForge renders each conversation itself, ``tokenizer.apply_chat_template`` under its own
+``--chat-template`` registry entry (``specforge/data/parse.py``: the entry's ``system_prompt`` put in front of a
+conversation without one; ``enable_thinking=True`` for ``parser_type="thinking"`` entries that set it; the
+GLM parser ``enable_thinking=False``). No option of ``prepare_hidden_states.py`` passes other template kwargs
+(its options: --target-model-path, --strategy, --draft-model-config, --trust-remote-code, --data-path,
+--max-length, --chat-template, --is-preformatted, --num-samples, --build-dataset-num-proc, --tp-size,
+--batch-size, --cache-dir, --output-path, --dist-timeout, --num-io-threads, --num-workers, --io-queue-size,
+--file-group-size, --compress, --compression-level and --sglang-*), and its loader
+(``specforge/utils.py`` ``safe_conversations_generator``) keeps only ``conversations`` and ``tools`` of each
+row, so neither ``target.chat_template_kwargs`` nor a preformatted ``text`` column can reach it. Hence the
+import checks every sample against the server's rendering of the conversation it came from
+(``loss_mask.conversation_text`` with the target's chat_template_kwargs and the chat's tools, the rendering
+regenerate and the hf capture use): the first differing token is a one-line error naming the sample.
+
 Conversion: ``last_hidden`` = ``hidden_state[0]``, ``aux`` = ``aux_hidden_state[0]``, ``input_ids`` and
 ``loss_mask`` as they are, ``target_argmax`` (and top-k for teacher 'topk') from the target's lm_head over
 ``last_hidden``, as for every backend. Positions after a sample's last loss token are dropped (SpecForge's
@@ -44,6 +63,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -112,13 +132,73 @@ def checked(rec: dict[str, Tensor], path: Path, hidden_size: int) -> tuple[Tenso
     return ids.long(), mask, aux, last
 
 
-class SpecForgeImport:
-    """The samples SpecForge captured, and their states as a capture backend hands them to the shard writer."""
+SHUFFLE_SEED = 42  # build_eagle3_dataset's shuffle_seed; prepare_hidden_states.py leaves the default
 
-    def __init__(self, root: Path, hidden_size: int, max_length: int):
+
+def capture_order(n: int) -> list[int]:
+    """Row of an ``n``-row --data-path that SpecForge writes as ``data_<i>``, for each i: the permutation of
+    ``datasets.Dataset.shuffle(seed=42)``, computed by the same library call."""
+    from datasets import Dataset
+
+    return list(Dataset.from_dict({"row": list(range(n))}).shuffle(seed=SHUFFLE_SEED, keep_in_memory=True)["row"])
+
+
+def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
+    """First position where SpecForge's ids ``got`` (right-padded with zeros) leave ``want``; None if they agree."""
+    for p, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return p
+    if len(got) < len(want):
+        return len(got)
+    return next((p for p in range(len(want), len(got)) if got[p] != 0), None)
+
+
+class ServerRendering:
+    """The server's rendering of the conversation behind each SpecForge sample, to check SpecForge's tokens:
+    ``data_path`` is the --data-path SpecForge read (capture's export), in its row order."""
+
+    def __init__(self, data_path: Path, tokenizer: Any, template_kwargs: dict[str, Any], max_length: int):
+        if not data_path.is_file():
+            raise CaptureError(f"{data_path}: missing; it is the --data-path SpecForge read, needed to check its "
+                               "tokens against the server's rendering (capture writes it again from "
+                               "conversations.jsonl when capture.specforge_dir is empty)")
+        with open(data_path, encoding="utf-8") as f:
+            self.rows = [json.loads(line) for line in f if line.strip()]
+        self.path, self.order = data_path, capture_order(len(self.rows))
+        self.tokenizer, self.kwargs, self.max_length = tokenizer, dict(template_kwargs), max_length
+
+    def check(self, i: int, ids: Sequence[int], path: Path) -> None:
+        """Raise when sample ``i``'s tokens are not the server's rendering of its conversation."""
+        from data_prep.loss_mask import conversation_text
+
+        if i >= len(self.rows):
+            raise CaptureError(f"{path}: SpecForge sample {i}, but {self.path} has {len(self.rows)} conversations: "
+                               "these files come from another --data-path")
+        row = self.rows[self.order[i]]
+        text = conversation_text(self.tokenizer, row["conversations"], self.kwargs, row.get("tools"))
+        want = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_length]
+        p = first_difference(ids, want)
+        if p is None:
+            return
+        a, b = (seq[p] if p < len(seq) else None for seq in (ids, want))
+        raise CaptureError(
+            f"{path}: SpecForge sample {i} (conversation {row.get('id')}) differs from the server's rendering at token "
+            f"{p}: SpecForge has {self._show(a)}, the server's rendering {self._show(b)}; SpecForge renders with its "
+            f"--chat-template entry and never sees target.chat_template_kwargs {self.kwargs}: rerun it with the "
+            "template that renders as the server does, or capture with capture.backend hf")
+
+    def _show(self, token: int | None) -> str:
+        return "(the end)" if token is None else f"{token} ({self.tokenizer.convert_ids_to_tokens(token)!r})"
+
+
+class SpecForgeImport:
+    """The samples SpecForge captured, and their states as a capture backend hands them to the shard writer.
+    ``rendering``: the check of every sample's tokens against the server's rendering."""
+
+    def __init__(self, root: Path, hidden_size: int, max_length: int, rendering: ServerRendering):
         if not root.is_dir():
             raise CaptureError(f"capture.specforge_dir: {root} is not a directory")
-        self.root, self.hidden_size, self.max_length = root, hidden_size, max_length
+        self.root, self.hidden_size, self.max_length, self.rendering = root, hidden_size, max_length, rendering
         self.files = list_files(root)
         if not self.files:
             raise CaptureError(f"capture.specforge_dir: {root} holds no rows_*/data_<i>.ckpt[.gz] files; run "
@@ -135,9 +215,10 @@ class SpecForgeImport:
         no loss token and rows SpecForge did not write (a NaN record; a gap in the indices) are counted."""
         out: list[Sample] = []
         skipped: Counter[str] = Counter()
-        skipped["specforge_not_written"] = max(self.files) + 1 - len(self.files)
+        skipped["specforge_not_written"] = max(max(self.files) + 1, len(self.rendering.rows)) - len(self.files)
         for i, path in self.files.items():
             ids, mask, _, _ = checked(read_file(path), path, self.hidden_size)
+            self.rendering.check(i, ids.tolist(), path)
             nonzero = mask.nonzero()
             if not len(nonzero):
                 skipped["no_loss_tokens"] += 1
@@ -181,16 +262,45 @@ def export_for_specforge(conversations: Sequence[dict[str, Any]], path: Path) ->
     return len(rows)
 
 
-def specforge_command(cfg: Any, data_path: Path) -> str:
+def write_draft_config(cfg: Any, aux_ids: Sequence[int], path: Path) -> Path:
+    """The drafter's config.json for SpecForge's --draft-model-config, where it reads the capture layers
+    (``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``draft_vocab_size``; without the option
+    prepare_hidden_states.py fails (it opens the option as a path). A warm start's own config with its ids spelled
+    out; else the fresh drafter train will build, shaped like the target (``drafter.factory.shape_for_target``)."""
+    from common.files import write_json_atomic
+    from drafter.checkpoint import hf_config, read_config
+    from drafter.factory import shape_for_target
+    from drafter.target import target_text_config
+
+    d = cfg.drafter
+    if d.init_from:
+        config = read_config(d.init_from)
+        config["eagle_config"] = {**(config.get("eagle_config") or {}),
+                                  "eagle_aux_hidden_state_layer_ids": list(aux_ids)}
+    else:
+        text = target_text_config(cfg.target)
+        if d.draft_vocab_size > text.vocab_size:
+            raise CaptureError(f"drafter.draft_vocab_size {d.draft_vocab_size} is larger than the target's vocab_size "
+                               f"{text.vocab_size}; set it to at most {text.vocab_size}")
+        shape = shape_for_target(text, d.draft_vocab_size, tuple(aux_ids), d.intermediate_size,
+                                 d.num_attention_heads, d.num_key_value_heads, d.head_dim)
+        config = hf_config(shape)
+    write_json_atomic(path, config)
+    return path
+
+
+def specforge_command(cfg: Any, data_path: Path, draft_config: Path) -> str:
     """The SpecForge run that fills capture.specforge_dir for this config (tp/ep from the capture section)."""
     cap = cfg.capture
     parts = [f"torchrun --nproc_per_node={cap.tensor_parallel_size} scripts/prepare_hidden_states.py",
-             f"--target-model-path {cfg.target.name}", f"--data-path {data_path}",
-             f"--output-path {cap.specforge_dir}", "--chat-template <SpecForge's template for the target, e.g. "
-             "kimi-k2-instruct>", f"--max-length {cap.max_length}", f"--tp-size {cap.tensor_parallel_size}",
+             f"--target-model-path {cfg.target.name}", f"--draft-model-config {draft_config}",
+             f"--data-path {data_path}", f"--output-path {cap.specforge_dir}",
+             "--chat-template <SpecForge's template for the target, e.g. kimi-k2-instruct>",
+             f"--max-length {cap.max_length}", f"--tp-size {cap.tensor_parallel_size}",
              f"--sglang-ep-size {cap.expert_parallel_size}"]
-    if cfg.drafter.init_from:
-        parts.append(f"--draft-model-config {cfg.drafter.init_from}/config.json")
     if cfg.target.trust_remote_code:
         parts.append("--trust-remote-code")
-    return " \\\n    ".join(parts)
+    note = (f"\n    (no option of SpecForge's takes target.chat_template_kwargs {cfg.target.chat_template_kwargs}: "
+            "pick the --chat-template entry that renders as the server does; the import checks every sample's "
+            "tokens against the server's rendering)" if cfg.target.chat_template_kwargs else "")
+    return " \\\n    ".join(parts) + note

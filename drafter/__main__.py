@@ -1,13 +1,19 @@
-"""`python -m drafter check DIR [DIR ...]`: validate checkpoint dirs against SGLang's layout (exit 0/1)."""
+"""`python -m drafter check DIR [DIR ...]`: validate checkpoint dirs against SGLang's layout.
+
+Exit 0: every dir is servable; 1: some are not (every reason printed); 2: a dir could not be checked at all
+(one line on stderr naming it), as every command exits on an error (``common.cli``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from drafter.checkpoint import check_checkpoint
+from common.cli import EXIT_OK, EXIT_REJECTED, error_line, one_line_errors
+from drafter.checkpoint import CheckpointError, check_checkpoint
 
 
+@one_line_errors(CheckpointError)
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m drafter", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -17,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     failed = False
     for d in args.dirs:
-        problems = check_checkpoint(d, check_finite=not args.no_finite)
+        try:
+            problems = check_checkpoint(d, check_finite=not args.no_finite)
+        except (ValueError, OSError) as e:  # what the checker could not read, as opposed to what it found wrong
+            raise CheckpointError(f"{d}: cannot be checked ({error_line(e)})") from None
         if problems:
             failed = True
             print(f"FAIL {d}")
@@ -25,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  - {p}")
         else:
             print(f"OK   {d}")
-    return 1 if failed else 0
+    return EXIT_REJECTED if failed else EXIT_OK
 
 
 if __name__ == "__main__":

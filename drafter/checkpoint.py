@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
 from common.files import fresh_tmp_dir, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
+from drafter.target import ascending_problem
 from drafter.vocab_map import vocab_map_problems
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -262,6 +263,8 @@ def _config_problems(cfg: dict, where: str) -> list[str]:
     if not (isinstance(ids, list) and len(ids) == 3 and all(isinstance(i, int) and i >= 0 for i in ids)):
         p.append(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layer ids, got "
                  f"{ids} (without them SGLang silently captures different layers)")
+    elif unsorted := ascending_problem(ids, "eagle_config.eagle_aux_hidden_state_layer_ids"):
+        p.append(f"{where}: {unsorted}")
     return p
 
 

@@ -42,12 +42,24 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 # SGLang's DeepSeek-family models set ``layers_to_capture = ids`` (the *inputs* of those layers, i.e. the
-# outputs of id - 1) unless the first id is 1, and only then add 1 as every other model does (sglang
-# srt/models/deepseek_v2.py ``set_eagle3_layers_to_capture``, 0.5.14 through 0.5.23; kimi_k25.py hands the
-# call to its DeepseekV3ForCausalLM language model). So ids [2, 30, 58] on Kimi-K2/K2.5 feed the drafter the
-# outputs of layers [1, 29, 57], exactly as [1, 29, 57] would.
-INPUT_CAPTURE_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                                         "KimiK25ForConditionalGeneration"})
+# outputs of id - 1) unless the first id is 1, and only then add 1 as every other model does. So ids [2, 30, 58]
+# on Kimi-K2/K2.5 feed the drafter the outputs of layers [1, 29, 57], exactly as [1, 29, 57] would.
+# The list is every target architecture whose model class applies that rule, read from sglang 0.5.23 (the PyPI
+# wheel; its _version.py records no commit id), python/sglang/srt/models/: every ``set_eagle3_layers_to_capture``
+# and the class that inherits or delegates to it, registered by name through ``EntryClass``:
+#   deepseek_v2.py     DeepseekV2ForCausalLM (the rule), DeepseekV3ForCausalLM, DeepseekV32ForCausalLM (subclasses)
+#   glm4_moe.py        GlmMoeDsaForCausalLM (a DeepseekV2ForCausalLM)
+#   glm4_moe_lite.py   Glm4MoeLiteForCausalLM (its own copy of the rule)
+#   mistral_large_3.py MistralLarge3ForCausalLM (a DeepseekV3ForCausalLM; SGLang's name for a Mistral-format
+#                      Large 3 checkpoint, utils/hf_transformers/mistral_utils.py)
+#   kimi_k25.py        KimiK25ForConditionalGeneration (hands the call to its DeepseekV3ForCausalLM language model)
+# Left out: the draft-model classes that inherit it (DeepseekV3ForCausalLMNextN, GlmMoeDsaForCausalLMNextN,
+# Glm4MoeLiteForCausalLMNextN, Glm5NextForConditionalGenerationNextN, MistralLarge3ForCausalLMEagle), never an
+# EAGLE-3 target. Every other model with EAGLE-3 support adds 1 (gpt_oss.py keeps ids whose largest equals the
+# layer count as they are: out of our range, 0..N-2).
+INPUT_CAPTURE_ARCHITECTURES = frozenset({
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+    "Glm4MoeLiteForCausalLM", "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration"})
 
 
 def sglang_captured_outputs(ids: Sequence[int], architectures: Sequence[str] | None) -> tuple[int, ...]:
@@ -58,6 +70,17 @@ def sglang_captured_outputs(ids: Sequence[int], architectures: Sequence[str] | N
                               "of each listed layer, so 0 would be the embeddings; use ids >= 1")
         return tuple(i - 1 for i in ids)
     return tuple(ids)
+
+
+def ascending_problem(ids: Sequence[int], field: str) -> str | None:
+    """Why ``ids`` cannot be a drafter's aux ids as ordered (None when ascending). SGLang appends each captured
+    state as its forward passes the layer, i.e. in layer order whatever the config's order, so a drafter trained
+    on another order reads its fc input permuted. Refused rather than sorted: a warm start's ids are compared
+    with the config's as given."""
+    if list(ids) != sorted(ids):
+        return (f"{field}: {list(ids)} must be ascending: write {sorted(ids)} (SGLang concatenates the captured "
+                "states in layer order, so the drafter's fc would read them permuted)")
+    return None
 
 
 def resolve_aux_layer_ids(config_ids: Sequence[int] | None, drafter_ids: Sequence[int] | None,
@@ -82,6 +105,9 @@ def resolve_aux_layer_ids(config_ids: Sequence[int] | None, drafter_ids: Sequenc
                           f"(valid ids 0..{num_layers - 2}; SGLang never captures the last layer)")
     if len(ids) != 3 or len(set(ids)) != 3:
         raise TargetError(f"{field}: {list(ids)} must be 3 distinct layer ids")
+    problem = ascending_problem(ids, field)
+    if problem:
+        raise TargetError(problem)
     return ids  # type: ignore[return-value]
 
 
@@ -244,6 +270,15 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
         raise TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local "
                           f"directory, a .gguf file or the builtin {BUILTIN_TARGET!r}") from None
     return TargetModel(model, tok, name, Path(source) if isinstance(source, Path) else None)
+
+
+def target_text_config(cfg: Any) -> Any:
+    """The target's HF config for its language model (heads, intermediate size, RoPE), without loading weights:
+    a multimodal target (Kimi-K2.5) nests it as ``text_config``. ``cfg`` is a TargetConfig section."""
+    from transformers import AutoConfig
+
+    source = resolve_source(cfg.name, cfg.gguf_file)
+    return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code).get_text_config()
 
 
 def load_target_from_config(cfg: Any) -> TargetModel:

@@ -16,6 +16,7 @@ from drafter.batched_target import BatchedTarget
 from drafter.model import Eagle3Drafter
 from drafter.target import TargetModel, stop_token_ids
 from eval.batched_speculative import speculative_batch
+from eval.lossless import unchecked_reason
 from eval.measure import dataset_stats, divergences
 from eval.speculative import Generation
 
@@ -39,7 +40,8 @@ def acceptance(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[in
                rule: str = "sglang", tie_epsilon: float = 1e-4) -> dict:
     """Per dataset: tau, histogram, alpha_k (conditional and not), tokens; at T=0 with references, the
     prompts whose speculative output differs from greedy (``lossless_mismatches``) and those that part at a
-    top-1/top-2 margin below ``tie_epsilon`` (``lossless_near_ties``). ``rule``: eval.acceptance at T > 0."""
+    top-1/top-2 margin below ``tie_epsilon`` (``lossless_near_ties``); a reduced-precision target is not checked
+    (``lossless_unchecked`` says why: ``eval.lossless``). ``rule``: eval.acceptance at T > 0."""
     engine, stops = BatchedTarget(target.model, aux_ids), stop_token_ids(target.tokenizer)
     out: dict = {}
     for name, ps in prompts.items():
@@ -47,9 +49,12 @@ def acceptance(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[in
                                  acceptance=rule)
         gens = [Generation(r.tokens, accepted=r.accepted) for r in rows]
         stats = dataset_stats(gens, k) | {"prompts": len(ps)}
-        if temperature == 0 and references is not None:
+        unchecked = unchecked_reason(temperature, target.dtype)
+        if unchecked is None and references is not None:
             found = divergences(references[name], gens, name, tie_epsilon)
             stats["lossless_mismatches"] = [m for m in found if not m["near_tie"]]
             stats["lossless_near_ties"] = [m for m in found if m["near_tie"]]
+        elif temperature == 0 and references is not None:
+            stats["lossless_unchecked"] = unchecked
         out[name] = stats
     return out

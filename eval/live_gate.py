@@ -68,8 +68,13 @@ def request_stats(body: dict, client_s: float, url: str, speculative: bool) -> R
     verify = meta.get("spec_verify_ct")
     if not isinstance(tokens, int):
         raise ServerError(f"{url}/generate: meta_info.completion_tokens missing")
+    if speculative and verify is None and tokens <= 1:
+        # Ended at its prefill token: no verify cycle, and SGLang then sends no spec_* field at all
+        # (tokenizer_manager.py ``_calculate_spec_decoding_metrics`` runs only when spec_verify_ct > 0).
+        verify = 0
     if speculative and not isinstance(verify, int):
-        raise ServerError(f"{url}/generate: meta_info.spec_verify_ct missing (is speculative decoding on?)")
+        raise ServerError(f"{url}/generate: meta_info.spec_verify_ct missing for a request of {tokens} tokens "
+                          "(is speculative decoding on?)")
     e2e = meta.get("e2e_latency")
     ttft = meta.get("first_token_latency")
     return RequestStats(tokens, verify if speculative else None, histogram_of(meta) if speculative else None,
@@ -89,8 +94,11 @@ def run_prompts(url: str, prompts: Sequence[Sequence[int]], concurrency: int, te
         return list(pool.map(one, prompts))
 
 
-def spec_summary(results: Sequence[RequestStats]) -> dict:
-    """tau, alpha_k and t_cycle of a speculating server over some requests."""
+def spec_summary(all_results: Sequence[RequestStats]) -> dict:
+    """tau, alpha_k and t_cycle of a speculating server over some requests. A request without a verify cycle
+    (it ended at its prefill token) says nothing about the drafter: counted (``requests_without_cycles``) and left
+    out of every figure."""
+    results = [r for r in all_results if r.verify]
     verify = sum(r.verify or 0 for r in results)
     tokens = sum(r.completion_tokens for r in results)
     hist: list[int] = []
@@ -103,7 +111,8 @@ def spec_summary(results: Sequence[RequestStats]) -> dict:
         tau = (tokens - len(results)) / verify if verify else float("nan")
         source = "(completion_tokens - 1) / spec_verify_ct"
     timed = all(r.ttft_s is not None for r in results)
-    out = {"requests": len(results), "completion_tokens": tokens, "spec_verify_ct": verify, "tau": tau,
+    out = {"requests": len(all_results), "requests_without_cycles": len(all_results) - len(results),
+           "completion_tokens": tokens, "spec_verify_ct": verify, "tau": tau,
            "tau_source": source, "sglang_accept_length": tokens / verify if verify else float("nan"),
            "histogram": hist if exact else None,
            "cycle_ms": 1000 * sum(r.decode_s for r in results) / verify if verify else float("nan"),
@@ -214,6 +223,11 @@ def measure_live(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]],
                 continue
             per_ds = {ds: run_prompts(urls[role], p, c, T, n_new, live.timeout_s, headers, speculative=True)
                       for ds, p in prompts.items()}
+            for ds, rs in per_ds.items():
+                if not any(r.verify for r in rs):
+                    raise ServerError(f"eval.sglang.{ROLE_KEYS[role]}: {urls[role]}: none of the {len(rs)} {ds} "
+                                      f"requests at concurrency {c} had a verify cycle (each ended at its first "
+                                      "token): nothing to measure; check the prompts and eval.max_new_tokens")
             row["drafters"][role] = {"datasets": {ds: spec_summary(rs) for ds, rs in per_ds.items()},
                                      "all": spec_summary([r for rs in per_ds.values() for r in rs])}
         cycle_ms = (row["drafters"]["candidate"]["all"]["cycle_ms"] if "baseline" in urls
@@ -267,6 +281,11 @@ def markdown(r: dict) -> str:
                 alphas = " / ".join(_f(a, 2) for a in st.get("alpha_conditional") or []) or "–"
                 lines.append(f"| {role} | {ds} | {_f(st['tau'])} | {alphas} | {_f(st['cycle_ms'], 2)} | "
                              f"{_f(d['tokens_per_s_per_request'], 1)} | x{_f(d['speedup'], 2)} |")
+        skipped = [f"- {role}, {ds}: {st['requests_without_cycles']} of {st['requests']} requests ended at their "
+                   "first token (no verify cycle): left out of tau and the cycle time"
+                   for role, d in row["drafters"].items() for ds, st in d["datasets"].items()
+                   if st.get("requests_without_cycles")]
+        lines += ["", *skipped] if skipped else []
     lines += ["", "Lossless: not checked on live servers (compare outputs with `eval gate` on the HF target)."]
     if "gate" in r:
         g = r["gate"]

@@ -51,7 +51,9 @@ def divergences(reference: Sequence[Generation], gens: Sequence[Generation], dat
 
 
 def summarize(per_dataset: Mapping[str, Sequence[Generation]], references: Mapping[str, Sequence[Generation]],
-              decode_ms: float, s: Settings) -> dict:
+              decode_ms: float, s: Settings, dtype: torch.dtype = torch.float32) -> dict:
+    """Per-dataset acceptance, phase times, speed and the lossless check (``dtype``: the target's; only an
+    exact one is checked, ``eval.lossless.unchecked_reason``)."""
     gens = [g for gs in per_dataset.values() for g in gs]
     times = metrics.PhaseTimes(sum(g.draft_s for g in gens), sum(g.verify_s for g in gens),
                                sum(g.overhead_s for g in gens), sum(len(g.accepted) for g in gens))
@@ -61,13 +63,14 @@ def summarize(per_dataset: Mapping[str, Sequence[Generation]], references: Mappi
            "draft_step_ms": ms["draft"] / s.num_steps,
            "speed": metrics.speed(sum(g.cycle_tokens for g in gens), times, decode_ms)}
     out["measured_breakeven"] = breakeven.breakeven(decode_ms, ms["cycle"], s.num_steps) if times.cycles else None
-    if s.temperature == 0:
+    reason = lossless.unchecked_reason(s.temperature, dtype)
+    if reason is None:
         found = [m for name, gs in per_dataset.items() for m in divergences(references[name], gs, name, s.tie_epsilon)]
         mismatches = [m for m in found if not m["near_tie"]]
         out["lossless"] = {"checked": True, "ok": not mismatches, "prompts": len(gens), "mismatches": mismatches,
                            "near_ties": [m for m in found if m["near_tie"]], "tie_epsilon": s.tie_epsilon}
     else:
-        out["lossless"] = {"checked": False, "ok": True, "reason": "T>0: outputs are samples, not comparable"}
+        out["lossless"] = {"checked": False, "ok": True, "reason": reason}
     return out
 
 
@@ -98,4 +101,4 @@ def measure(engine: Engine, prompts: Mapping[str, Sequence[Sequence[int]]], prop
             "plain": {"decode_ms": decode_ms, "decode_steps": steps,
                       "tokens_per_s": 1000 / decode_ms if steps else float("nan"),
                       "prefill_s": sum(g.prefill_s for gs in plain.values() for g in gs)},
-            "drafters": {name: summarize(spec[name], plain, decode_ms, s) for name in proposers}}
+            "drafters": {name: summarize(spec[name], plain, decode_ms, s, engine.target.dtype) for name in proposers}}

@@ -105,12 +105,15 @@ def add_histogram(total: list[int], hist: Sequence[int]) -> None:
 
 
 def speculative_stats(url: str, prompts: Sequence[Sequence[int]], temperature: float, max_new_tokens: int) -> dict:
-    completion = verify = 0
+    completion = verify = no_cycles = 0
     hist: list[int] = []
     missing_hist = 0
     for ids in prompts:
         body, _ = generate(url, ids, temperature, max_new_tokens)
         meta = body["meta_info"]
+        if "spec_verify_ct" not in meta and _int(meta, "completion_tokens", url) <= 1:
+            no_cycles += 1  # ended at its prefill token: no verify cycle, and SGLang sends no spec_* field
+            continue
         completion += _int(meta, "completion_tokens", url)
         verify += _int(meta, "spec_verify_ct", url)
         h = histogram_of(meta)
@@ -120,7 +123,7 @@ def speculative_stats(url: str, prompts: Sequence[Sequence[int]], temperature: f
             missing_hist += 1
     out = {"requests": len(prompts), "completion_tokens": completion, "spec_verify_ct": verify,
            "tau": completion / verify if verify else float("nan"), "histogram": hist or None,
-           "requests_without_histogram": missing_hist}
+           "requests_without_histogram": missing_hist, "requests_without_cycles": no_cycles}
     if hist and not missing_hist:
         out["tau_histogram"] = metrics.tau_from_histogram(hist)  # per cycle, without the prefill token
         out["alpha_conditional"] = metrics.conditional_rates(hist)

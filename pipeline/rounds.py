@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from common import lifeline
-from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
+from common.cli import EXIT_OK, EXIT_REJECTED, exit_reason, one_line_errors
 from common.config import ConfigError, RunConfig, dump_config, load_config
 from common.dtypes import torch_dtype
 from common.files import write_text_atomic
@@ -96,8 +96,7 @@ def run_stage(cmd: list[str], log: Path, env: dict[str, str] | None = None, gate
     with log.open("a") as f:
         f.write(json.dumps({"cmd": cmd, "rc": rc, "seconds": round(time.time() - start, 1)}) + "\n")
     if rc != EXIT_OK and not (gate and rc == EXIT_REJECTED):
-        why = f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
-        raise PipelineError(f"stage failed ({why}); fix the message above and rerun the same command "
+        raise PipelineError(f"stage failed ({exit_reason(rc)}); fix the message above and rerun the same command "
                             f"(stages resume): {' '.join(cmd)}")
     return rc
 

@@ -4,10 +4,11 @@ and OS errors name the file and the fix in one line."""
 from __future__ import annotations
 
 import errno
+import signal
 
 import pytest
 
-from common.cli import EXIT_ERROR, one_line_errors
+from common.cli import EXIT_ERROR, LLAMA_CPP_CAUSES, exit_reason, one_line_errors
 
 
 class Ours(RuntimeError):
@@ -44,3 +45,14 @@ def test_a_bug_shows_its_traceback_then_the_line_and_still_exits_2(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("Traceback") and err[-1] == (
         "error: unexpected KeyError: 'oops' (the traceback above says where)")
+
+
+def test_a_return_code_reads_as_an_exit_or_a_named_signal_with_its_cause():
+    assert exit_reason(0) == "exit 0" and exit_reason(3) == "exit 3"
+    assert exit_reason(-signal.SIGKILL).startswith("killed by SIGKILL (signal 9): killed from outside")
+    assert exit_reason(-signal.SIGILL) == ("killed by SIGILL (signal 4): an instruction this CPU does not allow (a "
+                                          "native library built for another CPU)")
+    assert exit_reason(-signal.SIGILL, LLAMA_CPP_CAUSES).endswith("rebuild llama-cpp-python with "
+                                                                  "CMAKE_ARGS=-DGGML_NATIVE=OFF (make setup does)")
+    assert exit_reason(-signal.SIGUSR1) == "killed by SIGUSR1 (signal 10)"
+    assert exit_reason(-200) == "killed by signal 200"

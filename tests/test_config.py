@@ -93,6 +93,9 @@ def error_lines(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
     (lambda t: t["regenerate"].update(top_p=1.5), "regenerate.top_p", "less than or equal to 1"),
     (lambda t: t["capture"].update(teacher="soft"), "capture.teacher", "'hidden' or 'topk'"),
     (lambda t: t["target"].update(aux_layer_ids=[2, 2, 27]), "target.aux_layer_ids", "distinct"),
+    # SGLang concatenates the captures in layer order: fc would read [30, 2, 58] permuted
+    (lambda t: t["target"].update(aux_layer_ids=[30, 2, 58]), "target.aux_layer_ids",
+     "must be ascending: write [2, 30, 58]"),
     (lambda t: t["data"]["sources"][0].update(kind="csv"), "data.sources.0.kind", "sharegpt"),
     (lambda t: t["eval"].update(datasets=[]), "eval.datasets", "at least 1"),
     (lambda t: t["gate"].update(datasets=["nope"]), "gate.datasets", "not among eval.datasets"),

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
 from data_prep.backends import BackendError, HFChatBackend
 from data_prep.regenerate import RegenerateError, run_regenerate
@@ -422,13 +423,15 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
         assert a.loop_tokens == ((o.generated, len(o.tokens)) if o.finish_reason == "loop" else None)
 
 
-def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float) -> None:
+def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,
+                    causes: dict[int, str] | None = None) -> None:
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         if path.exists() and path.read_bytes().count(b"\n") >= n:
             return
         if proc.poll() is not None:
-            pytest.fail(f"{proc.args[:3]} exited early ({proc.returncode}): {log.read_text()[-2000:]}")
+            pytest.fail(f"{proc.args[:3]} exited early ({exit_reason(proc.returncode, causes)}): "
+                        f"{log.read_text()[-2000:]}")
         time.sleep(0.02)
     pytest.fail(f"no record written to {path} within {limit_s} s")
 
@@ -467,23 +470,24 @@ def test_kill9_during_hf_regenerate_then_resume(tmp_path: Path) -> None:
 class LlamaServer:
     """``python -m llama_cpp.server`` on loopback with the builtin GGUF; always stopped by the caller."""
 
-    def __init__(self, log: Path):
-        from common.wheels import builtin_gguf
-
+    def __init__(self, log: Path, argv: list[str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        # One thread: on a shared 2-core machine, spinning thread pools run several times slower.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(builtin_gguf()), "--host", "127.0.0.1",
-             "--port", str(self.port), "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1"],
-            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+        if argv is None:
+            from common.wheels import builtin_gguf
+
+            # One thread: on a shared 2-core machine, spinning thread pools run several times slower.
+            argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(builtin_gguf()), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1"]
+        self.proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, limit_s: float = 90) -> None:
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"llama.cpp server exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
+                pytest.fail(f"llama.cpp server exited early ({exit_reason(self.proc.returncode, LLAMA_CPP_CAUSES)}): "
+                            f"{self.log.read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
                     if r.status == 200:
@@ -496,6 +500,22 @@ class LlamaServer:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=30)
+
+
+def test_a_server_killed_by_a_signal_is_named_with_its_likely_cause(tmp_path: Path) -> None:
+    """A llama.cpp built for another CPU dies with SIGILL on its first completion; the watcher must say so and
+    name the fix, not only "exited (-4)". A real child kills itself with SIGILL and goes through the same watch."""
+    server = LlamaServer(tmp_path / "server.log",
+                         [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    try:
+        with pytest.raises(pytest.fail.Exception) as failed:
+            server.wait_ready(limit_s=30)
+    finally:
+        server.kill()
+    assert server.proc.returncode == -signal.SIGILL
+    message = str(failed.value)
+    assert "killed by SIGILL (signal 4)" in message, message
+    assert "CMAKE_ARGS=-DGGML_NATIVE=OFF (make setup does)" in message, message
 
 
 @pytest.mark.real
@@ -523,7 +543,8 @@ def test_real_llama_cpp_server_killed_mid_run_then_resumed(tmp_path: Path) -> No
 
         thread = threading.Thread(target=first_run, daemon=True)
         thread.start()
-        _wait_for_lines(cfg.conversations_path, 1, servers[0].proc, servers[0].log, limit_s=120)
+        _wait_for_lines(cfg.conversations_path, 1, servers[0].proc, servers[0].log, limit_s=120,
+                        causes=LLAMA_CPP_CAUSES)
         servers[0].kill()
         thread.join(timeout=120)
         assert not thread.is_alive()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from common.wheels import builtin_gguf, converted_gguf_dir
 from data_prep.capture import CaptureError, run_capture
 from data_prep.dataset import ShardDataset
 from data_prep.loss_mask import render_with_mask
-from data_prep.specforge_import import list_files
+from data_prep.specforge_import import export_for_specforge, list_files
 from data_prep.store import load_target_head, read_manifest
 from drafter.hf_index import load_indexed_target
 from drafter.target import TargetModel
@@ -58,9 +59,18 @@ def checkpoint(tmp_path_factory) -> Path:
     return out
 
 
+def specforge_order(n: int) -> list[int]:
+    """Row of --data-path that SpecForge writes as data_<i>: ``build_eagle3_dataset`` shuffles the dataset
+    (``dataset.shuffle(seed=shuffle_seed)``, default 42) before the dataloader (shuffle=False) numbers it."""
+    from datasets import Dataset
+
+    return Dataset.from_dict({"row": list(range(n))}).shuffle(seed=42)["row"]
+
+
 def write_specforge(root: Path, model: TargetModel, samples: list[tuple[list[int], list[int]]],
                     batch_size: int = 2, group: int = 2, compress_every: int = 3) -> None:
-    """SpecForge's writer: batches right-padded with zeros, the padded row forwarded and saved whole."""
+    """SpecForge's writer: ``samples`` in its (shuffled) order, batches right-padded with zeros, the padded row
+    forwarded and saved whole."""
     for b in range(0, len(samples), batch_size):
         rows = samples[b: b + batch_size]
         width = max(len(ids) for ids, _ in rows)
@@ -111,8 +121,14 @@ def test_specforge_import_equals_hf_capture_without_building_the_model(tmp_path,
     model = load_target(str(checkpoint), dtype="float32", device="cpu")
     run_capture(parse_config(tree(hf_run, checkpoint, "hf")), target=model)
 
-    # SpecForge tokenized the same chats (our render stands in for its parser) and captured them in SGLang.
-    rendered = [render_with_mask(model.tokenizer, c["messages"], 64) for c in convs]
+    # SpecForge read our export, shuffled it, tokenized the same chats (our render stands in for its parser) and
+    # captured them in SGLang.
+    sf_run = tmp_path / "sf"
+    sf_run.mkdir()
+    export_for_specforge(convs, sf_run / "specforge_input.jsonl")
+    order = specforge_order(5)
+    assert order != list(range(5))
+    rendered = [render_with_mask(model.tokenizer, convs[j]["messages"], 64) for j in order]
     sf_dir = tmp_path / "specforge"
     write_specforge(sf_dir, model, [(r.input_ids, r.loss_mask) for r in rendered])
     assert sorted(p.relative_to(sf_dir).as_posix() for p in sf_dir.rglob("data_*"))[:3] == [
@@ -123,13 +139,12 @@ def test_specforge_import_equals_hf_capture_without_building_the_model(tmp_path,
         raise AssertionError("an HF model was instantiated during a specforge capture")
 
     monkeypatch.setattr(transformers.PreTrainedModel, "__init__", refuse)
-    sf_run = tmp_path / "sf"
     summary = run_capture(parse_config(tree(sf_run, checkpoint, "specforge", specforge_dir=str(sf_dir))))
 
     ref, got = ShardDataset(hf_run / "store"), ShardDataset(sf_run / "store")
     assert len(got) == len(ref) == 5 and [got[i]["id"] for i in range(5)] == [f"specforge-{i:08d}" for i in range(5)]
     for i in range(5):
-        a, b = ref[i], got[i]
+        a, b = ref[order[i]], got[i]
         n = len(b["input_ids"])
         last_loss = int(a["loss_mask"].nonzero()[-1])
         assert n == last_loss + 1  # cut after the last loss token: the padding and the template's "\n" go
@@ -214,3 +229,102 @@ def test_missing_or_malformed_specforge_files_are_clear(tmp_path, checkpoint, no
                 "hidden_state": torch.zeros(1, 4, 32), "aux_hidden_state": torch.zeros(1, 4, 64)}, bad)
     with pytest.raises(CaptureError, match=r"data_0.ckpt: aux_hidden_state is \(1, 4, 64\), expected \(1, 4, 96\)"):
         run_capture(cfg)
+
+
+def test_the_specforge_command_always_passes_the_drafters_config(tmp_path, checkpoint, tiny_drafter, no_hf_model):
+    """SpecForge's prepare_hidden_states.py reads the capture layers and draft_vocab_size from
+    --draft-model-config (without it, it fails: the option is read as a path). A fresh drafter's config.json is
+    written to the run dir and passed; a warm start's config is written there with its ids spelled out."""
+    from drafter.checkpoint import check_checkpoint, save_checkpoint, shape_from_config
+
+    run = tmp_path / "fresh"
+    run.mkdir()
+    (run / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(2)))
+    tree_ = tree(run, checkpoint, "specforge", specforge_dir=str(tmp_path / "sf"))
+    tree_["drafter"] = {"draft_vocab_size": 1000}
+    tree_["target"]["chat_template_kwargs"] = {"thinking": False}
+    with pytest.raises(CaptureError) as e:
+        run_capture(parse_config(tree_))
+    written = run / "specforge_draft_config.json"
+    assert f"--draft-model-config {written}" in str(e.value)
+    assert "no option of SpecForge's takes target.chat_template_kwargs {'thinking': False}" in str(e.value)
+    cfg = json.loads(written.read_text())
+    shape = shape_from_config(cfg, str(written))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["eagle_config"][
+        "eagle_aux_hidden_state_layer_ids"] == AUX
+    assert (shape.hidden_size, shape.vocab_size, shape.draft_vocab_size, shape.num_attention_heads) == (
+        32, 49152, 1000, 4)
+
+    warm = save_checkpoint(tiny_drafter, tmp_path / "warm-drafter", dtype="float32")
+    assert check_checkpoint(warm) == []
+    run = tmp_path / "warm"
+    run.mkdir()
+    (run / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(2)))
+    tree_ = tree(run, checkpoint, "specforge", specforge_dir=str(tmp_path / "sf"))
+    tree_["target"]["aux_layer_ids"] = None
+    tree_["drafter"] = {"init_from": str(warm)}
+    with pytest.raises(CaptureError) as e:
+        run_capture(parse_config(tree_))
+    written = run / "specforge_draft_config.json"
+    assert f"--draft-model-config {written}" in str(e.value)
+    assert json.loads(written.read_text()) == json.loads((warm / "config.json").read_text())
+
+
+def _import_specforge_rendered(tmp_path: Path, checkpoint: Path, convs: list[dict], chats: list[list[dict]],
+                               kwargs: dict | None = None, template_kwargs: dict | None = None) -> dict:
+    """SpecForge's files for ``chats`` (one per conversation, rendered with ``kwargs`` as SpecForge would), then
+    the import of ``convs`` with target.chat_template_kwargs ``template_kwargs``; returns the config tree."""
+    from drafter.target import load_target
+
+    model = load_target(str(checkpoint), dtype="float32", device="cpu")
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    export_for_specforge(convs, run / "specforge_input.jsonl")
+    order = specforge_order(len(convs))
+    rendered = [render_with_mask(model.tokenizer, chats[j], 64, kwargs) for j in order]
+    write_specforge(tmp_path / "sf", model, [(r.input_ids, r.loss_mask) for r in rendered])
+    t = tree(run, checkpoint, "specforge", specforge_dir=str(tmp_path / "sf"))
+    t["target"]["chat_template_kwargs"] = template_kwargs or {}
+    return t
+
+
+def test_specforge_tokens_that_differ_from_the_servers_rendering_are_one_line(tmp_path, checkpoint, monkeypatch):
+    """SpecForge's GeneralParser puts its template registry's system prompt ("You are a helpful assistant.") in
+    front of a conversation that has none; the server renders SmolLM2's own default. The import compares every
+    sample with the server's rendering of the same conversation and names the first differing token."""
+    convs = conversations(3)
+    system = [{"role": "system", "content": "You are a helpful assistant."}]
+    t = _import_specforge_rendered(tmp_path, checkpoint, convs, [system + c["messages"] for c in convs])
+    with pytest.raises(CaptureError) as e:
+        run_capture(parse_config(t))
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    first = specforge_order(3)[0]
+    assert f"data_0.ckpt: SpecForge sample 0 (conversation {convs[first]['id']}) differs from the server's " \
+           "rendering at token " in msg, msg
+    assert re.search(r"at token \d+: SpecForge has \d+ \('.*'\), the server's rendering \d+ \('.*'\)", msg), msg
+
+
+def test_chat_template_kwargs_that_never_reach_specforge_are_caught(tmp_path, checkpoint):
+    """target.chat_template_kwargs (thinking off) reach every render of ours and the server, but no flag of
+    SpecForge's prepare_hidden_states.py carries them: its tokens lack the empty think block."""
+    import shutil
+
+    ckpt = tmp_path / "thinking-ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    (ckpt / "chat_template.jinja").write_text(
+        "{%- for m in messages -%}<|im_start|>{{ m.role }}\n"
+        "{%- if m.role == 'assistant' and thinking is defined and not thinking -%}<think></think>{%- endif -%}"
+        "{{ m.content }}<|im_end|>\n{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant\n"
+        "{%- if thinking is defined and not thinking -%}<think></think>{%- endif -%}{%- endif -%}")
+    convs = conversations(2)
+    t = _import_specforge_rendered(tmp_path, ckpt, convs, [c["messages"] for c in convs],
+                                   template_kwargs={"thinking": False})
+    with pytest.raises(CaptureError, match=r"SpecForge sample 0 \(conversation c\d\) differs from the server's "
+                       r"rendering at token \d+: SpecForge has .*target.chat_template_kwargs \{'thinking': False\}"):
+        run_capture(parse_config(t))
+    # rendered with the same kwargs (a template whose thinking default is off), the tokens agree
+    t = _import_specforge_rendered(tmp_path / "same", ckpt, convs, [c["messages"] for c in convs],
+                                   kwargs={"thinking": False}, template_kwargs={"thinking": False})
+    assert run_capture(parse_config(t)).samples == 2

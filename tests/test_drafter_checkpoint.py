@@ -287,6 +287,8 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], str]] = {
              "tie_word_embeddings must be false"),
     "no_aux_ids": (lambda d: _edit_config(d, lambda c: c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")),
                    "eagle_aux_hidden_state_layer_ids"),
+    "unsorted_aux_ids": (lambda d: _edit_config(d, lambda c: c["eagle_config"].__setitem__(
+        "eagle_aux_hidden_state_layer_ids", [2, 0, 1])), "must be ascending"),
     "wrong_arch": (lambda d: _edit_config(d, lambda c: c.__setitem__("architectures", ["LlamaForCausalLM"])),
                    "architectures"),
     "int32_d2t": (lambda d: _edit_tensors(d, lambda t: _set(t, "d2t", t["d2t"].int())), "d2t has dtype I32"),
@@ -339,3 +341,18 @@ def test_cli_check_exit_codes(saved: Path, tmp_path: Path) -> None:
     for d in broken:
         section = bad.stdout.split(f"FAIL {d}\n", 1)[1].split("FAIL ", 1)[0]
         assert BREAKAGES[d.name][1] in section, (d.name, bad.stdout)
+
+
+def test_cli_check_that_cannot_read_a_checkpoint_is_one_line_and_exit_2(saved: Path, tmp_path: Path) -> None:
+    """A checkpoint the checker cannot even read (config.json not UTF-8) is an error, not a crash that exits 1
+    (which reads as "checked: FAIL"): one line on stderr naming the directory, exit 2, as every command."""
+    import shutil
+
+    bad = tmp_path / "latin1"
+    shutil.copytree(saved, bad)
+    (bad / "config.json").write_bytes(b"\xff\xfe{not utf-8}")
+    r = subprocess.run([sys.executable, "-m", "drafter", "check", str(bad)], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad}: cannot be checked"), r.stderr

@@ -77,6 +77,26 @@ def test_aux_capture_follows_sglang_per_architecture(architecture: str, ids: tup
     assert torch.equal(target.forward(x, ids).aux, torch.cat([ref[i + 1] for i in outputs], -1))
 
 
+# Every target architecture whose SGLang model class captures the *inputs* of the listed layers unless the first id
+# is 1 (read from sglang 0.5.23, python/sglang/srt/models/: deepseek_v2.py DeepseekV2/V3/V32ForCausalLM;
+# glm4_moe.py GlmMoeDsaForCausalLM(DeepseekV2ForCausalLM); glm4_moe_lite.py Glm4MoeLiteForCausalLM, its own copy
+# of the rule; mistral_large_3.py MistralLarge3ForCausalLM(DeepseekV3ForCausalLM); kimi_k25.py, whose language
+# model is a DeepseekV3ForCausalLM).
+DEEPSEEK_RULE = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                 "Glm4MoeLiteForCausalLM", "MistralLarge3ForCausalLM", "KimiK25ForConditionalGeneration"]
+
+
+@pytest.mark.parametrize("architecture", DEEPSEEK_RULE)
+def test_every_architecture_with_the_deepseek_rule_is_listed(architecture: str) -> None:
+    assert sglang_captured_outputs((2, 30, 58), [architecture]) == (1, 29, 57)
+    assert sglang_captured_outputs((1, 30, 58), [architecture]) == (1, 30, 58)
+
+
+def test_llama_style_architectures_capture_the_outputs_of_the_ids() -> None:
+    for architecture in ("LlamaForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM"):
+        assert sglang_captured_outputs((2, 30, 58), [architecture]) == (2, 30, 58)
+
+
 def test_input_capture_refuses_id_zero() -> None:
     with pytest.raises(TargetError, match="embeddings"):
         sglang_captured_outputs((0, 3, 5), ["DeepseekV3ForCausalLM"])
@@ -150,6 +170,9 @@ def test_default_and_legacy_ids() -> None:
     ([-1, 15, 27], None, ("target.aux_layer_ids", "out of range")),
     (None, (2, 30, 58), ("eagle_aux_hidden_state_layer_ids", "out of range")),
     ([2, 2, 27], None, ("target.aux_layer_ids", "distinct")),
+    # a drafter config's ids in another order: SGLang feeds fc its captures in layer order
+    (None, (15, 2, 27), ("eagle_aux_hidden_state_layer_ids", "[15, 2, 27]", "ascending", "[2, 15, 27]")),
+    ([15, 2, 27], (15, 2, 27), ("target.aux_layer_ids", "ascending", "[2, 15, 27]")),
 ])
 def test_bad_ids_are_one_line_errors(config_ids, drafter_ids, fields) -> None:
     with pytest.raises(TargetError) as e:

@@ -44,8 +44,12 @@ def info(draft: str | None, steps: int = 3, topk: int = 1, draft_tokens: int = 4
 
 
 def generate_body(hist: list[int] | None, metrics: bool, old_names: bool = False) -> dict:
-    """One /generate response: ``hist`` (verify steps that kept exactly a drafts) for a speculating server."""
-    if hist is None:
+    """One /generate response: ``hist`` (verify steps that kept exactly a drafts) for a speculating server; ``[]``
+    for a request that ended at its prefill token (no verify cycle: SGLang then leaves every spec_* field out,
+    tokenizer_manager.py ``_calculate_spec_decoding_metrics`` runs only when spec_verify_ct > 0)."""
+    if hist == []:
+        tokens, decode_s = 1, 0.0
+    elif hist is None:
         tokens = 24
         decode_s = (tokens - 1) * DECODE_MS / 1000
     else:
@@ -56,7 +60,7 @@ def generate_body(hist: list[int] | None, metrics: bool, old_names: bool = False
     meta: dict[str, Any] = {"id": "0f3c", "finish_reason": {"type": "length", "length": tokens}, "prompt_tokens": 7,
                             "weight_version": "default", "num_retractions": 0, "completion_tokens": tokens,
                             "cached_tokens": 0, "e2e_latency": ttft + decode_s}
-    if hist is not None:
+    if hist:
         correct = sum(a * n for a, n in enumerate(hist))
         meta |= {"spec_accept_rate": correct / (3 * sum(hist)), "spec_accept_length": tokens / sum(hist),
                  "spec_num_correct_drafts": correct, "spec_num_proposed_drafts": 3 * sum(hist),
@@ -64,14 +68,16 @@ def generate_body(hist: list[int] | None, metrics: bool, old_names: bool = False
                  ("spec_accept_histogram" if old_names else "spec_correct_drafts_histogram"): hist}
     if metrics:  # --enable-metrics
         meta |= {"request_received_ts": 1.76e9, "first_token_latency": ttft, "request_finished_ts": 1.76e9 + 1,
-                 "decode_throughput": (tokens - 1) / decode_s, "queue_time": 0.001}
+                 "decode_throughput": (tokens - 1) / decode_s if decode_s else 0.0, "queue_time": 0.001}
     return {"text": "…", "output_ids": list(range(tokens)), "meta_info": meta}
 
 
 class FakeSGLang(ThreadingHTTPServer):
-    def __init__(self, server_info: dict, hist: list[int] | None, metrics: bool = True, old_names: bool = False):
+    def __init__(self, server_info: dict, hist: list[int] | None, metrics: bool = True, old_names: bool = False,
+                 first_token_only: frozenset[int] = frozenset()):
         super().__init__(("127.0.0.1", 0), Handler)
         self.info, self.hist, self.metrics, self.old_names = server_info, hist, metrics, old_names
+        self.first_token_only = first_token_only  # prompts (by their first id) answered by the prefill token alone
         self.lock, self.in_flight, self.max_in_flight, self.requests = threading.Lock(), 0, 0, []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -103,7 +109,8 @@ class Handler(BaseHTTPRequestHandler):
         time.sleep(0.05)
         with srv.lock:
             srv.in_flight -= 1
-        self._send(200, generate_body(srv.hist, srv.metrics, srv.old_names))
+        hist = [] if body["input_ids"][0] in srv.first_token_only else srv.hist
+        self._send(200, generate_body(hist, srv.metrics, srv.old_names))
 
     def log_message(self, *args):
         pass
@@ -237,6 +244,34 @@ def test_one_failing_concurrency_rejects():
     assert not ok and taus == {"1": {"mtbench": 3.0}, "8": {"mtbench": 3.0}}
     assert any(r.startswith("concurrency 8: mtbench: tau 3.000 < break-even") for r in reasons)
     assert decide_live({"by_concurrency": {"1": row(2.46)}}, ["mtbench"], 0.0, 0.0)[0]
+
+
+def test_requests_without_a_verify_cycle_are_counted_not_fatal(tmp_path, serve, ckpts):
+    """A request that ends at its prefill token (an immediate end of turn) has no verify cycle, and SGLang then
+    sends no spec_verify_ct at all. It says nothing about the drafter: counted in the report, left out of tau and
+    the cycle time; the run goes on."""
+    urls = three_servers(serve, ckpts, CAND_GOOD, INC_K2)
+    cand, inc, _ = urls.pop("_servers")
+    cand.first_token_only = inc.first_token_only = frozenset({8})  # mtbench's third prompt [8, 9]
+    cfg = parse_config(cfg_tree(tmp_path, urls))
+    assert live_gate(cfg, str(ckpts["Kimi-K25-eagle3"]), str(ckpts["Kimi-K2-Instruct-eagle3"]), True, "k25",
+                     prompts=PROMPTS) == "promoted"
+    out = tmp_path / "run" / "eval" / "k25"
+    report = json.loads((out / "report.json").read_text())
+    for c in ("1", "3"):
+        cand_row = report["by_concurrency"][c]["drafters"]["candidate"]
+        mt, he = cand_row["datasets"]["mtbench"], cand_row["datasets"]["humaneval"]
+        assert (mt["requests"], mt["requests_without_cycles"], he["requests_without_cycles"]) == (3, 1, 0)
+        assert mt["tau"] == pytest.approx(3.0) and mt["cycle_ms"] == pytest.approx(CYCLE_MS)
+        assert mt["spec_verify_ct"] == 2 * sum(CAND_GOOD) and cand_row["all"]["requests_without_cycles"] == 1
+    assert "1 of 3 requests ended at their first token" in (out / "report.md").read_text()
+
+
+def test_no_request_with_a_verify_cycle_is_an_error(tmp_path, serve, ckpts):
+    cand = serve(info(f"/m/{ckpts['Kimi-K25-eagle3'].name}"), CAND_GOOD, first_token_only=frozenset({1, 4, 8}))
+    cfg = parse_config(cfg_tree(tmp_path, {"server_url": cand.url}, timings={"decode_ms": 12.1, "cycle_ms": {3: 29.8}}))
+    with pytest.raises(ServerError, match=r"none of the 3 mtbench requests at concurrency 1 had a verify cycle"):
+        measure_live(cfg, PROMPTS, {"candidate": str(ckpts["Kimi-K25-eagle3"])})
 
 
 def test_cli_exit_codes_and_server_checks(tmp_path, serve, ckpts):

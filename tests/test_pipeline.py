@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from common import wheels
+from common.cli import exit_reason
 from common.config import ConfigError, load_config
 from pipeline import rounds
 
@@ -108,7 +109,7 @@ def test_stage_exit_codes_gate_1_is_a_decision_anything_else_an_error(tmp_path):
     for rc, gate in ((1, False), (2, True), (3, True)):
         with pytest.raises(rounds.PipelineError, match=rf"stage failed \(exit {rc}\)"):
             rounds.run_stage([*exits, str(rc)], log, gate=gate)
-    with pytest.raises(rounds.PipelineError, match=r"killed by signal 9"):
+    with pytest.raises(rounds.PipelineError, match=r"killed by SIGKILL \(signal 9\): killed from outside"):
         rounds.run_stage([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], log,
                          gate=True)
 
@@ -196,7 +197,7 @@ def _wait_for(what, limit_s: float, proc=None):
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"exited early ({proc.returncode}): {proc.stderr.read() if proc.stderr else ''}")
+            pytest.fail(f"exited early ({exit_reason(proc.returncode)}): {proc.stderr.read() if proc.stderr else ''}")
         time.sleep(0.1)
     pytest.fail(f"timed out after {limit_s} s")
 

@@ -13,18 +13,9 @@ from torch import Tensor
 
 from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
+from drafter.target import target_text_config
 from drafter.vocab_map import build_vocab_map
 from train.data import TrainingData
-
-
-def target_hf_config(cfg: Any) -> Any:
-    """The target's HF config (heads, intermediate size, RoPE): the manifest carries only its sizes."""
-    from transformers import AutoConfig
-
-    from drafter.target import resolve_source
-
-    source = resolve_source(cfg.target.name, cfg.target.gguf_file)
-    return AutoConfig.from_pretrained(source, trust_remote_code=cfg.target.trust_remote_code)
 
 
 def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
@@ -34,7 +25,7 @@ def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
     if cfg.drafter.init_from:  # its aux ids must be the data's: resolving them is an error otherwise
         model, _ = load_for_target(cfg.drafter.init_from, embed, tgt["num_layers"], aux_ids)
         return model, f"warm start from {cfg.drafter.init_from}"
-    hf = target_hf_config(cfg)
+    hf = target_text_config(cfg.target)
     if (hf.hidden_size, hf.vocab_size) != (tgt["hidden_size"], tgt["vocab_size"]):
         raise DrafterMismatchError(f"{data.source}: target hidden/vocab {tgt['hidden_size']}/"
                                    f"{tgt['vocab_size']} differ from {cfg.target.name}'s config "

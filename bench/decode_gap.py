@@ -1,0 +1,69 @@
+"""Where real decoding loses acceptance against the held-out set (issue 18's diagnosis), for one checkpoint.
+
+    python bench/decode_gap.py --config configs/smollm2-135m-h200.yaml --checkpoint runs/smollm2-h200/checkpoints/best
+
+On every eval prompt (first turn, chat-templated; ``--limit`` for smoke runs) the drafter decodes at T = 0 with
+k = eval.num_steps and each cycle is replayed by teacher forcing (``eval.decode_gap``): decode alpha_k, teacher-
+forced acc_k over the same greedy answers (all positions, and the cycle starts only), and the share of cycles the
+replay reproduces. Then teacher forcing on the run's held-out conversations, over whole answers and over the
+first eval.max_new_tokens tokens of each. The target runs in fp32 (the quality eval's setting) unless
+--target-dtype says otherwise. Writes
+"decode_gap" with a cause sentence computed from those figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.drafter_quality import load_drafter, setup  # noqa: E402
+from bench.results import record  # noqa: E402
+from data_prep.capture import read_conversations, render_all  # noqa: E402
+from data_prep.dataset import in_holdout  # noqa: E402
+from eval.decode_gap import cause, holdout_counts, measure_gap  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
+    ap.add_argument("--holdout-samples", type=int, default=400, help="held-out conversations to replay (0: none)")
+    ap.add_argument("--target-dtype", default="float32",
+                    help="the target's dtype (bfloat16: the features training saw on a GPU; the eval's is float32)")
+    ap.add_argument("--name", default="decode_gap", help="the results.json object to write")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    cfg, target, prompts = setup(args.config, args.limit, args.target_dtype)
+    drafter, aux_ids = load_drafter(target, cfg, args.checkpoint)
+    k, max_new = cfg.eval.num_steps, cfg.eval.max_new_tokens
+    per_dataset = measure_gap(target, drafter, aux_ids, prompts, k, max_new)
+    figures: dict = {"checkpoint": str(args.checkpoint), "k": k, "max_new_tokens": max_new,
+                     "target_dtype": args.target_dtype, **per_dataset}
+    whole = first = None
+    if args.holdout_samples and cfg.conversations_path.is_file():
+        samples, _ = render_all(read_conversations(cfg.conversations_path), target.tokenizer, cfg.capture.max_length,
+                                cfg.target.chat_template_kwargs)
+        held = [s for s in samples if in_holdout(s.id, cfg.train.holdout_fraction)][: args.holdout_samples]
+        c_all = holdout_counts(target, drafter, aux_ids, held, k)
+        c_first = holdout_counts(target, drafter, aux_ids, held, k, first_tokens=max_new)
+        whole, first = c_all.unconditional()[0], c_first.unconditional()[0]
+        figures["holdout"] = {"samples": len(held), "acc": c_all.unconditional(), "acc_chain": c_all.conditional(),
+                              f"acc_first{max_new}": c_first.unconditional(),
+                              f"acc_chain_first{max_new}": c_first.conditional()}
+        for name in per_dataset:
+            figures[name][f"holdout_acc0_first{max_new}"] = first
+    figures["cause"] = cause(per_dataset, whole, first)
+    record(args.name, figures)
+    print(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
