@@ -165,6 +165,15 @@ class RegenerateConfig(Section):
     top_k: Int | None = None
     max_tokens: PositiveInt = 512
     seed: Int = 0
+    stop_loops: bool = Field(
+        True, description="End an answer that falls into a degenerate loop (its tail repeats a block of tokens, "
+        "data_prep.loops) at the loop's first copy, finish reason 'loop'. hf: checked every 16 tokens while it "
+        "decodes (a looping answer would run to max_tokens); openai: the returned answer is cut afterwards.")
+    loop_min_repeat_tokens: PositiveInt = Field(
+        64, description="stop_loops: the repeated copies must cover at least this many tokens (and one full "
+        "period) to count as a loop.")
+    loop_max_period: PositiveInt = Field(
+        256, description="stop_loops: the longest repeating block (in tokens) looked for.")
 
     @model_validator(mode="after")
     def _urls_for_openai(self) -> RegenerateConfig:
@@ -212,6 +221,10 @@ class TrainConfig(Section):
     max_train_samples: PositiveInt | None = Field(
         None, description="Train on the first N training samples only (the held-out split stays whole): "
         "learning curves over data size.")
+    max_answer_tokens: PositiveInt | None = Field(
+        None, description="Only the first N tokens of each assistant turn carry loss (the rest stay in the "
+        "sample as context): a long answer's tail (often a loop) does not outweigh the rest. Applied where "
+        "samples are rendered, so the store must be captured with the same value (capture records it).")
     epochs: PositiveInt = 1
     max_steps: PositiveInt | None = None
     batch_tokens: PositiveInt = 8192

@@ -3,10 +3,15 @@
 
 A backend never raises for one bad record: it returns a ``Completion`` whose ``error`` names the
 reason, and the caller counts it and leaves the record for the next run.
+
+With ``regenerate.stop_loops`` an answer that ends in a degenerate loop (``data_prep.loops``) is cut to the
+loop's first copy, finish reason "loop": the hf engine stops it while it decodes; a server cannot, so the
+openai backend cuts the answer it gets back, by the target's tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import itertools
 import json
@@ -22,6 +27,7 @@ from typing import Any, Protocol
 
 from common import redact
 from common.config import RegenerateConfig, TargetConfig
+from data_prep.loops import first_repeat, retokenized_loop_start
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
 Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
@@ -46,6 +52,8 @@ class Completion:
     detail: str = ""
     reasoning: str | None = None  # the server's reasoning_content (thinking), kept apart as the server sends it
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool calls the answer makes
+    # finish_reason "loop": the answer's tokens when its loop was found, and the tokens kept (through its first copy)
+    loop_tokens: tuple[int, int] | None = None
 
     def message(self) -> dict[str, Any]:
         """The assistant turn as the next request (and the chat template) takes it back."""
@@ -94,7 +102,7 @@ class HFChatBackend:
         self.max_context = min((x for x in limits if x), default=None)  # prompt + answer positions
 
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
-        from data_prep.continuous_batching import Sampling, generate
+        from data_prep.continuous_batching import LoopStop, Sampling, generate
         from data_prep.loss_mask import prompt_text
 
         texts = [prompt_text(self.tok, chat, self.template_kwargs, t)
@@ -104,13 +112,15 @@ class HFChatBackend:
         budget = {i: min(c.max_tokens, self.max_context - len(x)) if self.max_context else c.max_tokens
                   for i, x in enumerate(ids)}
         fits = [i for i in budget if budget[i] > 0]
+        loops = LoopStop(c.loop_min_repeat_tokens, c.loop_max_period) if c.stop_loops else None
         outs = generate(self.engine, [ids[i] for i in fits], [budget[i] for i in fits], self.stop_ids,
                         Sampling(c.temperature, c.top_p, c.top_k, c.seed), slots=c.slots, cpu_slots=c.batch_size,
-                        desc="regenerate (hf)")
+                        desc="regenerate (hf)", loops=loops)
         results = [Completion(finish_reason=CONTEXT_FULL) for _ in ids]  # no room left for another answer
         for i, o in zip(fits, outs, strict=True):
             results[i] = Completion(text=self.tok.decode(o.tokens, skip_special_tokens=True),
-                                    finish_reason=o.finish_reason)
+                                    finish_reason=o.finish_reason,
+                                    loop_tokens=(o.generated, len(o.tokens)) if o.finish_reason == "loop" else None)
         return results
 
 
@@ -139,13 +149,19 @@ class OpenAIChatBackend:
     a port where nothing listens ends in seconds, not in hours of backoff.
 
     The API key (``regenerate.api_key_env``) is only ever sent in the header; error details and answers
-    pass through ``common.redact`` before anyone sees or stores them (a server may echo the header)."""
+    pass through ``common.redact`` before anyone sees or stores them (a server may echo the header).
+
+    With ``stop_loops``, an answer that ends in a loop is cut afterwards (``cut_loop``), by the tokens of the
+    target's tokenizer (``target``; loaded at the first answer that may loop)."""
 
     name = "openai"
 
-    def __init__(self, cfg: RegenerateConfig, chat_template_kwargs: dict[str, Any] | None = None):
+    def __init__(self, cfg: RegenerateConfig, chat_template_kwargs: dict[str, Any] | None = None,
+                 target: TargetConfig | None = None):
         self.cfg = cfg
         self.template_kwargs = chat_template_kwargs or {}
+        self.target = target
+        self._tokenizer: Any = None
         self.urls = [chat_url(u) for u in cfg.server_urls]
         if not self.urls:
             raise BackendError("regenerate.server_urls: backend 'openai' needs at least one server URL")
@@ -177,7 +193,41 @@ class OpenAIChatBackend:
         return body
 
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
-        return list(self._pool.map(self._one, batch, tools or [None] * len(batch)))
+        out = list(self._pool.map(self._one, batch, tools or [None] * len(batch)))
+        return [self.cut_loop(c) for c in out] if self.cfg.stop_loops else out
+
+    def tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self.target is None:
+                raise BackendError("regenerate.stop_loops: the openai backend needs the target's tokenizer to cut "
+                                   "loops (target.name)")
+            from drafter.target import load_tokenizer, resolve_source
+
+            try:
+                self._tokenizer = load_tokenizer(resolve_source(self.target.name, self.target.gguf_file),
+                                                 self.target.trust_remote_code)
+            except (OSError, ValueError) as e:
+                raise BackendError(f"regenerate.stop_loops: cannot load the tokenizer of target.name "
+                                   f"{self.target.name!r} to cut loops ({str(e).splitlines()[0]}); give a local "
+                                   "directory, or set regenerate.stop_loops: false") from None
+        return self._tokenizer
+
+    def cut_loop(self, c: Completion) -> Completion:
+        """The answer cut to its loop's first copy (finish reason "loop") when its tail loops: its content, or
+        its reasoning when it has no content (the end of what the target generated); an answer with tool calls
+        ended in them and is left alone."""
+        part = "text" if c.text else "reasoning"
+        text = getattr(c, part) or ""
+        m, p = self.cfg.loop_min_repeat_tokens, self.cfg.loop_max_period
+        # m repeated tokens are m bytes or more, holding (m - 6) // 4 whole characters that occur twice: an answer
+        # without such a repeat cannot end in a loop, and most answers need no tokenizer
+        if c.error or c.tool_calls or first_repeat(text, max(1, (m - 6) // 4)) is None:
+            return c
+        cut = cut_text_loop(self.tokenizer(), text, m, p)
+        if cut is None:
+            return c
+        kept, tokens, kept_tokens = cut
+        return dataclasses.replace(c, **{part: kept}, finish_reason="loop", loop_tokens=(tokens, kept_tokens))
 
     def _url(self) -> str:
         with self._lock:
@@ -243,6 +293,25 @@ class OpenAIChatBackend:
             return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {body[:200]!r}")
 
 
+def cut_text_loop(tokenizer: Any, text: str, min_repeat_tokens: int, max_period: int) -> tuple[str, int, int] | None:
+    """(the text through the loop's first copy, its tokens, the tokens kept) when ``text``'s tokens end in a
+    loop (its last token may be ragged: ``retokenized_loop_start``), else None. The cut is at the first dropped
+    token's character offset (fast tokenizers), else where the decoded kept tokens end."""
+    fast = getattr(tokenizer, "is_fast", False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
+    ids = enc["input_ids"]
+    start = retokenized_loop_start(ids, min_repeat_tokens, max_period)
+    if start is None:
+        return None
+    if fast:
+        kept = text[: enc["offset_mapping"][start][0]]
+    else:
+        kept = tokenizer.decode(ids[:start]).rstrip("\ufffd")  # a character split between tokens decodes as U+FFFD
+        if not text.startswith(kept):
+            return None  # the tokenizer does not decode to a prefix of the text: leave the answer whole
+    return kept, len(ids), start
+
+
 def _arguments(function: dict[str, Any]) -> str:
     args = function.get("arguments", "{}")
     return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
@@ -251,4 +320,4 @@ def _arguments(function: dict[str, Any]) -> str:
 def make_chat_backend(target_cfg: TargetConfig, cfg: RegenerateConfig) -> ChatBackend:
     if cfg.backend == "hf":
         return HFChatBackend(target_cfg, cfg)
-    return OpenAIChatBackend(cfg, target_cfg.chat_template_kwargs)
+    return OpenAIChatBackend(cfg, target_cfg.chat_template_kwargs, target_cfg)

@@ -122,22 +122,25 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], int, dict[str, Any]]
+def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], int, dict[str, Any], int | None]
                   ) -> list[tuple[list[int], list[int]] | str]:
     """A worker's share: (ids, mask) per chat, or the LossMaskError reason (exceptions with extra
     arguments do not survive pickling)."""
-    tokenizer, chats, tools, max_length, template_kwargs = job
+    tokenizer, chats, tools, max_length, template_kwargs, max_answer_tokens = job
     return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask)
-            for r in render_many(tokenizer, chats, max_length, template_kwargs, tools)]
+            for r in render_many(tokenizer, chats, max_length, template_kwargs, tools,
+                                 max_answer_tokens=max_answer_tokens)]
 
 
 def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
-               template_kwargs: dict[str, Any] | None = None, workers: int | None = None
-               ) -> tuple[list[Sample], Counter]:
+               template_kwargs: dict[str, Any] | None = None, workers: int | None = None,
+               max_answer_tokens: int | None = None) -> tuple[list[Sample], Counter]:
     """Samples in conversation order (first of each id), each conversation rendered as the server renders it:
     its tools and the target's chat_template_kwargs (thinking on/off) reach the template; reasoning and tool
-    calls are part of the assistant turns. Many chats are rendered by a pool of forked workers (``workers``,
-    default: the cores, at most 16): the chat template is Python, one core a chat."""
+    calls are part of the assistant turns. ``max_answer_tokens`` (train.max_answer_tokens): only each assistant
+    turn's first N tokens carry loss. The one rendering of training samples, for the store (capture) and
+    online training (train.data). Many chats are rendered by a pool of forked workers (``workers``, default:
+    the cores, at most 16): the chat template is Python, one core a chat."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     unique = []
@@ -155,14 +158,14 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
         import multiprocessing as mp
 
         size = -(-len(chats) // (workers * 4))
-        jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], max_length, kwargs)
+        jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], max_length, kwargs, max_answer_tokens)
                 for a in range(0, len(chats), size)]
         from common.lifeline import die_with_parent
 
         with mp.get_context("fork").Pool(workers, initializer=die_with_parent) as pool:  # none outlives us
             rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
     else:
-        rendered = _render_chunk((tokenizer, chats, tools, max_length, kwargs))
+        rendered = _render_chunk((tokenizer, chats, tools, max_length, kwargs, max_answer_tokens))
     samples = []
     for rec, r in zip(unique, rendered, strict=True):
         if isinstance(r, str):
@@ -370,7 +373,8 @@ def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
         source = SpecForgeImport(root, target.hidden_size, cap.max_length, rendering)
         samples, skipped = source.samples()
         return samples, skipped, source
-    samples, skipped = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs)
+    samples, skipped = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs,
+                                  max_answer_tokens=cfg.train.max_answer_tokens)
     return samples, skipped, make_capture_backend(cfg, target, aux_ids)
 
 
@@ -408,8 +412,12 @@ def run_capture(cfg: Any, target: CaptureTarget | None = None) -> CaptureSummary
         raise CaptureError(f"{source} gives a training sample (skipped: {dict(skipped)}); check "
                            "capture.max_length and the chat template")
     plan = [samples[i:i + cap.shard_samples] for i in range(0, len(samples), cap.shard_samples)]
+    # The loss mask's cap on each answer (train.max_answer_tokens; SpecForge's samples keep SpecForge's mask):
+    # training from the store checks it against its config
+    answer_cap = cfg.train.max_answer_tokens if cap.backend != "specforge" else None
     manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
-                "skipped": dict(sorted(skipped.items())), "shards": [], "complete": False}
+                "max_answer_tokens": answer_cap, "skipped": dict(sorted(skipped.items())), "shards": [],
+                "complete": False}
     summary = CaptureSummary(str(store), skipped=dict(skipped),
                              tail_tokens_dropped=getattr(backend, "dropped_tail_tokens", 0))
     lm_head = target.lm_head_weight().detach()

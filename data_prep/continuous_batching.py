@@ -1,8 +1,9 @@
 """Continuous batching over ``BatchedTarget``: thousands of prompts through a fixed set of cache slots.
 
-Every step decodes one token for every live slot; a slot whose answer ends (a stop token or
-``max_new_tokens``) is handed the next prompt, prefilled in groups so a prefill is a real batch. At T=0
-each answer is what greedy ``model.generate`` gives for that prompt alone: rows never see each other,
+Every step decodes one token for every live slot; a slot whose answer ends (a stop token,
+``max_new_tokens``, or with ``loops`` a degenerate loop at its end) is handed the next prompt, prefilled in
+groups so a prefill is a real batch. At T=0 each answer is what greedy ``model.generate`` gives for that
+prompt alone (up to its loop's first copy, for an answer stopped at a loop): rows never see each other,
 and the only difference is the attention kernel's summation order (tests compare them token for token).
 
 Slots are sized from the device's free memory (a CPU gets ``cpu_slots``): the cache is the only large
@@ -22,6 +23,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from data_prep.batching import length_batches
+from data_prep.loops import check_window, loop_start
 from drafter.batched_target import BatchedTarget, KVCache
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
@@ -38,14 +40,30 @@ class Sampling:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class LoopStop:
+    """Stop an answer that has fallen into a loop (``data_prep.loops``): every ``every`` tokens once it has
+    ``min_repeat_tokens``, its last tokens are checked, and an answer ending in a loop is cut to the loop's
+    first copy and finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
+
+    min_repeat_tokens: int = 64
+    max_period: int = 256
+    every: int = 16
+
+    @property
+    def window(self) -> int:
+        return check_window(self.min_repeat_tokens, self.max_period, self.every)
+
+
 @dataclass
 class Generated:
-    tokens: list[int]  # the answer, without its stop token
-    finish_reason: str  # "stop" | "length"
+    tokens: list[int]  # the answer, without its stop token (a "loop" answer: cut after the loop's first copy)
+    finish_reason: str  # "stop" | "length" | "loop"
     stop_token: int | None = None  # the stop token that ended it
     # with ``margins=True``: the top-1 minus top-2 logit behind each token, the stop token's last (the T=0
-    # lossless check tells a near-tie from a real mismatch by it: eval.lossless)
+    # lossless check tells a near-tie from a real mismatch by it: eval.lossless); a "loop" answer's are cut too
     margins: list[float] = field(default_factory=list)
+    generated: int = 0  # "loop": the tokens it had when the loop was found (len(tokens) kept of them)
 
 
 def plan_slots(target: BatchedTarget, max_len: int, wanted: int, cpu_slots: int, slots: int | None = None) -> int:
@@ -100,9 +118,9 @@ class _Run:
 
     def __init__(self, target: BatchedTarget, cache: KVCache, prompts: Sequence[Sequence[int]],
                  max_new: Sequence[int], stop_ids: set[int], pick: _Picker, out: list[Generated | None], bar: tqdm,
-                 margins: bool = False):
+                 margins: bool = False, loops: LoopStop | None = None):
         self.t, self.cache, self.prompts, self.max_new = target, cache, prompts, max_new
-        self.stop_ids, self.pick, self.out, self.bar = stop_ids, pick, out, bar
+        self.stop_ids, self.pick, self.out, self.bar, self.loops = stop_ids, pick, out, bar, loops
         n, dev = cache.slots, target.device
         self.request = [-1] * n  # request index served by each slot, -1 = free
         self.tokens: list[list[int]] = [[] for _ in range(n)]
@@ -158,12 +176,24 @@ class _Run:
         if tok in self.stop_ids:
             self._finish(slot, "stop", tok)
             return
-        self.tokens[slot].append(tok)
-        if len(self.tokens[slot]) >= self.max_new[r]:
+        answer = self.tokens[slot]
+        answer.append(tok)
+        n, lp = len(answer), self.loops
+        if lp is not None and n >= lp.min_repeat_tokens and n % lp.every == 0:
+            # Only the answer's last tokens can decide (LoopStop.window); a cut keeps the loop's first copy.
+            off = max(0, n - lp.window)
+            start = loop_start(answer[off:], lp.min_repeat_tokens, lp.max_period)
+            if start is not None:
+                del answer[off + start:]
+                del self.margins[slot][off + start:]
+                self._finish(slot, "loop", generated=n)
+                return
+        if n >= self.max_new[r]:
             self._finish(slot, "length")
 
-    def _finish(self, slot: int, reason: str, stop_token: int | None = None) -> None:
-        self.out[self.request[slot]] = Generated(self.tokens[slot], reason, stop_token, self.margins[slot])
+    def _finish(self, slot: int, reason: str, stop_token: int | None = None, generated: int = 0) -> None:
+        self.out[self.request[slot]] = Generated(self.tokens[slot], reason, stop_token, self.margins[slot],
+                                                 generated)
         self.margins[slot] = []
         self.request[slot] = -1
         self.pos[slot] = 0  # a free row below the last live one still runs: its writes stay at position 0
@@ -216,9 +246,12 @@ class _Run:
 
 def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop_ids: Sequence[int], sampling: Sampling = Sampling(), slots: int | None = None,
-             cpu_slots: int = 16, desc: str = "generate", margins: bool = False) -> list[Generated]:
+             cpu_slots: int = 16, desc: str = "generate", margins: bool = False,
+             loops: LoopStop | None = None) -> list[Generated]:
     """Answer every prompt (token ids, already chat-templated; ``max_new_tokens`` one budget for all or one
-    per prompt); results in prompt order. ``margins``: also the top-1/top-2 logit margin behind each token."""
+    per prompt); results in prompt order. ``margins``: also the top-1/top-2 logit margin behind each token.
+    ``loops``: end an answer that falls into a loop there (finish reason "loop"); an answer that never loops
+    is the same with or without it."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     out: list[Generated | None] = [None] * len(prompts)
     pick = _Picker(sampling, target.device)
@@ -228,7 +261,8 @@ def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_to
         for bucket in length_buckets([len(p) + n for p, n in zip(prompts, budgets, strict=True)]):
             max_len = max(len(prompts[i]) + budgets[i] for i in bucket)
             n_slots = plan_slots(target, max_len, len(bucket), cpu_slots, slots)
-            run = _Run(target, target.new_cache(n_slots, max_len), prompts, budgets, stops, pick, out, bar, margins)
+            run = _Run(target, target.new_cache(n_slots, max_len), prompts, budgets, stops, pick, out, bar, margins,
+                       loops)
             pending = list(reversed(bucket))  # pop() takes the shortest first
             refill_at = max(1, n_slots // 8)
             while pending or run.live:

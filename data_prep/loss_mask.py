@@ -6,6 +6,8 @@ Trailing whitespace of that span (ChatML's newline after ``<|im_end|>``) is temp
 so it is left out; the end-of-turn marker is kept (the drafter must learn to predict it).
 Character spans map to tokens through the whole text's offsets (one tokenization per conversation: a
 prefix tokenization per turn made long chats quadratic); a token straddling a boundary is counted.
+``max_answer_tokens`` (``train.max_answer_tokens``) keeps the loss on each turn's first N tokens only: the
+rest of a long answer (often a loop's copies) stays in the sample as context.
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
 
 
 def mask_tokens(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
-                max_length: int) -> Rendered:
+                max_length: int, max_answer_tokens: int | None = None) -> Rendered:
+    """Ids and mask (cut at ``max_length``) with 1 on the tokens of each assistant span, only its first
+    ``max_answer_tokens`` when given."""
     starts = [a for a, _ in offsets]
     mask = [0] * len(ids)
     fallbacks = 0
@@ -122,16 +126,18 @@ def mask_tokens(ids: list[int], offsets: list[tuple[int, int]], spans: list[tupl
         start, f1 = _boundary(offsets, starts, a, "start")
         end, f2 = _boundary(offsets, starts, b, "end")
         fallbacks += f1 + f2
+        if max_answer_tokens is not None:
+            end = min(end, start + max_answer_tokens)
         mask[start:end] = [1] * (end - start)
     return Rendered(ids[:max_length], mask[:max_length], fallbacks)
 
 
 def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
-                     template_kwargs: dict | None = None) -> Rendered:
+                     template_kwargs: dict | None = None, max_answer_tokens: int | None = None) -> Rendered:
     """Render ``messages`` with the tokenizer's chat template; mask = each assistant turn (its reasoning, content
-    and tool calls, as the template renders them) + end-of-turn. ``template_kwargs``: the target's
-    chat_template_kwargs and the chat's ``tools``."""
-    r = render_many(tokenizer, [messages], max_length, template_kwargs)[0]
+    and tool calls, as the template renders them) + end-of-turn, its first ``max_answer_tokens`` when given.
+    ``template_kwargs``: the target's chat_template_kwargs and the chat's ``tools``."""
+    r = render_many(tokenizer, [messages], max_length, template_kwargs, max_answer_tokens=max_answer_tokens)[0]
     if isinstance(r, LossMaskError):
         raise r
     return r
@@ -139,7 +145,7 @@ def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
 
 def render_many(tokenizer: Any, conversations: list[list[dict]], max_length: int,
                 template_kwargs: dict | None = None, tools: Sequence[list[dict] | None] | None = None,
-                chunk: int = 512) -> list[Rendered | LossMaskError]:
+                chunk: int = 512, max_answer_tokens: int | None = None) -> list[Rendered | LossMaskError]:
     """``render_with_mask`` for many chats: the texts are tokenized in batches, which a fast tokenizer spreads
     over every core. A chat that cannot be split into turns comes back as its ``LossMaskError``.
     ``tools[i]`` (when given): the tools offered to chat i, rendered into its prompt by the template."""
@@ -161,6 +167,7 @@ def render_many(tokenizer: Any, conversations: list[list[dict]], max_length: int
             if isinstance(r, LossMaskError):
                 out.append(r)
                 continue
-            out.append(mask_tokens(enc["input_ids"][k], enc["offset_mapping"][k], r[1], max_length))
+            out.append(mask_tokens(enc["input_ids"][k], enc["offset_mapping"][k], r[1], max_length,
+                                   max_answer_tokens))
             k += 1
     return out

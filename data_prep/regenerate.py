@@ -121,6 +121,7 @@ class Conversation:
         self.detail = ""
         self.diverged = False
         self.turns_dropped = 0  # prompt turns (a user turn, or a run of tool results) left out: context full
+        self.loop_cuts: list[tuple[int, int]] = []  # per answer cut at a loop: (tokens generated, tokens kept)
 
     def wants_more(self) -> bool:
         return self.error is None and not self.diverged and len(self.finish_reasons) < len(self.segments)
@@ -171,6 +172,8 @@ class Conversation:
             return
         self.chat.append(c.message())
         self.finish_reasons.append(c.finish_reason)
+        if c.loop_tokens:
+            self.loop_cuts.append(c.loop_tokens)
         n = len(self.finish_reasons)
         if n < len(self.segments) and not self._can_continue(n):
             self.diverged = True
@@ -192,6 +195,11 @@ class RegenerateSummary:
     tool_calls_diverged: int = 0  # this run: ended early, the target made other tool calls than the source's
     # this run: later turns left out, the target's context being full (a run of tool results counts as one)
     turns_dropped_context_full: int = 0
+    # this run: answers cut at their loop's first copy (regenerate.stop_loops), the tokens they had when cut
+    # (hf: generated; openai: the returned answer's) and the tokens kept
+    loop_cuts: int = 0
+    loop_tokens_generated: int = 0
+    loop_tokens_kept: int = 0
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -206,7 +214,8 @@ class RegenerateSummary:
     answer_chars: dict[str, int] = field(default_factory=dict)  # percentile -> chars
     empty_answers: int = 0
     length_answers: int = 0
-    flagged: dict[str, list[str]] = field(default_factory=dict)  # "empty"/"length" -> sample ids
+    loop_answers: int = 0  # finish reason "loop"
+    flagged: dict[str, list[str]] = field(default_factory=dict)  # "empty"/"length"/"loop" -> sample ids
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"failed": dict(self.failed), "finish_reasons": dict(self.finish_reasons)}
@@ -222,7 +231,10 @@ class RegenerateSummary:
             f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
             f"{self.duplicate_ids} duplicate ids",
             f"- {self.turns} answers: finish reasons {dict(self.finish_reasons)}; chars {pct}",
-            f"- flagged: {self.empty_answers} empty, {self.length_answers} cut at max_tokens (\"length\")",
+            f"- flagged: {self.empty_answers} empty, {self.length_answers} cut at max_tokens (\"length\"), "
+            f"{self.loop_answers} cut at a loop (\"loop\")",
+            f"- this run: {self.loop_cuts} answers cut at their loop's first copy, when they had "
+            f"{self.loop_tokens_generated} tokens; {self.loop_tokens_kept} kept",
         ]
         lines += [f"  - {flag}: {', '.join(ids)}" for flag, ids in self.flagged.items() if ids]
         lines += [f"- failed {reason}: {n} (first: {self.failure_examples.get(reason, '')})"
@@ -251,7 +263,7 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
     """Re-read the output as the next stage will, and fill in the checks and answer statistics."""
     counts: Counter[str] = Counter()
     lengths: list[int] = []
-    flagged: dict[str, list[str]] = {"empty": [], "length": []}
+    flagged: dict[str, list[str]] = {"empty": [], "length": [], "loop": []}
     with open(path, encoding="utf-8") as f:
         for line in f:
             rec = json.loads(line)
@@ -261,9 +273,11 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
             summary.finish_reasons.update(rec["finish_reasons"])
             empty = sum(not a.strip() for a in answers)
             cut = rec["finish_reasons"].count("length")
+            looped = rec["finish_reasons"].count("loop")
             summary.empty_answers += empty
             summary.length_answers += cut
-            for flag, n in (("empty", empty), ("length", cut)):
+            summary.loop_answers += looped
+            for flag, n in (("empty", empty), ("length", cut), ("loop", looped)):
                 if n and len(flagged[flag]) < FLAG_SAMPLE:
                     flagged[flag].append(rec["id"])
     summary.records = sum(counts.values())
@@ -309,6 +323,9 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                     in_a_row = 0
                     summary.tool_calls_diverged += conv.diverged
                     summary.turns_dropped_context_full += conv.turns_dropped
+                    summary.loop_cuts += len(conv.loop_cuts)
+                    summary.loop_tokens_generated += sum(g for g, _ in conv.loop_cuts)
+                    summary.loop_tokens_kept += sum(k for _, k in conv.loop_cuts)
             summary.tried += len(convs)
             bar.update(len(convs))
             if in_a_row >= limit:
@@ -416,6 +433,9 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
                                 torn_bytes_dropped=torn, written=sum(p["written"] for p in parts),
                                 turns_dropped_context_full=sum(p["turns_dropped_context_full"] for p in parts),
                                 tool_calls_diverged=sum(p["tool_calls_diverged"] for p in parts),
+                                loop_cuts=sum(p["loop_cuts"] for p in parts),
+                                loop_tokens_generated=sum(p["loop_tokens_generated"] for p in parts),
+                                loop_tokens_kept=sum(p["loop_tokens_kept"] for p in parts),
                                 tried=sum(p["tried"] for p in parts), stopped="; ".join(stopped) or None,
                                 seconds=time.perf_counter() - start)
     for p in parts:

@@ -1,6 +1,7 @@
 """The batched engine behind hf regeneration: at T=0 every answer is what plain greedy ``generate`` gives
 for that prompt, whatever the slot count, refills, buckets or compaction; sampling is seeded; budgets and
-stop tokens end answers; an architecture it cannot run is refused in one line."""
+stop tokens end answers; with ``loops`` an answer that falls into a loop ends there, the same answer up to the
+loop's first copy; an architecture it cannot run is refused in one line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from data_prep import continuous_batching as cb
-from data_prep.continuous_batching import Sampling, generate, length_buckets
+from data_prep.continuous_batching import LoopStop, Sampling, generate, length_buckets
+from data_prep.loops import loop_start
 from drafter.batched_target import BatchedTarget, UnsupportedTargetError
 
 STOPS = [1, 2]
@@ -89,6 +91,32 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
     greedy = generate(engine, ps, 12, STOPS, cpu_slots=8)
     assert generate(engine, ps, 12, STOPS, Sampling(temperature=0.7, top_k=1, seed=5), cpu_slots=8) == greedy
     assert generate(engine, ps, 12, STOPS, Sampling(temperature=0.7, top_p=1e-6, seed=5), cpu_slots=8) == greedy
+
+
+def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
+    """A random tiny model decoding greedily loops within a few dozen tokens: with ``loops`` those answers end
+    as "loop", cut to the prefix before the copies of the answer generated without it; answers that never
+    loop are the same token for token."""
+    engine = BatchedTarget(tiny())
+    ps = prompts(12, 3, 20)
+    lp = LoopStop(min_repeat_tokens=16, max_period=32, every=8)
+    plain = generate(engine, ps, 160, STOPS, cpu_slots=6)
+    cut = generate(engine, ps, 160, STOPS, cpu_slots=6, loops=lp, margins=True)
+    looped = 0
+    for p, o in zip(plain, cut, strict=True):
+        if o.finish_reason != "loop":
+            assert (o.tokens, o.finish_reason, o.generated) == (p.tokens, p.finish_reason, 0)
+            continue
+        looped += 1
+        assert lp.min_repeat_tokens <= o.generated <= len(p.tokens) and o.generated % lp.every == 0
+        assert len(o.tokens) < o.generated and o.tokens == p.tokens[:len(o.tokens)]
+        # the cut is where loop_start puts it on the answer as it was when checked, and no earlier check found one
+        assert len(o.tokens) == loop_start(p.tokens[:o.generated], lp.min_repeat_tokens, lp.max_period)
+        assert all(loop_start(p.tokens[:n], lp.min_repeat_tokens, lp.max_period) is None
+                   for n in range(lp.min_repeat_tokens, o.generated, lp.every))
+        assert len(o.margins) == len(o.tokens) and o.stop_token is None
+    assert looped >= 6, "the tiny model did not loop: the test checks nothing"
+    assert sum(len(o.tokens) for o in cut) < sum(len(p.tokens) for p in plain) / 2
 
 
 def test_slots_come_from_the_setting_or_the_cpu_default() -> None:

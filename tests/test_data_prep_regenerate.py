@@ -72,8 +72,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LOOPING = "Sure. " + "Let me say it again. " * 60  # what a small target at T=0 answers too often
+
+
 class FakeChat(BaseHTTPRequestHandler):
-    """An OpenAI-style echo server; a user turn containing "[503x2]" gets HTTP 503 for its first 2 requests."""
+    """An OpenAI-style echo server; a user turn containing "[503x2]" gets HTTP 503 for its first 2 requests, one
+    containing "[loop]" an answer that loops until max_tokens."""
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         srv: Any = self.server
@@ -87,8 +91,9 @@ class FakeChat(BaseHTTPRequestHandler):
         if fail and n <= int(fail[2]):
             self.send_error(int(fail[1]))
             return
-        reply = json.dumps({"choices": [{"index": 0, "finish_reason": "stop",
-                                         "message": {"role": "assistant", "content": f"echo {last}"}}]}).encode()
+        content, finish = (LOOPING, "length") if "[loop]" in last else (f"echo {last}", "stop")
+        reply = json.dumps({"choices": [{"index": 0, "finish_reason": finish,
+                                         "message": {"role": "assistant", "content": content}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(reply)))
@@ -145,6 +150,48 @@ def test_turn_by_turn_feeds_back_the_targets_answers(tmp_path: Path, fake: Any) 
     assert (summary.written, summary.records, summary.turns, summary.missing) == (2, 2, 3, 0)
     assert summary.finish_reasons == {"stop": 3} and "3 answers" in str(summary)
     assert json.loads(json.dumps(summary.to_dict()))["selected"] == 2
+
+
+@pytest.mark.parametrize("stop_loops", [True, False])
+def test_a_servers_looping_answer_is_cut_afterwards_and_counted(tmp_path: Path, fake: Any, stop_loops: bool) -> None:
+    """A server cannot stop on a loop: with regenerate.stop_loops the returned answer is cut by the target's
+    tokens to the loop's first copy (finish reason "loop") and counted; other answers are left alone."""
+    cfg = openai_cfg(tmp_path, [fake.url], stop_loops=stop_loops)
+    ids = write_prompts(cfg, [[user("q [loop]"), {"role": "assistant", "content": "old"}, user("again")],
+                              [user("plain")]])
+    summary = run_regenerate(cfg)
+    records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
+    looped, plain = records[ids[0]], records[ids[1]]
+    assert plain["messages"][-1]["content"] == "echo plain" and plain["finish_reasons"] == ["stop"]
+    answer = looped["messages"][1]["content"]
+    sent = next(r["body"] for r in fake.requests if r["body"]["messages"][-1]["content"] == "again")
+    assert sent["messages"][1]["content"] == answer  # the next turn is asked after the answer as kept
+    if not stop_loops:
+        assert (answer, looped["finish_reasons"], summary.loop_cuts) == (LOOPING, ["length", "stop"], 0)
+        return
+    # the block that repeats is ". Let me say it again" (its first "." follows "Sure"): one copy is kept
+    assert answer == "Sure. Let me say it again" and LOOPING.startswith(answer)
+    assert looped["finish_reasons"] == ["loop", "stop"]
+    assert (summary.loop_cuts, summary.loop_tokens_kept, summary.loop_answers) == (1, 7, 1)
+    assert summary.loop_tokens_generated == 2 + 6 * 60 + 1  # the last token, a lone " ", breaks the period
+    assert summary.flagged["loop"] == [ids[0]] and "1 answers cut at their loop's first copy" in str(summary)
+
+
+def test_loop_cuts_are_summed_over_the_run(tmp_path: Path) -> None:
+    from data_prep.backends import Completion
+    from data_prep.regenerate import load_prompt_records, regenerate
+
+    class Looping(ScriptedBackend):
+        def complete(self, batch: list[list[dict[str, str]]], tools: list[Any] | None = None) -> list[Any]:
+            return [Completion(text="x", finish_reason="loop", loop_tokens=(320, 100)) if "[loop]" in c[-1]["content"]
+                    else Completion(text="y", finish_reason="stop") for c in batch]
+
+    cfg = make_cfg(tmp_path)
+    write_prompts(cfg, [[user("a [loop]"), user("b [loop]")], [user("c")], [user("d [loop]")]])
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), Looping())
+    assert (summary.loop_cuts, summary.loop_tokens_generated, summary.loop_tokens_kept) == (3, 960, 300)
+    assert summary.finish_reasons == {"loop": 3, "stop": 1} and summary.loop_answers == 3
+    assert "3 cut at a loop" in summary.to_markdown()
 
 
 def test_503_is_retried_with_backoff_until_success(tmp_path: Path, fake: Any) -> None:
@@ -332,6 +379,48 @@ def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
     assert padded == alone, "batching with a longer chat changed a greedy answer"
     assert alone.finish_reason == "stop" and "Paris" in alone.text and "<|im_end|>" not in alone.text
     assert story.finish_reason == "length" and story.text.strip()
+
+
+@pytest.mark.real
+def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path: Path, smollm2, monkeypatch) -> None:
+    """Greedy SmolLM2 loops on most MT-Bench writing prompts (issue #18). At max_tokens=512 without stop_loops
+    these run to the cap with a loop at the end; with it they end as "loop" after a few hundred tokens, and what
+    is kept is the start of the answer generated without it, token for token. A prompt answered without a loop
+    is the same answer either way. The hf backend gives the same answers and counts."""
+    import drafter.target
+    from common.config import DatasetConfig
+    from data_prep.continuous_batching import LoopStop, generate
+    from data_prep.loops import loop_start
+    from data_prep.loss_mask import prompt_text
+    from drafter.batched_target import BatchedTarget
+    from eval.prompts import load_eval_prompts
+
+    tok = smollm2.tokenizer
+    mtbench = load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)
+    chats = [[user(mtbench[i])] for i in (4, 11, 10, 21)]  # a character, Sheldon, Elon Musk; the red house riddle
+    ids = [tok(prompt_text(tok, c), add_special_tokens=False)["input_ids"] for c in chats]
+    cfg = make_cfg(tmp_path, max_tokens=512, batch_size=4)
+    r = cfg.regenerate
+    assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
+    engine, stops = BatchedTarget(smollm2.model), drafter.target.stop_token_ids(tok)
+    plain = generate(engine, ids, 512, stops, cpu_slots=4)
+    cut = generate(engine, ids, 512, stops, cpu_slots=4, loops=LoopStop(r.loop_min_repeat_tokens, r.loop_max_period))
+    looped = 0
+    for p, o in zip(plain, cut, strict=True):
+        if o.finish_reason == "loop":
+            looped += 1
+            assert p.finish_reason == "length" and len(p.tokens) == 512
+            assert loop_start(p.tokens) is not None  # the uncut answer still ends in a loop at the cap
+            assert len(o.tokens) < o.generated < 512 and o.tokens == p.tokens[:len(o.tokens)]
+        else:
+            assert (o.tokens, o.finish_reason) == (p.tokens, p.finish_reason)
+    assert looped >= 2 and cut[3].finish_reason == "stop"
+
+    monkeypatch.setattr(drafter.target, "load_target_from_config", lambda target_cfg: smollm2)
+    answers = HFChatBackend(cfg.target, r).complete(chats)
+    for a, o in zip(answers, cut, strict=True):
+        assert a.finish_reason == o.finish_reason and a.text == tok.decode(o.tokens, skip_special_tokens=True)
+        assert a.loop_tokens == ((o.generated, len(o.tokens)) if o.finish_reason == "loop" else None)
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from data_prep.capture import read_conversations, render_all, teacher_signal
 from data_prep.dataset import ShardDataset, collate, in_holdout
-from data_prep.store import load_target_head, read_manifest, token_counts
+from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
 
 # Per-token batch tensors the model takes, and the attention mask an online batch gives the target.
 BATCH_KEYS = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
@@ -93,6 +93,13 @@ def store_data(cfg: Any) -> TrainingData:
     """The capture store under run_dir/store (``cfg`` is a RunConfig)."""
     store, frac = cfg.store_dir, cfg.train.holdout_fraction
     manifest = read_manifest(store)
+    cap = manifest.get("max_answer_tokens")  # absent: a store captured before the setting, without a cap
+    if cap != cfg.train.max_answer_tokens:
+        raise StoreError(f"{store}: captured with train.max_answer_tokens={cap}, the config says "
+                         f"{cfg.train.max_answer_tokens}; rerun `python -m data_prep capture` (it rewrites the shards "
+                         "whose loss mask changes) or set train.max_answer_tokens back"
+                         + (" (capture.backend specforge keeps SpecForge's loss mask: no cap)" if
+                            cfg.capture.backend == "specforge" else ""))
     return TrainingData(
         source=f"store {store}", train=ShardDataset(store, "train", frac), holdout=ShardDataset(store, "holdout", frac),
         target=manifest["target"], aux_layer_ids=tuple(manifest["aux_layer_ids"]), teacher=manifest["teacher"],
@@ -109,7 +116,7 @@ def online_data(cfg: Any, device: torch.device) -> TrainingData:
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids,
                                     drafter_aux_ids(cfg.drafter.init_from, target.num_layers), target.num_layers)
     samples, _ = render_all(read_conversations(cfg.conversations_path), target.tokenizer, cfg.capture.max_length,
-                            cfg.target.chat_template_kwargs)
+                            cfg.target.chat_template_kwargs, max_answer_tokens=cfg.train.max_answer_tokens)
     frac = cfg.train.holdout_fraction
     split = [in_holdout(s.id, frac) for s in samples]
     head = {"embed_tokens.weight": target.embed_weight().detach(), "lm_head.weight": target.lm_head_weight().detach()}

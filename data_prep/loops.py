@@ -1,0 +1,112 @@
+"""Degenerate loops at the end of an answer: find them, cut them, measure them (pure; numpy only).
+
+A small target decoding greedily often ends in a loop: the same block of tokens again and again until
+``max_tokens``. Those tails are easy tokens (the drafter predicts a copy) that inflate held-out accuracy
+and teach nothing about real decoding, so regeneration stops an answer at its loop
+(``data_prep.continuous_batching``, finish reason "loop") and the reports measure what is left.
+
+A tail loop of period p: the trailing run of positions t with tokens[t] == tokens[t - p]. It counts when the
+run covers at least one full extra copy of the block (p tokens) and at least ``min_repeat_tokens`` tokens;
+the cut keeps the first copy of the block and drops the copies.
+
+    >>> loop_start([5, 6] + [1, 2, 3] * 30, min_repeat_tokens=64)
+    5
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def check_window(min_repeat_tokens: int, max_period: int, every: int) -> int:
+    """Tokens at the end of an answer that decide ``loop_start`` when it is called every ``every`` tokens: no
+    period qualified at the previous call, so every run is shorter than max(min_repeat_tokens, p) + every,
+    and measuring a run of period p takes the run plus the p tokens before it."""
+    return max(min_repeat_tokens, max_period) + max_period + every
+
+
+def trailing_runs(tokens: Sequence[int] | np.ndarray, max_period: int = 256) -> np.ndarray:
+    """``runs[p - 1]``: how many of the last positions t have tokens[t] == tokens[t - p], for p = 1..max_period
+    (at most len - 1). Vectorised over p, and only for the periods where the last token repeats (the others
+    have a run of 0), which are few in text that does not loop."""
+    a = np.asarray(tokens, dtype=np.int64)
+    n = len(a)
+    periods = min(max_period, n - 1)
+    runs = np.zeros(max(periods, 0), dtype=np.int64)
+    if periods < 1:
+        return runs
+    rev = a[::-1]  # rev[j] = tokens[n - 1 - j]; a run of period p: rev[j] == rev[j + p] for j = 0, 1, ...
+    cands = np.flatnonzero(rev[1:periods + 1] == rev[0]) + 1  # periods whose run is at least 1
+    if len(cands) == 0:
+        return runs
+    # Row p of the shifted view is rev[p : p + n]; the -1 padding (no token id) ends every run by j = n - p.
+    shifted = sliding_window_view(np.concatenate([rev, np.full(periods, -1, dtype=np.int64)]), n)[cands]
+    equal = shifted == rev[None, :]  # (candidates, n)
+    runs[cands - 1] = np.argmin(equal, axis=1)  # the first mismatch = the run's length
+    return runs
+
+
+def loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256) -> int | None:
+    """Where the copies of a tail loop begin (keep ``tokens[:start]``: everything before the loop and its first
+    copy of the block), or None when the answer does not end in one. A period p counts when its trailing run
+    covers at least max(min_repeat_tokens, p) tokens; of those, the p with the longest run wins (ties: the
+    smallest p)."""
+    runs = trailing_runs(tokens, max_period)
+    if len(runs) == 0:
+        return None
+    periods = np.arange(1, len(runs) + 1)
+    ok = runs >= np.maximum(min_repeat_tokens, periods)
+    if not ok.any():
+        return None
+    best = int(np.argmax(np.where(ok, runs, -1)))  # the first maximum: the smallest p among the longest runs
+    return len(tokens) - int(runs[best])
+
+
+def retokenized_loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256,
+                           ragged: int = 1) -> int | None:
+    """``loop_start`` of an answer's text tokenized again (a server's answer, a stored one): its last ``ragged``
+    tokens may come out otherwise than they were generated (an answer cut at max_tokens ends anywhere, e.g. in a
+    lone space), so a loop that stops up to ``ragged`` tokens before the end counts too (they go with the
+    copies)."""
+    for k in range(min(ragged, max(len(tokens) - 1, 0)) + 1):
+        start = loop_start(tokens[:len(tokens) - k], min_repeat_tokens, max_period)
+        if start is not None:
+            return start
+    return None
+
+
+def loop_tail_tokens(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256) -> int:
+    """Tokens in the answer's loop tail (the copies ``loop_start`` would drop); 0 when it has none."""
+    start = loop_start(tokens, min_repeat_tokens, max_period)
+    return 0 if start is None else len(tokens) - start
+
+
+def loop_token_share(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256) -> float:
+    """Share of one answer's tokens inside its loop tail (0.0 for an empty answer)."""
+    return loop_tail_tokens(tokens, min_repeat_tokens, max_period) / len(tokens) if len(tokens) else 0.0
+
+
+def first_repeat(text: str, window: int = 64) -> int | None:
+    """The first position i where ``text[i:i + window]`` already occurred earlier in ``text``, else None."""
+    seen: set[str] = set()
+    for i in range(len(text) - window + 1):
+        chunk = text[i:i + window]
+        if chunk in seen:
+            return i
+        seen.add(chunk)
+    return None
+
+
+def after_first_repeat_chars(text: str, window: int = 64) -> int:
+    """Characters from the first repeated ``window``-character window to the end (0 when none repeats)."""
+    i = first_repeat(text, window)
+    return 0 if i is None else len(text) - i
+
+
+def after_first_repeat_share(text: str, window: int = 64) -> float:
+    """Issue #18's character measure: the share of ``text`` that comes after (from the start of) the first
+    ``window``-character window that already occurred earlier in the same text."""
+    return after_first_repeat_chars(text, window) / len(text) if text else 0.0

@@ -1,0 +1,54 @@
+"""bench/data_quality.py: its figures on hand-made conversations, and a label written beside the other."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import data_quality
+from drafter.target import load_tokenizer, resolve_source
+
+LOOP = "Sure. " + "Let me say it again. " * 40
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(resolve_source("smollm2-135m-instruct", None), False)
+
+
+def conv(i: int, answers: list[str], reasons: list[str]) -> dict:
+    msgs = []
+    for a in answers:
+        msgs += [{"role": "user", "content": "q"}, {"role": "assistant", "content": a}]
+    return {"id": f"c{i}", "messages": msgs, "finish_reasons": reasons}
+
+
+def test_the_figures_of_a_looping_a_cut_and_a_plain_answer(tok) -> None:
+    records = [conv(0, [LOOP, "Paris."], ["length", "stop"]), conv(1, ["Sure. Let me say it again"], ["loop"])]
+    f = data_quality.measure(records, tok)
+    n_loop = len(tok(LOOP, add_special_tokens=False)["input_ids"])  # 2 + 6 * 40 + a ragged " "
+    assert n_loop == 243
+    assert (f["conversations"], f["answers"], f["answer_tokens"]) == (2, 3, n_loop + 2 + 7)
+    assert (f["capped_share"], f["loop_cut_share"]) == (round(1 / 3, 4), round(1 / 3, 4))
+    assert f["loop_token_share"] == round((n_loop - 7) / f["answer_tokens"], 4)  # the copies after the first
+    chars = len(LOOP) + len("Paris.") + len("Sure. Let me say it again")
+    # the text repeats with a period of 21 characters from the "." after "Sure": the first window seen before
+    # starts one period later, at 4 + 21
+    after = len(LOOP) - (len("Sure") + len("Let me say it again. "))
+    assert f["after_first_repeat_char_share"] == round(after / chars, 4)
+    assert f["median_answer_tokens"] == 7 and f["mean_answer_tokens"] == round(f["answer_tokens"] / 3, 1)
+
+
+def test_a_label_is_written_beside_the_other(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "results.json"
+    monkeypatch.setenv("BENCH_RESULTS", str(out))
+    out.write_text(json.dumps({"other": {"x": 1}}))
+    data_quality.save({"before": {"answers": 3}})
+    data_quality.save({"after": {"answers": 2}})
+    data = json.loads(out.read_text())
+    assert data["other"] == {"x": 1}
+    assert data["data_quality"]["before"]["answers"] == 3 and data["data_quality"]["after"]["answers"] == 2
+    assert "command" in data["data_quality"]["before"] and "date" in data["data_quality"]
+    data_quality.save({"before": {"answers": 5}})
+    assert json.loads(out.read_text())["data_quality"]["after"]["answers"] == 2

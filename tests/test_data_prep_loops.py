@@ -1,0 +1,136 @@
+"""Tail loops of an answer (data_prep.loops) on hand-made token lists: where the copies start, what is too
+short or not at the end to count, the windowed check the engine runs, and the measures the reports use."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from data_prep.loops import (
+    after_first_repeat_chars,
+    after_first_repeat_share,
+    check_window,
+    first_repeat,
+    loop_start,
+    loop_tail_tokens,
+    loop_token_share,
+    retokenized_loop_start,
+    trailing_runs,
+)
+
+PROSE = list(range(1000, 1200))  # 200 distinct tokens: text that never repeats itself
+
+
+def test_period_1_keeps_one_copy_of_the_repeated_token() -> None:
+    tokens = PROSE[:40] + [7] * 100
+    assert loop_start(tokens) == 41  # the prose, then one 7
+    assert loop_tail_tokens(tokens) == 99
+    assert loop_token_share(tokens) == 99 / 140
+
+
+def test_period_7_keeps_the_first_copy_of_the_block() -> None:
+    block = [11, 12, 13, 14, 15, 16, 17]
+    tokens = PROSE[:30] + block * 20
+    assert loop_start(tokens) == 37
+    assert tokens[:37] == PROSE[:30] + block
+
+
+def test_a_paragraph_of_150_tokens_repeated() -> None:
+    paragraph = list(range(5000, 5150))
+    tokens = PROSE[:20] + paragraph * 2 + paragraph[:50]  # two copies and a third begun: run 200 >= p = 150
+    assert loop_start(tokens) == 170
+    assert loop_start(PROSE[:20] + paragraph + paragraph[:149]) is None  # not one full extra copy yet
+    assert loop_start(PROSE[:20] + paragraph * 2) == 170  # exactly one extra copy counts
+
+
+def test_the_longest_run_wins_and_ties_take_the_smallest_period() -> None:
+    # period 3 and its multiples all repeat; 3 has the longest run
+    assert loop_start(PROSE[:10] + [1, 2, 3] * 40) == 13
+    runs = trailing_runs(PROSE[:10] + [1, 2, 3] * 40, 12)
+    assert [int(runs[p - 1]) for p in (3, 6, 9, 12)] == [117, 114, 111, 108]
+    assert runs[0] == runs[1] == 0
+    # a run of 1 then a run of 2 of the same token: period 1 and 2 both qualify; 1 is longer
+    assert loop_start(PROSE[:5] + [9] * 80) == 6
+
+
+def test_text_that_does_not_loop() -> None:
+    rng = random.Random(0)
+    words = [rng.randrange(32000) for _ in range(1024)]
+    assert loop_start(words) is None
+    assert loop_start(PROSE) is None
+    assert loop_start([]) is None and loop_start([3]) is None
+    assert loop_token_share([]) == 0.0
+    # natural repetition: the same short phrase a few times with other words between is no loop
+    phrase = [50, 51, 52, 53]
+    tokens = []
+    for i in range(40):
+        tokens += phrase + PROSE[5 * i: 5 * i + 5]
+    assert loop_start(tokens) is None
+
+
+def test_a_loop_too_short_to_count() -> None:
+    assert loop_start(PROSE[:50] + [4] * 64) is None  # 63 repeated tokens < 64
+    assert loop_start(PROSE[:50] + [4] * 65) == 51
+    assert loop_start(PROSE[:50] + [1, 2, 3, 4, 5] * 13) is None  # run of 60
+    assert loop_start(PROSE[:50] + [1, 2, 3, 4, 5] * 13, min_repeat_tokens=32) == 55
+    long_block = list(range(7000, 7300))  # period 300 > max_period
+    assert loop_start(PROSE[:5] + long_block * 3) is None
+    assert loop_start(PROSE[:5] + long_block * 3, max_period=300) == 305
+
+
+def test_a_loop_that_does_not_reach_the_end_is_not_a_tail_loop() -> None:
+    tokens = PROSE[:30] + [8, 9] * 60 + PROSE[100:140]
+    assert loop_start(tokens) is None
+    assert loop_start(tokens[:150]) == 32  # the same answer stopped inside the loop
+
+
+def test_a_retokenized_answer_may_end_in_a_ragged_token() -> None:
+    tokens = PROSE[:10] + [1, 2, 3] * 30 + [99]  # the text cut mid-block tokenizes its last piece otherwise
+    assert loop_start(tokens) is None
+    assert retokenized_loop_start(tokens) == 13
+    assert retokenized_loop_start(tokens + [98]) is None and retokenized_loop_start(tokens + [98], ragged=2) == 13
+    assert retokenized_loop_start(PROSE) is None and retokenized_loop_start([]) is None
+
+
+def test_the_engines_window_gives_the_whole_answers_cut() -> None:
+    """Checked every 16 tokens on the last ``check_window`` tokens, the first cut equals the cut of the whole
+    answer at that length (what the engine relies on)."""
+    rng = random.Random(1)
+    m, p_max, every = 64, 256, 16
+    window = check_window(m, p_max, every)
+    for _ in range(40):
+        prefix = [rng.randrange(100, 30000) for _ in range(rng.randrange(0, 700))]
+        block = [rng.randrange(100, 30000) for _ in range(rng.randrange(1, 257))]
+        tokens = prefix + block * (1 + 1200 // len(block))
+        for n in range(m, len(tokens) + 1, every):
+            off = max(0, n - window)
+            got = loop_start(tokens[off:n], m, p_max)
+            if got is not None:
+                assert off + got == loop_start(tokens[:n], m, p_max) == len(prefix) + len(block)
+                break
+        else:
+            raise AssertionError("the loop was never found")
+
+
+def test_runs_are_vectorised_over_periods_and_match_a_plain_loop() -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(30):
+        tokens = list(rng.integers(0, 4, size=int(rng.integers(2, 200))))
+        runs = trailing_runs(tokens, 64)
+        for p in range(1, min(64, len(tokens) - 1) + 1):
+            r = 0
+            while r < len(tokens) - p and tokens[-1 - r] == tokens[-1 - r - p]:
+                r += 1
+            assert runs[p - 1] == r, (tokens, p)
+
+
+def test_the_character_measure_of_issue_18() -> None:
+    intro = "".join(chr(65 + i % 26) + str(i) for i in range(40))  # no 64-char window twice
+    loop = "I am a loop of more than sixty-four characters, said again and again. "
+    text = intro + loop * 3
+    assert first_repeat(intro) is None and after_first_repeat_share(intro) == 0.0
+    assert first_repeat(text) == len(intro) + len(loop)
+    assert after_first_repeat_chars(text) == 2 * len(loop)
+    assert after_first_repeat_share(text) == 2 * len(loop) / len(text)
+    assert after_first_repeat_share("") == 0.0 and first_repeat("short") is None
