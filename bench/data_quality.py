@@ -130,6 +130,8 @@ def main() -> int:
                     help="--regenerate: without stop_loops (before), with it (after), or both (default)")
     ap.add_argument("--prompts", type=Path, help="--regenerate: the prompts.jsonl (default: the run's)")
     ap.add_argument("--first-turns", action="store_true", help="--regenerate: each prompt's first user turn only")
+    ap.add_argument("--keep", type=Path, help="--regenerate: keep the conversations in this dir (before.jsonl, "
+                    "after.jsonl) instead of a temp dir, e.g. to measure a drafter on the looping ones")
     args = ap.parse_args()
     cfg = load_config(args.config, args.set)
 
@@ -154,10 +156,14 @@ def main() -> int:
     runs = {"off": [False], "on": [True], "both": [False, True]}[args.stop_loops]
     measured = {}
     with tempfile.TemporaryDirectory(prefix="data-quality-") as tmp:
+        workdir = args.keep or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         for stop in runs:
             label = args.label if args.label and len(runs) == 1 else ("after" if stop else "before")
             measured[label] = {"first_turns": args.first_turns,
-                               **regenerate_and_measure(cfg, prompts, backend, stop, Path(tmp))}
+                               **regenerate_and_measure(cfg, prompts, backend, stop, workdir)}
+            if args.keep:
+                (workdir / f"conversations-{'on' if stop else 'off'}.jsonl").replace(workdir / f"{label}.jsonl")
             print(f"{label}: {json.dumps(measured[label])}", flush=True)
     save(measured)
     return 0

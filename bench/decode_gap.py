@@ -29,12 +29,28 @@ from data_prep.dataset import in_holdout  # noqa: E402
 from eval.decode_gap import cause, holdout_counts, measure_gap  # noqa: E402
 
 
+def holdout_figures(cfg, target, drafter, aux_ids, conversations: Path, limit: int, k: int, first: int) -> dict:
+    """Teacher forcing over the held-out split of ``conversations``: whole answers, and their first tokens."""
+    convs = read_conversations(conversations)
+    out: dict = {"conversations": str(conversations)}
+    for key, cap in (("", None), (f"_first{first}", first)):
+        samples, _ = render_all(convs, target.tokenizer, cfg.capture.max_length, cfg.target.chat_template_kwargs,
+                                max_answer_tokens=cap)
+        held = [s for s in samples if in_holdout(s.id, cfg.train.holdout_fraction)][:limit]
+        counts = holdout_counts(target, drafter, aux_ids, held, k)
+        out["samples"] = len(held)
+        out[f"acc{key}"], out[f"acc_chain{key}"] = counts.unconditional(), counts.conditional()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
     ap.add_argument("--holdout-samples", type=int, default=400, help="held-out conversations to replay (0: none)")
+    ap.add_argument("--loopy-conversations", type=Path,
+                    help="also replay the held-out ones of these conversations (e.g. regenerated without stop_loops)")
     ap.add_argument("--target-dtype", default="float32",
                     help="the target's dtype (bfloat16: the features training saw on a GPU; the eval's is float32)")
     ap.add_argument("--name", default="decode_gap", help="the results.json object to write")
@@ -48,18 +64,16 @@ def main() -> int:
                      "target_dtype": args.target_dtype, **per_dataset}
     whole = first = None
     if args.holdout_samples and cfg.conversations_path.is_file():
-        samples, _ = render_all(read_conversations(cfg.conversations_path), target.tokenizer, cfg.capture.max_length,
-                                cfg.target.chat_template_kwargs)
-        held = [s for s in samples if in_holdout(s.id, cfg.train.holdout_fraction)][: args.holdout_samples]
-        c_all = holdout_counts(target, drafter, aux_ids, held, k)
-        c_first = holdout_counts(target, drafter, aux_ids, held, k, first_tokens=max_new)
-        whole, first = c_all.unconditional()[0], c_first.unconditional()[0]
-        figures["holdout"] = {"samples": len(held), "acc": c_all.unconditional(), "acc_chain": c_all.conditional(),
-                              f"acc_first{max_new}": c_first.unconditional(),
-                              f"acc_chain_first{max_new}": c_first.conditional()}
+        held = holdout_figures(cfg, target, drafter, aux_ids, cfg.conversations_path, args.holdout_samples, k, max_new)
+        figures["holdout"] = held
+        whole, first = held["acc"][0], held[f"acc_first{max_new}"][0]
         for name in per_dataset:
             figures[name][f"holdout_acc0_first{max_new}"] = first
-    figures["cause"] = cause(per_dataset, whole, first)
+    if args.holdout_samples and args.loopy_conversations:
+        figures["holdout_loopy"] = holdout_figures(cfg, target, drafter, aux_ids, args.loopy_conversations,
+                                                   args.holdout_samples, k, max_new)
+    loopy = figures["holdout_loopy"]["acc"][0] if "holdout_loopy" in figures else None
+    figures["cause"] = cause(per_dataset, whole, first, loopy)
     record(args.name, figures)
     print(json.dumps(figures, indent=1))
     return 0

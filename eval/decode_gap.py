@@ -198,28 +198,19 @@ def measure_gap(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[i
     return out
 
 
-def first_of_each_span(mask: Sequence[int], n: int) -> list[int]:
-    """The loss mask kept on the first ``n`` tokens of each contiguous span (each answer)."""
-    out, run = [], 0
-    for m in mask:
-        run = run + 1 if m else 0
-        out.append(1 if m and run <= n else 0)
-    return out
-
-
 def holdout_counts(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int], samples: Sequence,
-                   steps: int, first_tokens: int | None = None) -> ChainCounts:
-    """Teacher forcing over held-out training samples (``.input_ids``, ``.loss_mask``), every answer token,
-    or only the first ``first_tokens`` of each answer (what an eval of that length decodes)."""
+                   steps: int) -> ChainCounts:
+    """Teacher forcing over rendered training samples (``.input_ids``, ``.loss_mask``; rendered with
+    ``max_answer_tokens`` for an answer's first tokens only, what an eval of that length decodes)."""
     counts = ChainCounts(steps)
     for s in samples:
-        mask = list(s.loss_mask) if first_tokens is None else first_of_each_span(s.loss_mask, first_tokens)
-        correct, scored = forced_rows(target, drafter, aux_ids, s.input_ids, mask, steps)
+        correct, scored = forced_rows(target, drafter, aux_ids, s.input_ids, s.loss_mask, steps)
         counts.add(correct, scored)
     return counts
 
 
-def cause(per_dataset: dict[str, dict], holdout_acc0: float | None, holdout_acc0_first: float | None) -> str:
+def cause(per_dataset: dict[str, dict], holdout_acc0: float | None, holdout_acc0_first: float | None,
+          loopy_acc0: float | None = None) -> str:
     """The diagnosis in one sentence, from the figures (never a fixed text)."""
     agree = min(d["replay_agreement"] for d in per_dataset.values())
     cycles = sum(d["cycles_compared"] for d in per_dataset.values())
@@ -237,4 +228,7 @@ def cause(per_dataset: dict[str, dict], holdout_acc0: float | None, holdout_acc0
     if holdout_acc0 is not None and holdout_acc0_first is not None:
         parts.append(f"held-out acc_0 {holdout_acc0:.3f} over whole answers, {holdout_acc0_first:.3f} over their "
                      "first tokens: the rest of the gap is the data (held-out answers are not eval answers)")
+    if loopy_acc0 is not None:
+        parts.append(f"held-out acc_0 {loopy_acc0:.3f} on answers regenerated without loop stops (their loop tails "
+                     "are easy tokens)")
     return "; ".join(parts)
