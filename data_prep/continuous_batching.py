@@ -1,21 +1,30 @@
-"""Continuous batching over ``BatchedTarget``: thousands of prompts through a fixed set of cache slots.
+"""Continuous batching over ``BatchedTarget``: a stream of requests through one paged KV cache.
 
-Every step decodes one token for every live slot; a slot whose answer ends (a stop token,
-``max_new_tokens``, or with ``loops`` a degenerate loop at its end) is handed the next prompt, prefilled in
-groups so a prefill is a real batch. At T=0 each answer is what greedy ``model.generate`` gives for that
-prompt alone (up to its loop's first copy, for an answer stopped at a loop): rows never see each other,
-and the only difference is the attention kernel's summation order (tests compare them token for token).
+A request is a prompt (token ids, already chat-templated) and an answer budget. Every step decodes one token
+for every live row; a row whose answer ends (a stop token, its budget, or with ``loops`` a degenerate loop at
+its end) is freed at once and its answer handed back, and waiting requests are admitted into free rows,
+prefilled in groups so a prefill is a real batch. Requests may be submitted while the stream runs:
+regeneration submits a conversation's next turn as soon as its previous answer ends (``Stream.run``). At
+T=0 each answer is what greedy ``model.generate`` gives for that prompt alone (up to its loop's first copy,
+for an answer stopped at a loop): rows never see each other, and the only difference is the attention
+kernel's summation order (tests compare them token for token).
 
-Slots are sized from the device's free memory (a CPU gets ``cpu_slots``): the cache is the only large
-allocation, ``slots x (longest prompt + max_new_tokens)`` positions. Prompts are taken shortest first and
-split into length buckets so one long prompt does not shrink the slot count for all the short ones.
+Memory is pages of ``PAGE`` positions (``drafter.batched_target.PagedKVCache``): a row holds the pages of the
+positions it has used, so how many rows run is bounded by the tokens in flight, not by rows x (longest prompt
++ budget). A GPU's pages come from its free memory once; a CPU's pool starts small and grows up to every
+row at ``max_len``. A request is admitted only while pages stay free for the live rows to grow
+(``GROWTH_RESERVE``); when a row needs a page and none is free, the request admitted last is preempted: its
+pages are freed and it goes back to the head of the queue to start again, so its answer is still the greedy
+one (``Stream.preempted`` counts them).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,12 +33,15 @@ from tqdm import tqdm
 
 from data_prep.batching import length_batches
 from data_prep.loops import check_window, loop_start
-from drafter.batched_target import BatchedTarget, KVCache
+from drafter.batched_target import PAGE, BatchedTarget
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
-MAX_SLOTS = 4096
+MAX_ROWS = 4096  # rows decoded at once on a GPU (regenerate.slots overrides)
 PREFILL_TOKENS = 65536  # padded prompt tokens per prefill call on a GPU (activations scale with it)
-BUCKET_BASE = 512  # length buckets: 512, 1024, 2048, ... positions per slot
+CPU_PREFILL_TOKENS = 4096
+CPU_START_POSITIONS = 512  # a CPU pool starts with this many positions per row and grows as rows need more
+GROWTH_RESERVE = 0.25  # pages per live row kept free when admitting (rows grow a page every PAGE tokens)
+DECODE_ROW_BUCKETS = 4  # flex decodes a batch padded to rows, rows/2, rows/4 or rows/8: one compile each
 
 
 @dataclass(frozen=True)
@@ -66,29 +78,46 @@ class Generated:
     generated: int = 0  # "loop": the tokens it had when the loop was found (len(tokens) kept of them)
 
 
-def plan_slots(target: BatchedTarget, max_len: int, wanted: int, cpu_slots: int, slots: int | None = None) -> int:
-    """How many sequences of ``max_len`` positions run at once: ``slots`` if given, else from the free
-    memory on a GPU and ``cpu_slots`` on a CPU."""
-    if slots is not None:
-        return max(1, min(wanted, slots))
+@dataclass
+class _Request:
+    key: Hashable
+    prompt: Sequence[int]
+    max_new: int
+
+
+def plan_rows(target: BatchedTarget, wanted: int, cpu_rows: int, rows: int | None = None) -> int:
+    """How many rows decode at once: ``rows`` if given, else MAX_ROWS on a GPU and ``cpu_rows`` on a CPU,
+    never more than ``wanted`` (the requests known)."""
+    if rows is None:
+        rows = MAX_ROWS if target.device.type == "cuda" else cpu_rows
+    return max(1, min(wanted, rows))
+
+
+def plan_pages(target: BatchedTarget, rows: int, max_len: int, page: int) -> int:
+    """Pages of the pool (scratch included): on a GPU as many as MEMORY_SHARE of its free memory holds after the
+    rows' logits, never more than every row at ``max_len``; on a CPU, CPU_START_POSITIONS per row to start."""
+    per_row = -(-max_len // page)
+    most = 1 + rows * per_row
     if target.device.type != "cuda":
-        return max(1, min(wanted, cpu_slots))
+        return min(most, 1 + rows * -(-min(max_len, CPU_START_POSITIONS) // page))
     free, _ = torch.cuda.mem_get_info(target.device)
     free += torch.cuda.memory_reserved(target.device) - torch.cuda.memory_allocated(target.device)  # cached, unused
-    logits_row = target.lm_head.weight.shape[0] * 4 * 3  # fp32 logits and sampling temporaries per row
-    per_slot = max_len * target.kv_bytes_per_token() + logits_row
-    return max(1, min(wanted, MAX_SLOTS, int(free * MEMORY_SHARE) // per_slot))
+    logits = rows * target.lm_head.weight.shape[0] * 4 * 3  # fp32 logits and sampling temporaries per row
+    fits = int((free - logits) * MEMORY_SHARE) // (page * target.kv_bytes_per_token())
+    return max(1 + per_row, min(most, fits))
 
 
-def length_buckets(needs: Sequence[int]) -> list[list[int]]:
-    """Request indices, shortest first, grouped by the power-of-two bucket of their positions needed."""
-    buckets: dict[int, list[int]] = {}
-    for i in sorted(range(len(needs)), key=lambda i: (needs[i], i)):
-        size = BUCKET_BASE
-        while size < needs[i]:
-            size *= 2
-        buckets.setdefault(size, []).append(i)
-    return [buckets[k] for k in sorted(buckets)]
+def decode_rows(hi: int, rows: int, buckets: int) -> int:
+    """The batch a decode step of rows [0, hi) runs at: the smallest of rows, rows/2, ... (``buckets`` sizes)
+    holding them, so compiled kernels see a few fixed shapes; ``buckets`` 0: exactly ``hi``."""
+    if buckets <= 0:
+        return hi
+    size = rows
+    for _ in range(buckets - 1):
+        if -(-size // 2) < hi:
+            break
+        size = -(-size // 2)
+    return size
 
 
 class _Picker:
@@ -113,53 +142,169 @@ class _Picker:
         return torch.multinomial(z.softmax(-1), 1, generator=self.gen).squeeze(-1)
 
 
-class _Run:
-    """One bucket's loop state: which request each slot serves, its next position and last token."""
+class Stream:
+    """Requests in, answers out as they finish, through ``rows`` rows over one paged cache.
 
-    def __init__(self, target: BatchedTarget, cache: KVCache, prompts: Sequence[Sequence[int]],
-                 max_new: Sequence[int], stop_ids: set[int], pick: _Picker, out: list[Generated | None], bar: tqdm,
-                 margins: bool = False, loops: LoopStop | None = None):
-        self.t, self.cache, self.prompts, self.max_new = target, cache, prompts, max_new
-        self.stop_ids, self.pick, self.out, self.bar, self.loops = stop_ids, pick, out, bar, loops
-        n, dev = cache.slots, target.device
-        self.request = [-1] * n  # request index served by each slot, -1 = free
+    ``max_len``: the most positions one request may take (prompt + budget); ``rows``/``cpu_rows``: see
+    ``plan_rows``; ``pages``: the pool's size (default ``plan_pages``); ``attention``: "flex" or "gather"
+    (default: the device's, ``drafter.batched_target.default_attention``)."""
+
+    def __init__(self, target: BatchedTarget, stop_ids: Sequence[int], sampling: Sampling = Sampling(), *,
+                 max_len: int, rows: int | None = None, cpu_rows: int = 16, wanted: int = MAX_ROWS,
+                 pages: int | None = None, margins: bool = False, loops: LoopStop | None = None,
+                 attention: str | None = None):
+        self.t, self.max_len, self.loops, self.want_margins = target, max_len, loops, margins
+        dev = target.device
+        self.rows = plan_rows(target, wanted, cpu_rows, rows)
+        pool = pages or plan_pages(target, self.rows, max_len, PAGE)
+        self.cache = target.new_paged_cache(self.rows, pool, max_len, attention)
+        self.most_pages = pool if dev.type == "cuda" or pages else 1 + self.rows * self.cache.max_pages
+        self.buckets = DECODE_ROW_BUCKETS if self.cache.attention == "flex" else 0
+        self.pick = _Picker(sampling, dev)
+        self.stop_ids = set(stop_ids)
+        self.queue: deque[_Request] = deque()
+        n = self.rows
+        self.request: list[_Request | None] = [None] * n  # what each row serves
         self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.want_margins = margins
         self.margins: list[list[float]] = [[] for _ in range(n)]
-        self.free = list(range(n))  # a heap: refill the lowest slots so live ones stay at the front
+        self.length = [0] * n  # host copy of pos: the position a row's next token is written at
+        self.admitted = [0] * n  # admission order (the last admitted is preempted first)
+        self.free = list(range(n))  # a heap: refill the lowest rows so live ones stay at the front
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.last = torch.zeros(n, dtype=torch.long, device=dev)
-        self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a slot serving a request
+        self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a row serving a request
         self.live = 0
+        self.refill_at = max(1, n // 8)
+        self.needs_page: list[int] = []  # rows whose next position starts a page they do not hold
+        self.owed = 0  # pages the live rows may still take (their whole budgets), for admission's reserve
+        self.done: deque[tuple[Hashable, Generated]] = deque()
+        self.produced = self.steps = self.preempted = self.discarded = self.prefilled = self._order = 0
+        self.started = time.perf_counter()
 
-    def admit(self, reqs: list[int]) -> None:
-        """Prefill ``reqs`` into free slots, length-batched under the prefill token budget."""
-        budget = PREFILL_TOKENS if self.t.device.type == "cuda" else 4096
-        for group in length_batches([len(self.prompts[r]) for r in reqs], budget):
-            self._prefill([reqs[i] for i in group])
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
 
-    def _prefill(self, reqs: list[int]) -> None:
+    def submit(self, key: Hashable, prompt: Sequence[int], max_new: int) -> None:
+        """Queue a request; its answer comes out of ``run`` under ``key``."""
+        if not prompt or max_new < 1 or len(prompt) + max_new > self.max_len:
+            raise ValueError(f"request {key!r}: prompt of {len(prompt)} tokens + {max_new} new does not fit a "
+                             f"row of {self.max_len} positions (or is empty)")
+        self.queue.append(_Request(key, prompt, max_new))
+
+    def run(self) -> Iterator[tuple[Hashable, Generated]]:
+        """Step until nothing is queued or live, yielding (key, answer) as answers finish; requests submitted
+        meanwhile join the run."""
+        while self.queue or self.live:
+            if self.queue and (len(self.free) >= self.refill_at or self.live == 0):
+                self._admit()
+            while self.done:
+                yield self.done.popleft()
+            if self.live == 0:
+                if self.queue and not self._admissible(self.queue[0]):
+                    raise RuntimeError(f"the cache's {self.cache.pages} pages cannot hold one request of "
+                                       f"{len(self.queue[0].prompt)} prompt tokens")
+                continue
+            if not self.queue and 0 < self.live * 2 < self.last_live():
+                self.compact()
+            self.step()
+            while self.done:
+                yield self.done.popleft()
+
+    def tokens_per_s(self) -> float:
+        return self.produced / max(time.perf_counter() - self.started, 1e-9)
+
+    # admission and pages
+
+    def _owed(self, row: int, r: _Request) -> int:
+        """Pages ``row`` may still take: its prompt and whole budget, less what it holds."""
+        return self.cache.pages_for(len(r.prompt) + r.max_new) - len(self.cache.row_pages[row])
+
+    def _room(self, pages: int) -> bool:
+        """``pages`` free, growing a CPU pool when it must."""
+        c = self.cache
+        if len(c.free) >= pages:
+            return True
+        if c.pages >= self.most_pages:
+            return False
+        c.grow(min(self.most_pages - c.pages, max(pages - len(c.free), c.pages // 2)))
+        return len(c.free) >= pages
+
+    def _admissible(self, r: _Request) -> bool:
+        return self.cache.pages_for(len(r.prompt) + 1) <= self.most_pages - 1
+
+    def _admit(self) -> None:
+        """Take queued requests into free rows while pages stay for the live rows to grow, then prefill them
+        length-batched under the prefill token budget."""
+        taken: list[tuple[int, _Request]] = []
+        while self.queue and self.free:
+            r = self.queue[0]
+            need = self.cache.pages_for(len(r.prompt) + 1)  # the prompt and the first answer token's position
+            # pages held back for the live rows to grow: a share per row, never more than they may still take
+            reserve = min(math.ceil(GROWTH_RESERVE * (self.live + len(taken) + 1)),
+                          self.owed + self.cache.pages_for(len(r.prompt) + r.max_new) - need)
+            if not self._room(need + reserve) and (self.live or taken):
+                break
+            if not self._room(need):
+                break
+            row = heapq.heappop(self.free)
+            self.cache.ensure(row, len(r.prompt) + 1)
+            self.owed += self._owed(row, r)
+            taken.append((row, self.queue.popleft()))
+        budget = PREFILL_TOKENS if self.t.device.type == "cuda" else CPU_PREFILL_TOKENS
+        for group in length_batches([len(r.prompt) for _, r in taken], budget):
+            self._prefill([taken[i] for i in group])
+
+    def _prefill(self, group: list[tuple[int, _Request]]) -> None:
         dev = self.t.device
-        slots = [heapq.heappop(self.free) for _ in reqs]
-        lens = [len(self.prompts[r]) for r in reqs]
+        rows = [row for row, _ in group]
+        lens = [len(r.prompt) for _, r in group]
         width = max(lens)
-        ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        for j, r in enumerate(reqs):
-            ids[j, : lens[j]] = torch.tensor(self.prompts[r])
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        for j, (_, r) in enumerate(group):
+            ids[j, : lens[j]] = torch.tensor(r.prompt)
         ids = ids.to(dev)
-        positions = torch.arange(width, device=dev)[None].expand(len(reqs), width)
-        rows = torch.tensor(slots, device=dev)
-        out = self.t.forward(self.cache, rows, ids, positions, fresh=True,
+        positions = torch.arange(width, device=dev)[None].expand(len(group), width)
+        index = torch.tensor(rows, device=dev)
+        out = self.t.forward(self.cache, index, ids, positions, fresh=True,
                              logits_at=torch.tensor(lens, device=dev) - 1)
         first = self.pick(out.logits)
-        margins = self._margins(out.logits, len(reqs))
-        self.pos[rows] = torch.tensor(lens, device=dev)
-        self.last[rows] = first
-        self.alive[rows] = 1
-        for slot, r, tok, m in zip(slots, reqs, first.tolist(), margins, strict=True):
-            self.request[slot], self.tokens[slot], self.margins[slot] = r, [], []
+        margins = self._margins(out.logits, len(group))
+        self.pos[index] = torch.tensor(lens, device=dev)
+        self.last[index] = first
+        self.alive[index] = 1
+        self.prefilled += sum(lens)
+        for (row, r), n, tok, m in zip(group, lens, first.tolist(), margins, strict=True):
+            self.request[row], self.tokens[row], self.margins[row] = r, [], []
+            self.length[row] = n
+            self._order += 1
+            self.admitted[row] = self._order
             self.live += 1
-            self._take(slot, tok, m)
+            self._take(row, tok, m)
+
+    def _pages_for_step(self) -> None:
+        """Give every row about to write its first position of a page that page, preempting the requests
+        admitted last while none is free."""
+        for row in self.needs_page:
+            while self.request[row] is not None and not self.cache.ensure(row, self.length[row] + 1):
+                if self._room(1):
+                    continue
+                live = [s for s, r in enumerate(self.request) if r is not None]
+                self._preempt(max(live, key=self.admitted.__getitem__))
+            if self.request[row] is not None:
+                self.owed -= 1
+        self.needs_page = []
+
+    def _preempt(self, row: int) -> None:
+        """Put ``row``'s request back at the head of the queue, to start again; free its row and pages."""
+        r = self.request[row]
+        assert r is not None
+        self.queue.appendleft(r)
+        self.preempted += 1
+        self.discarded += len(self.tokens[row])
+        self._free_row(row)
+
+    # decoding
 
     def _margins(self, logits: Tensor, rows: int) -> list[float | None]:
         """Top-1 minus top-2 logit per row (one topk over the batch's logits), when asked for."""
@@ -168,15 +313,16 @@ class _Run:
         top = logits.float().topk(2, dim=-1).values
         return (top[..., 0] - top[..., 1]).reshape(rows).tolist()
 
-    def _take(self, slot: int, tok: int, margin: float | None = None) -> None:
-        """Append one token to a slot's answer; free the slot when the answer ends."""
-        r = self.request[slot]
+    def _take(self, row: int, tok: int, margin: float | None = None) -> None:
+        """Append one token to a row's answer; free the row when the answer ends."""
+        r = self.request[row]
+        assert r is not None
         if margin is not None:
-            self.margins[slot].append(margin)
+            self.margins[row].append(margin)
         if tok in self.stop_ids:
-            self._finish(slot, "stop", tok)
+            self._finish(row, "stop", tok)
             return
-        answer = self.tokens[slot]
+        answer = self.tokens[row]
         answer.append(tok)
         n, lp = len(answer), self.loops
         if lp is not None and n >= lp.min_repeat_tokens and n % lp.every == 0:
@@ -185,97 +331,102 @@ class _Run:
             start = loop_start(answer[off:], lp.min_repeat_tokens, lp.max_period)
             if start is not None:
                 del answer[off + start:]
-                del self.margins[slot][off + start:]
-                self._finish(slot, "loop", generated=n)
+                del self.margins[row][off + start:]
+                self._finish(row, "loop", generated=n)
                 return
-        if n >= self.max_new[r]:
-            self._finish(slot, "length")
+        if n >= r.max_new:
+            self._finish(row, "length")
+        elif self.length[row] % self.cache.page == 0:  # the next token opens a page
+            self.needs_page.append(row)
 
-    def _finish(self, slot: int, reason: str, stop_token: int | None = None, generated: int = 0) -> None:
-        self.out[self.request[slot]] = Generated(self.tokens[slot], reason, stop_token, self.margins[slot],
-                                                 generated)
-        self.margins[slot] = []
-        self.request[slot] = -1
-        self.pos[slot] = 0  # a free row below the last live one still runs: its writes stay at position 0
-        self.alive[slot] = 0
-        heapq.heappush(self.free, slot)
+    def _finish(self, row: int, reason: str, stop_token: int | None = None, generated: int = 0) -> None:
+        r = self.request[row]
+        assert r is not None
+        self.done.append((r.key, Generated(self.tokens[row], reason, stop_token, self.margins[row], generated)))
+        self._free_row(row)
+
+    def _free_row(self, row: int) -> None:
+        r = self.request[row]
+        assert r is not None
+        self.owed -= self._owed(row, r)
+        self.request[row], self.tokens[row], self.margins[row] = None, [], []
+        self.cache.release(row)
+        self.length[row] = 0
+        self.pos[row] = 0  # a free row below the last live one still runs: its writes go to the scratch page
+        self.alive[row] = 0
+        heapq.heappush(self.free, row)
         self.live -= 1
-        self.bar.update(1)
 
     def step(self) -> int:
-        """One decode token for every slot up to the last live one; returns tokens produced."""
+        """One decode token for every row up to the last live one; returns tokens produced."""
+        self._pages_for_step()
+        if self.live == 0:
+            return 0
         hi = self.last_live() + 1
-        rows = slice(0, hi)
-        out = self.t.forward(self.cache, rows, self.last[:hi, None], self.pos[:hi, None], fresh=False,
-                             logits_at=torch.zeros(hi, dtype=torch.long, device=self.t.device))
+        b = decode_rows(hi, self.rows, self.buckets)
+        out = self.t.forward(self.cache, slice(0, b), self.last[:b, None], self.pos[:b, None], fresh=False,
+                             logits_at=torch.zeros(b, dtype=torch.long, device=self.t.device))
         nxt = self.pick(out.logits)
-        margins = self._margins(out.logits, hi)
-        self.last[:hi] = nxt
-        self.pos[:hi] += self.alive[:hi]
+        margins = self._margins(out.logits[:hi], hi)
+        self.last[:b] = nxt
+        self.pos[:b] += self.alive[:b]
         produced = 0
-        for slot, (tok, m) in enumerate(zip(nxt.tolist(), margins, strict=True)):
-            if self.request[slot] >= 0:
+        for row, (tok, m) in enumerate(zip(nxt[:hi].tolist(), margins, strict=True)):
+            if self.request[row] is not None:
                 produced += 1
-                self._take(slot, tok, m)
+                self.length[row] += 1
+                self._take(row, tok, m)
+        self.produced += produced
+        self.steps += 1
         return produced
 
     def last_live(self) -> int:
-        """The highest slot serving a request (a step decodes every slot up to it)."""
-        return max(s for s, r in enumerate(self.request) if r >= 0)
+        """The highest row serving a request (a step decodes every row up to it)."""
+        return max(s for s, r in enumerate(self.request) if r is not None)
 
     def compact(self) -> None:
-        """Move live rows to the lowest slots (the tail of a run, when most slots are free)."""
-        live = [s for s, r in enumerate(self.request) if r >= 0]
-        targets = list(range(len(live)))
-        moves = [(s, d) for s, d in zip(live, targets, strict=True) if s != d]
+        """Move live rows to the lowest rows (the tail of a run, when most rows are free); only page tables
+        move, no keys."""
+        live = [s for s, r in enumerate(self.request) if r is not None]
+        moves = [(s, d) for d, s in enumerate(live) if s != d]
         if not moves:
             return
         dev = self.t.device
-        src = torch.tensor([s for s, _ in moves], device=dev)
-        dst = torch.tensor([d for _, d in moves], device=dev)
-        self.cache.move_rows(src, dst)
+        srcs, dsts = [s for s, _ in moves], [d for _, d in moves]
+        self.cache.move_rows(srcs, dsts)
+        src, dst = torch.tensor(srcs, device=dev), torch.tensor(dsts, device=dev)
         self.pos[dst], self.last[dst], self.alive[dst] = self.pos[src], self.last[src], self.alive[src]
         for s, d in moves:
             self.request[d], self.tokens[d], self.margins[d] = self.request[s], self.tokens[s], self.margins[s]
-            self.request[s], self.tokens[s], self.margins[s] = -1, [], []
-        freed = torch.tensor([s for s in range(len(live), self.cache.slots)], dtype=torch.long, device=dev)
+            self.length[d], self.admitted[d] = self.length[s], self.admitted[s]
+            self.request[s], self.tokens[s], self.margins[s], self.length[s] = None, [], [], 0
+        self.needs_page = [dict(moves).get(r, r) for r in self.needs_page]
+        freed = torch.arange(len(live), self.rows, device=dev)
         self.pos[freed], self.alive[freed] = 0, 0
-        self.free = [s for s in range(self.cache.slots) if self.request[s] < 0]
+        self.free = [s for s in range(self.rows) if self.request[s] is None]
         heapq.heapify(self.free)
 
 
 def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop_ids: Sequence[int], sampling: Sampling = Sampling(), slots: int | None = None,
              cpu_slots: int = 16, desc: str = "generate", margins: bool = False,
-             loops: LoopStop | None = None) -> list[Generated]:
+             loops: LoopStop | None = None, pages: int | None = None) -> list[Generated]:
     """Answer every prompt (token ids, already chat-templated; ``max_new_tokens`` one budget for all or one
     per prompt); results in prompt order. ``margins``: also the top-1/top-2 logit margin behind each token.
     ``loops``: end an answer that falls into a loop there (finish reason "loop"); an answer that never loops
-    is the same with or without it."""
+    is the same with or without it. ``slots``: rows decoded at once (default ``plan_rows``)."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     out: list[Generated | None] = [None] * len(prompts)
-    pick = _Picker(sampling, target.device)
-    stops = set(stop_ids)
-    produced, steps, started = 0, 0, time.perf_counter()
+    if not prompts:
+        return []
+    stream = Stream(target, stop_ids, sampling, max_len=max(len(p) + n for p, n in zip(prompts, budgets, strict=True)),
+                    rows=slots, cpu_rows=cpu_slots, wanted=len(prompts), pages=pages, margins=margins, loops=loops)
+    for i in sorted(range(len(prompts)), key=lambda i: (len(prompts[i]) + budgets[i], i)):  # shortest first
+        stream.submit(i, prompts[i], budgets[i])
     with tqdm(total=len(prompts), desc=desc, unit=" seq") as bar:
-        for bucket in length_buckets([len(p) + n for p, n in zip(prompts, budgets, strict=True)]):
-            max_len = max(len(prompts[i]) + budgets[i] for i in bucket)
-            n_slots = plan_slots(target, max_len, len(bucket), cpu_slots, slots)
-            run = _Run(target, target.new_cache(n_slots, max_len), prompts, budgets, stops, pick, out, bar, margins,
-                       loops)
-            pending = list(reversed(bucket))  # pop() takes the shortest first
-            refill_at = max(1, n_slots // 8)
-            while pending or run.live:
-                if pending and (len(run.free) >= refill_at or run.live == 0):
-                    run.admit([pending.pop() for _ in range(min(len(run.free), len(pending)))])
-                if run.live == 0:
-                    continue
-                if not pending and 0 < run.live * 2 < run.last_live():
-                    run.compact()
-                produced += run.step()
-                steps += 1
-                if steps % 64 == 0:
-                    rate = round(produced / (time.perf_counter() - started))
-                    bar.set_postfix(tok_s=rate, slots=n_slots, refresh=False)
-            del run
+        for i, answer in stream.run():
+            out[i] = answer  # type: ignore[index]
+            bar.update(1)
+            if stream.steps % 64 == 0:
+                bar.set_postfix(tok_s=round(stream.tokens_per_s()), rows=stream.rows, refresh=False)
     return out  # type: ignore[return-value]

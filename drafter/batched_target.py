@@ -7,15 +7,25 @@ amounts (one decode token, a k+1-token verify) and a finished row takes a new pr
 keep going. Writes go to explicit positions and reads are masked by position, so whatever a row left
 beyond its current length (a rejected draft, a finished answer) is never read: it is overwritten first.
 
+Two cache layouts. ``KVCache`` gives every row ``max_len`` positions (the speculative eval: a few hundred rows
+of known length). ``PagedKVCache`` (regeneration's stream) holds pages of ``PAGE`` positions shared by all
+rows, a row owning the pages of the positions it has used, so the rows in flight are bounded by the tokens
+in flight, not by rows x the longest possible row. Over pages a decode step attends in one of two ways:
+"flex" (CUDA's default) runs flex attention over a block mask built from each row's length and page table,
+so a row reads its own pages and no more; "gather" (elsewhere) copies each row's pages into a rectangle and
+runs the same position-masked attention as ``KVCache`` (the reference math).
+
 Only the attention over the cache is ours. Norms, projections, rotary table and MLP are the model's own
 modules, so the numbers are the model's, up to the summation order of the attention kernel.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +34,8 @@ from torch import Tensor
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+PAGE = 128  # positions per page of a PagedKVCache: flex attention's key block, so a row reads whole pages of its own
+ATTENTION_ENV = "EAGLE3_PAGED_ATTENTION"  # "flex" or "gather": overrides the device's default (benchmarks A/B them)
 
 
 class UnsupportedTargetError(ValueError):
@@ -81,6 +93,165 @@ class KVCache:
         self.v[:, dst] = self.v[:, src]
 
 
+class PagedKVCache:
+    """Keys and values in pages of ``page`` positions shared by ``rows`` rows.
+
+    k, v: (layers, kv_heads, pages * page, head_dim). Row r's position p lives at
+    ``page_table[r, p // page] * page + p % page``. Page 0 is scratch: every table entry a row has not been
+    given points there, so a free row, or a prefill's padding past a row's pages, writes there, and no live
+    row reads it (``owner`` says whose a page is; the attention masks by it). Which pages a row holds is kept
+    on the host, so the engine allocates without waiting on the device; ``flush`` copies the rows that
+    changed to the device tables (``forward`` calls it)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, rows: int, pages: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device, attention: str, page: int = PAGE):
+        if pages < 2:
+            raise ValueError("a paged cache needs the scratch page and at least one more")
+        self.page, self.max_pages, self.attention = page, -(-max_len // page), attention
+        shape = (layers, kv_heads, pages * page, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_table = torch.zeros(rows, self.max_pages, dtype=torch.int32, device=device)
+        self.owner = torch.full((pages,), -1, dtype=torch.int32, device=device)  # the row holding each page
+        self.logical = torch.zeros(pages, dtype=torch.int32, device=device)  # its index in that row's table
+        self.query_pos = torch.zeros(rows, dtype=torch.long, device=device)  # a decode step's positions (flex)
+        self.row_pages: list[list[int]] = [[] for _ in range(rows)]
+        self.free: list[int] = list(range(pages - 1, 0, -1))  # a stack; page 0 is scratch
+        self._dirty: set[int] = set()
+        self._freed: list[int] = []
+        self.mask_mod = self._mask_mod()
+
+    @property
+    def rows(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def pages(self) -> int:
+        return self.owner.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.max_pages * self.page
+
+    def pages_for(self, positions: int) -> int:
+        return -(-positions // self.page)
+
+    def ensure(self, row: int, positions: int) -> bool:
+        """Give ``row`` the pages for positions [0, positions); False (nothing taken) when too few are free."""
+        held = self.row_pages[row]
+        need = self.pages_for(positions) - len(held)
+        if need <= 0:
+            return True
+        if need > len(self.free) or len(held) + need > self.max_pages:
+            return False
+        held += [self.free.pop() for _ in range(need)]
+        self._dirty.add(row)
+        return True
+
+    def release(self, row: int) -> None:
+        """Return ``row``'s pages; its table points at scratch again."""
+        self._freed += self.row_pages[row]
+        self.free += reversed(self.row_pages[row])
+        self.row_pages[row] = []
+        self._dirty.add(row)
+
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Row ``src[i]``'s pages become row ``dst[i]``'s (no key moves: only the tables change)."""
+        moved = [self.row_pages[s] for s in src]
+        for s in src:
+            self.row_pages[s] = []
+        for d, held in zip(dst, moved, strict=True):
+            self.row_pages[d] = held
+        self._dirty.update(src)
+        self._dirty.update(dst)
+
+    def grow(self, pages: int) -> None:
+        """``pages`` more pages (a CPU pool grows as it fills; a GPU's is sized once from free memory)."""
+        layers, kv, _, d = self.k.shape
+        extra = torch.zeros((layers, kv, pages * self.page, d), dtype=self.k.dtype, device=self.k.device)
+        self.k, self.v = torch.cat([self.k, extra], 2), torch.cat([self.v, extra], 2)
+        start = self.pages
+        self.owner = torch.cat([self.owner, self.owner.new_full((pages,), -1)])
+        self.logical = torch.cat([self.logical, self.logical.new_zeros(pages)])
+        self.free[:0] = range(start + pages - 1, start - 1, -1)  # under the stack: the old pages go first
+        self.mask_mod = self._mask_mod()
+
+    def flush(self) -> None:
+        """Copy the page lists that changed to the device tables."""
+        if not (self._dirty or self._freed):
+            return
+        dev = self.page_table.device
+        if self._freed:
+            self.owner[torch.tensor(self._freed, device=dev)] = -1
+            self._freed = []
+        rows = sorted(self._dirty)
+        self._dirty = set()
+        table = torch.zeros(len(rows), self.max_pages, dtype=torch.int32)
+        held, owners, logical = [], [], []
+        for i, r in enumerate(rows):
+            table[i, : len(self.row_pages[r])] = torch.tensor(self.row_pages[r], dtype=torch.int32)
+            held += self.row_pages[r]
+            owners += [r] * len(self.row_pages[r])
+            logical += range(len(self.row_pages[r]))
+        self.page_table[torch.tensor(rows, device=dev)] = table.to(dev)
+        if held:
+            index = torch.tensor(held, device=dev)
+            self.owner[index] = torch.tensor(owners, dtype=torch.int32, device=dev)
+            self.logical[index] = torch.tensor(logical, dtype=torch.int32, device=dev)
+
+    def addresses(self, rows: Tensor | slice, positions: Tensor) -> Tensor:
+        """Where (B, T) ``positions`` of ``rows`` live along the pooled position axis."""
+        pages = self.page_table[rows].gather(1, torch.div(positions, self.page, rounding_mode="floor"))
+        return pages.long() * self.page + positions % self.page
+
+    def _mask_mod(self) -> Callable[..., Tensor]:
+        """Key ``kv_idx`` (pooled) is visible to row b's query iff b owns its page and its position in the
+        row is at most the query's. Exact for any key, so a kernel that ignores the block mask's sparsity
+        (eager flex attention) gives the same answer; the block mask only saves the reads."""
+        owner, logical, query_pos, page = self.owner, self.logical, self.query_pos, self.page
+
+        def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            p = kv_idx // page
+            return (owner[p] == b) & (logical[p] * page + kv_idx % page <= query_pos[b])
+
+        return visible
+
+    def block_mask(self, b: int, q_len: int) -> Any:
+        """Flex attention's block mask for a decode step of rows [0, b) at ``query_pos``: each row's
+        pages up to its query's, in its table's order."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        blocks = (torch.div(self.query_pos[:b], self.page, rounding_mode="floor") + 1).to(torch.int32)
+        table = self.page_table[:b]
+        if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
+            table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
+        return BlockMask.from_kv_blocks(blocks.view(b, 1, 1), table.reshape(b, 1, 1, -1),
+                                        BLOCK_SIZE=(128, self.page), mask_mod=self.mask_mod,
+                                        seq_lengths=(q_len, self.k.shape[2]), compute_q_blocks=False)
+
+
+_compiled_flex: Callable[..., Tensor] | None = None
+
+
+def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
+    """Compiled flex attention of q (B, kv, G, d) over the pooled k, v (kv, S, d). Static shapes: the engine
+    pads its batch to a few sizes (``continuous_batching.decode_rows``), one compile each."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
+
+
+def default_attention(device: torch.device) -> str:
+    """The paged cache's decode attention: $EAGLE3_PAGED_ATTENTION, else flex on CUDA and gather elsewhere."""
+    chosen = os.environ.get(ATTENTION_ENV) or ("flex" if device.type == "cuda" else "gather")
+    if chosen not in ("flex", "gather"):
+        raise ValueError(f"{ATTENTION_ENV}={chosen!r}: use flex or gather")
+    return chosen
+
+
 @dataclass
 class BatchedOutput:
     logits: Tensor | None  # (B, V) at ``logits_at`` or (B, T, V) for every position
@@ -126,9 +297,14 @@ class BatchedTarget:
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device),
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
 
+    def new_paged_cache(self, rows: int, pages: int, max_len: int, attention: str | None = None) -> PagedKVCache:
+        return PagedKVCache(len(self.layers), self.kv_heads, self.head_dim, rows, pages, max_len, self.dtype,
+                            self.device, attention or default_attention(self.device))
+
     @torch.no_grad()
-    def forward(self, cache: KVCache, rows: Tensor | slice, ids: Tensor, positions: Tensor, *, fresh: bool,
-                logits_at: Tensor | None = None, all_logits: bool = False, aux: bool = False) -> BatchedOutput:
+    def forward(self, cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, positions: Tensor, *,
+                fresh: bool, logits_at: Tensor | None = None, all_logits: bool = False,
+                aux: bool = False) -> BatchedOutput:
         """Run ``ids`` (B, T) at ``positions`` (B, T) for cache ``rows`` and write their keys and values.
 
         fresh: every row starts at position 0 (a prompt's prefill, right-padded): attention is causal over
@@ -139,12 +315,27 @@ class BatchedTarget:
         b, t = ids.shape
         if not fresh and not isinstance(rows, slice):
             raise TypeError("a cached (non-fresh) step takes a slice of rows, so the cache is read in place")
+        paged = isinstance(cache, PagedKVCache)
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
+        groups = self.heads // self.kv_heads
         batch_index = torch.arange(b, device=ids.device)[:, None]
-        # Keys read per row: up to the furthest position in the batch, rounded up (aligned key blocks).
-        span = None if fresh else min(cache.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
-        mask = None if fresh else position_mask(positions, span, self.heads // self.kv_heads)  # one for all layers
+        flex = paged and not fresh and cache.attention == "flex" and t == 1
+        span = mask = gather = block_mask = None
+        if paged:
+            cache.flush()
+            where = cache.addresses(rows, positions).reshape(-1)  # (B*T,) along the pooled axis
+        if flex:
+            if rows.start not in (None, 0):
+                raise ValueError("flex attention over pages decodes rows [0, B) (the block mask's batch index)")
+            cache.query_pos[:b] = positions[:, 0]
+            block_mask = cache.block_mask(b, groups)
+        elif not fresh:
+            # Keys read per row: up to the furthest position in the batch, rounded up (aligned key blocks).
+            span = min(cache.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
+            mask = position_mask(positions, span, groups)  # one for all layers
+            if paged:  # each row's pages in order, as a (B, span) rectangle of pooled positions
+                gather = cache.addresses(rows, torch.arange(span, device=ids.device)[None].expand(b, span))
         keep: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             residual = h
@@ -157,11 +348,22 @@ class BatchedTarget:
                 q, k = att.q_norm(q), att.k_norm(k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, heads, T, d)
             v = v.transpose(1, 2)
-            if fresh:
+            if paged:  # (kv, B*T, d) into the pool
+                cache.k[i].index_copy_(1, where, k.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
+                cache.v[i].index_copy_(1, where, v.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
+            elif fresh:
                 cache.k[i, rows, :, :t] = k
                 cache.v[i, rows, :, :t] = v
+            if fresh:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
                                                    enable_gqa=self.kv_heads != self.heads)
+            elif flex:  # the query heads sharing a kv head folded into the query axis, as below
+                o = flex_decode(q.reshape(b, self.kv_heads, groups, self.head_dim), cache.k[i], cache.v[i],
+                                block_mask, self.scaling).reshape(b, self.heads, 1, self.head_dim)
+            elif paged:
+                layer_k = cache.k[i][:, gather].transpose(0, 1)  # (B, kv, span, d)
+                layer_v = cache.v[i][:, gather].transpose(0, 1)
+                o = position_masked_attention(q, layer_k, layer_v, mask, self.scaling)
             else:
                 layer_k, layer_v = cache.k[i, rows], cache.v[i, rows]  # views (rows is a slice)
                 layer_k[batch_index, :, positions] = k.transpose(1, 2)
@@ -177,4 +379,3 @@ class BatchedTarget:
         elif all_logits:
             logits = self.lm_head(self.final_norm(h))
         return BatchedOutput(logits, torch.cat([keep[i] for i in self.aux_layer_ids], -1) if aux else None)
-

@@ -1,6 +1,7 @@
 """The batched engine behind hf regeneration: at T=0 every answer is what plain greedy ``generate`` gives
-for that prompt, whatever the slot count, refills, buckets or compaction; sampling is seeded; budgets and
-stop tokens end answers; with ``loops`` an answer that falls into a loop ends there, the same answer up to the
+for that prompt, whatever the row count, refills, compaction, requests submitted mid-run, a pool that grows or
+preempts, or the attention kernel (flex over pages, or gathered pages); sampling is seeded; budgets and stop
+tokens end answers; with ``loops`` an answer that falls into a loop ends there, the same answer up to the
 loop's first copy; an architecture it cannot run is refused in one line."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from data_prep import continuous_batching as cb
-from data_prep.continuous_batching import LoopStop, Sampling, generate, length_buckets
+from data_prep.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
 from data_prep.loops import loop_start
 from drafter.batched_target import BatchedTarget, UnsupportedTargetError
 
@@ -42,13 +43,13 @@ def prompts(n: int, lo: int, hi: int, seed: int = 1) -> list[list[int]]:
 def test_greedy_equals_plain_generate_with_refills_and_compaction(kind: str, monkeypatch) -> None:
     model = tiny(kind)
     calls = {"compact": 0}
-    original = cb._Run.compact
+    original = cb.Stream.compact
 
-    def counting(self: cb._Run) -> None:
+    def counting(self: cb.Stream) -> None:
         calls["compact"] += 1
         original(self)
 
-    monkeypatch.setattr(cb._Run, "compact", counting)
+    monkeypatch.setattr(cb.Stream, "compact", counting)
     # Equal prompt lengths: requests are admitted in budget order, so the longest answers sit in the highest
     # slots and the last steps run with a few live rows far from the front (the compaction case).
     ps = prompts(30, 10, 11)
@@ -59,13 +60,74 @@ def test_greedy_equals_plain_generate_with_refills_and_compaction(kind: str, mon
         assert (o.tokens, o.finish_reason) == plain_greedy(model, p, budget)
 
 
-def test_long_prompts_go_to_their_own_bucket_and_stay_exact() -> None:
+def test_short_and_long_prompts_share_a_pool_that_grows_and_stay_exact() -> None:
+    """A row holds pages for the positions it uses: short and long prompts run side by side, and the CPU pool
+    starts at CPU_START_POSITIONS per row and grows when the long ones come in."""
     model = tiny()
     ps = prompts(6, 2, 12) + prompts(3, 600, 700, seed=2)
-    assert [len(b) for b in length_buckets([len(p) + 8 for p in ps])] == [6, 3]
-    outs = generate(BatchedTarget(model), ps, 8, STOPS, cpu_slots=4)
-    for p, o in zip(ps, outs, strict=True):
-        assert (o.tokens, o.finish_reason) == plain_greedy(model, p, 8)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=720, cpu_rows=4)
+    start = stream.cache.pages
+    assert start == 1 + 4 * cb.CPU_START_POSITIONS // cb.PAGE
+    for i, p in enumerate(ps):
+        stream.submit(i, p, 8)
+    outs = dict(stream.run())
+    assert stream.cache.pages > start and stream.preempted == 0
+    for i, p in enumerate(ps):
+        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 8)
+    assert len(stream.cache.free) == stream.cache.pages - 1  # every page back, scratch aside
+
+
+def test_a_full_pool_preempts_the_last_admitted_and_answers_stay_exact() -> None:
+    """Five pages (one scratch) for three rows whose answers each need two: a row that needs a page when none is
+    free takes one from the request admitted last, which starts again later; every answer is still greedy's."""
+    model = tiny()
+    ps = prompts(6, 100, 120, seed=3)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=256, cpu_rows=3, pages=5)
+    for i, p in enumerate(ps):
+        stream.submit(i, p, 40)
+    outs = dict(stream.run())
+    assert stream.preempted > 0 and stream.discarded > 0
+    for i, p in enumerate(ps):
+        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 40)
+
+
+def test_requests_submitted_while_the_stream_runs_join_it_and_stay_exact() -> None:
+    """A conversation's next turn enters the running batch when its previous answer ends: here each answer,
+    with two more tokens, is the next prompt, three turns deep, beside first turns still decoding."""
+    model = tiny()
+    engine = BatchedTarget(model)
+    ps = prompts(8, 3, 30, seed=4)
+    stream = Stream(engine, STOPS, max_len=200, cpu_rows=5)
+    for i, p in enumerate(ps):
+        stream.submit((i, 0), p, 5 + 3 * i)
+    seen: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    prompt_of = {(i, 0): p for i, p in enumerate(ps)}
+    for key, answer in stream.run():
+        seen[key] = (prompt_of[key], answer.tokens)
+        i, turn = key
+        if turn < 2:
+            nxt = (i, turn + 1)
+            prompt_of[nxt] = list(prompt_of[key]) + answer.tokens + [7, 9]
+            stream.submit(nxt, prompt_of[nxt], 5 + 3 * i)
+    assert len(seen) == 24
+    for (i, _), (prompt, tokens) in seen.items():
+        assert tokens == plain_greedy(model, prompt, 5 + 3 * i)[0]
+
+
+def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch) -> None:
+    """CUDA's kernel: flex attention compiled over a block mask of each row's pages (one decode shape: the CPU
+    compile takes tens of seconds). Inductor's CPU kernel skips the blocks the mask leaves out as the GPU's
+    does, so a wrong block list would show here."""
+    monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
+    model = tiny()
+    ps = prompts(10, 3, 150, seed=5)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=200, cpu_rows=4, attention="flex")
+    assert stream.cache.attention == "flex" and stream.buckets == 1
+    for i, p in enumerate(ps):
+        stream.submit(i, p, 30)
+    outs = dict(stream.run())
+    for i, p in enumerate(ps):
+        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 30)
 
 
 def test_per_prompt_budgets_and_stop_tokens() -> None:
@@ -119,11 +181,15 @@ def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
     assert sum(len(o.tokens) for o in cut) < sum(len(p.tokens) for p in plain) / 2
 
 
-def test_slots_come_from_the_setting_or_the_cpu_default() -> None:
+def test_rows_come_from_the_setting_or_the_cpu_default_and_decode_in_a_few_shapes() -> None:
     engine = BatchedTarget(tiny())
-    assert cb.plan_slots(engine, 512, wanted=100, cpu_slots=16) == 16
-    assert cb.plan_slots(engine, 512, wanted=10, cpu_slots=16) == 10
-    assert cb.plan_slots(engine, 512, wanted=100, cpu_slots=16, slots=40) == 40
+    assert cb.plan_rows(engine, wanted=100, cpu_rows=16) == 16
+    assert cb.plan_rows(engine, wanted=10, cpu_rows=16) == 10
+    assert cb.plan_rows(engine, wanted=100, cpu_rows=16, rows=40) == 40
+    sizes = {decode_rows(hi, 4096, 4) for hi in range(1, 4097)}
+    assert sizes == {512, 1024, 2048, 4096}
+    assert all(decode_rows(hi, 4096, 4) >= hi for hi in range(1, 4097)) and decode_rows(7, 4096, 0) == 7
+    assert {decode_rows(hi, 3, 4) for hi in range(1, 4)} == {1, 2, 3}
 
 
 def test_an_unsupported_architecture_is_one_line() -> None:
