@@ -21,6 +21,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
+from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -54,6 +56,7 @@ class Completion:
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool calls the answer makes
     # finish_reason "loop": the answer's tokens when its loop was found, and the tokens kept (through its first copy)
     loop_tokens: tuple[int, int] | None = None
+    tokens: int | None = None  # the answer's tokens (hf: generated and kept; openai: the server's usage, if sent)
 
     def message(self) -> dict[str, Any]:
         """The assistant turn as the next request (and the chat template) takes it back."""
@@ -75,11 +78,12 @@ class ChatBackend(Protocol):
 
 
 class HFChatBackend:
-    """The target in-process, through continuous batching over a per-row KV cache
+    """The target in-process, through continuous batching over a paged KV cache
     (``data_prep.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
-    alone, and the GPU stays full while answers of very different lengths finish. Chats are rendered as the
-    server renders them (the target's chat_template_kwargs, the chat's tools). Its answer is raw text:
-    separating reasoning and parsing tool calls are the server's parsers (SGLang's
+    alone, and the GPU stays full while answers of very different lengths finish. ``stream`` is one engine run
+    for a whole regeneration: a conversation's next turn joins the running batch when its previous answer
+    ends. Chats are rendered as the server renders them (the target's chat_template_kwargs, the chat's tools).
+    Its answer is raw text: separating reasoning and parsing tool calls are the server's parsers (SGLang's
     --reasoning-parser/--tool-call-parser), so thinking and agentic data come through the openai backend."""
 
     name = "hf"
@@ -101,27 +105,81 @@ class HFChatBackend:
         limits = [getattr(self.target.hf_config, "max_position_embeddings", None), cfg.max_context_tokens]
         self.max_context = min((x for x in limits if x), default=None)  # prompt + answer positions
 
+    def stream(self, wanted: int | None = None) -> HFChatStream:
+        """An engine run that chats can be submitted to while it answers (``wanted``: chats expected, so a
+        short run does not size rows for thousands)."""
+        return HFChatStream(self, wanted)
+
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
-        from data_prep.continuous_batching import LoopStop, Sampling, generate
+        stream = self.stream(len(batch))
+        stream.submit([(i, chat, t) for i, (chat, t) in enumerate(zip(batch, tools or [None] * len(batch),
+                                                                      strict=True))])
+        results: list[Completion | None] = [None] * len(batch)
+        for i, completion in stream.results():
+            results[i] = completion
+        return results  # type: ignore[return-value]
+
+
+class HFChatStream:
+    """Chats in (each a conversation's next turn: ``submit``), completions out as they finish (``results``):
+    one ``continuous_batching.Stream`` over the whole regeneration. A chat with no room left for an answer in
+    the target's context is answered ``context_full`` at once, without the engine."""
+
+    LONGEST_ROW = 32768  # positions per row when the target names no context length
+
+    def __init__(self, backend: HFChatBackend, wanted: int | None = None):
+        from data_prep.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
+
+        c = backend.cfg
+        self.b = backend
+        self.max_len = backend.max_context or self.LONGEST_ROW
+        loops = LoopStop(c.loop_min_repeat_tokens, c.loop_max_period) if c.stop_loops else None
+        self.engine = Stream(backend.engine, backend.stop_ids, Sampling(c.temperature, c.top_p, c.top_k, c.seed),
+                             max_len=self.max_len, rows=c.slots, cpu_rows=c.batch_size, wanted=wanted or MAX_ROWS,
+                             loops=loops)
+        self.ready: deque[tuple[Hashable, Completion]] = deque()
+
+    @property
+    def rows(self) -> int:
+        return self.engine.rows
+
+    @property
+    def wants(self) -> int:
+        """How many more chats to queue: enough for every free row and the next refill."""
+        e = self.engine
+        return len(e.free) + e.refill_at - e.waiting - len(self.ready)
+
+    def submit(self, items: list[tuple[Hashable, Chat, Tools]]) -> None:
+        """Queue (key, chat, tools) items; rendered and tokenized together."""
         from data_prep.loss_mask import prompt_text
 
-        texts = [prompt_text(self.tok, chat, self.template_kwargs, t)
-                 for chat, t in zip(batch, tools or [None] * len(batch), strict=True)]
-        ids = self.tok(texts, add_special_tokens=False)["input_ids"]
-        c = self.cfg
-        budget = {i: min(c.max_tokens, self.max_context - len(x)) if self.max_context else c.max_tokens
-                  for i, x in enumerate(ids)}
-        fits = [i for i in budget if budget[i] > 0]
-        loops = LoopStop(c.loop_min_repeat_tokens, c.loop_max_period) if c.stop_loops else None
-        outs = generate(self.engine, [ids[i] for i in fits], [budget[i] for i in fits], self.stop_ids,
-                        Sampling(c.temperature, c.top_p, c.top_k, c.seed), slots=c.slots, cpu_slots=c.batch_size,
-                        desc="regenerate (hf)", loops=loops)
-        results = [Completion(finish_reason=CONTEXT_FULL) for _ in ids]  # no room left for another answer
-        for i, o in zip(fits, outs, strict=True):
-            results[i] = Completion(text=self.tok.decode(o.tokens, skip_special_tokens=True),
-                                    finish_reason=o.finish_reason,
-                                    loop_tokens=(o.generated, len(o.tokens)) if o.finish_reason == "loop" else None)
-        return results
+        texts = [prompt_text(self.b.tok, chat, self.b.template_kwargs, tools or None) for _, chat, tools in items]
+        if not texts:
+            return
+        ids = self.b.tok(texts, add_special_tokens=False)["input_ids"]
+        for (key, _, _), x in zip(items, ids, strict=True):
+            budget = min(self.b.cfg.max_tokens, self.max_len - len(x))
+            if budget > 0:
+                self.engine.submit(key, x, budget)
+            else:  # no room left for another answer
+                self.ready.append((key, Completion(finish_reason=CONTEXT_FULL)))
+
+    def results(self) -> Iterator[tuple[Hashable, Completion]]:
+        """(key, completion) as answers finish, until nothing is queued or running; chats submitted meanwhile
+        are answered in the same run."""
+        while self.ready or self.engine.busy:
+            while self.ready:
+                yield self.ready.popleft()
+            for key, g in self.engine.poll():
+                yield key, Completion(text=self.b.tok.decode(g.tokens, skip_special_tokens=True),
+                                      finish_reason=g.finish_reason, tokens=len(g.tokens),
+                                      loop_tokens=(g.generated, len(g.tokens)) if g.finish_reason == "loop" else None)
+
+    def tokens_per_s(self) -> float:
+        return self.engine.tokens_per_s()
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
 
 
 def chat_url(base: str) -> str:
@@ -227,7 +285,8 @@ class OpenAIChatBackend:
         if cut is None:
             return c
         kept, tokens, kept_tokens = cut
-        return dataclasses.replace(c, **{part: kept}, finish_reason="loop", loop_tokens=(tokens, kept_tokens))
+        return dataclasses.replace(c, **{part: kept}, finish_reason="loop", loop_tokens=(tokens, kept_tokens),
+                                   tokens=kept_tokens if c.tokens is not None else None)
 
     def _url(self) -> str:
         with self._lock:
@@ -277,8 +336,11 @@ class OpenAIChatBackend:
         try:
             # SGLang's ChatMessage (srt/entrypoints/openai/protocol.py): content, reasoning_content (with a
             # --reasoning-parser), tool_calls [{id, index, type, function: {name, arguments}}] (--tool-call-parser).
-            choice = json.loads(raw)["choices"][0]
+            reply = json.loads(raw)
+            choice = reply["choices"][0]
             msg = choice["message"]
+            usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+            tokens = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else None
             # The model's own words, with any registered secret masked (a server may echo the key).
             reasoning = redact.redact_secrets(msg.get("reasoning_content") or msg.get("reasoning") or "") or None
             calls = [{"id": c.get("id") or f"call_{i}", "type": "function",
@@ -287,7 +349,7 @@ class OpenAIChatBackend:
                      for i, c in enumerate(msg.get("tool_calls") or [])] or None
             return Completion(text=redact.redact_secrets(msg.get("content") or ""),
                               finish_reason=choice.get("finish_reason") or "unknown",
-                              reasoning=reasoning, tool_calls=calls)
+                              reasoning=reasoning, tool_calls=calls, tokens=tokens)
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             body = redact.redact(raw[:ERROR_BODY_BYTES].decode("utf-8", "replace"))
             return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {body[:200]!r}")

@@ -192,24 +192,38 @@ class Stream:
                              f"row of {self.max_len} positions (or is empty)")
         self.queue.append(_Request(key, prompt, max_new))
 
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.live)
+
     def run(self) -> Iterator[tuple[Hashable, Generated]]:
         """Step until nothing is queued or live, yielding (key, answer) as answers finish; requests submitted
         meanwhile join the run."""
-        while self.queue or self.live:
-            if self.queue and (len(self.free) >= self.refill_at or self.live == 0):
-                self._admit()
-            while self.done:
-                yield self.done.popleft()
-            if self.live == 0:
-                if self.queue and not self._admissible(self.queue[0]):
-                    raise RuntimeError(f"the cache's {self.cache.pages} pages cannot hold one request of "
-                                       f"{len(self.queue[0].prompt)} prompt tokens")
-                continue
+        while self.busy:
+            yield from self.poll()
+
+    def poll(self) -> list[tuple[Hashable, Generated]]:
+        """One round of work (admit into free rows, one decode step); the answers that finished in it."""
+        if self.queue and (len(self.free) >= self.refill_at or self.live == 0):
+            self._admit()
+        if self.live == 0:
+            if self.queue and not self._admissible(self.queue[0]):
+                raise RuntimeError(f"the cache's {self.cache.pages} pages cannot hold one request of "
+                                   f"{len(self.queue[0].prompt)} prompt tokens")
+        else:
             if not self.queue and 0 < self.live * 2 < self.last_live():
                 self.compact()
             self.step()
-            while self.done:
-                yield self.done.popleft()
+        done = list(self.done)
+        self.done.clear()
+        return done
+
+    def stats(self) -> dict[str, int | float | str]:
+        """What the run did, for summaries and benchmarks."""
+        return {"rows": self.rows, "pages": self.cache.pages, "page_positions": self.cache.page,
+                "attention": self.cache.attention, "steps": self.steps, "decoded_tokens": self.produced,
+                "prefill_tokens": self.prefilled, "preempted": self.preempted, "discarded_tokens": self.discarded,
+                "seconds": round(time.perf_counter() - self.started, 2)}
 
     def tokens_per_s(self) -> float:
         return self.produced / max(time.perf_counter() - self.started, 1e-9)

@@ -5,6 +5,12 @@ answer the target's (the source's answers are dropped). Each finished conversati
 ``conversations.jsonl`` as one whole line, flushed and fsynced, so after a kill -9 a rerun drops a
 torn last line, skips the ids already there and ends with every id exactly once.
 
+The hf backend runs one stream over all pending conversations (``_stream``): a request is a conversation's
+next turn, submitted to the running engine as soon as its previous answer ends, and a conversation is
+written the moment its last answer does, so a kill loses only the conversations in flight. A backend
+without a stream (openai) advances rounds of ``regenerate.batch_size`` conversations one turn per call
+(``_rounds``).
+
 A failed prompt is counted and left for the next run, but failure is not success: the step stops after
 ``regenerate.max_consecutive_failures`` prompts in a row failed (a dead server) and exits 2 when more
 than ``regenerate.max_failure_share`` of the prompts it tried failed. With several devices (hf), each
@@ -121,6 +127,7 @@ class Conversation:
         self.detail = ""
         self.diverged = False
         self.turns_dropped = 0  # prompt turns (a user turn, or a run of tool results) left out: context full
+        self.answer_tokens = 0  # tokens of its answers, as the backend counted them
         self.loop_cuts: list[tuple[int, int]] = []  # per answer cut at a loop: (tokens generated, tokens kept)
 
     def wants_more(self) -> bool:
@@ -172,6 +179,7 @@ class Conversation:
             return
         self.chat.append(c.message())
         self.finish_reasons.append(c.finish_reason)
+        self.answer_tokens += c.tokens or 0
         if c.loop_tokens:
             self.loop_cuts.append(c.loop_tokens)
         n = len(self.finish_reasons)
@@ -200,6 +208,9 @@ class RegenerateSummary:
     loop_cuts: int = 0
     loop_tokens_generated: int = 0
     loop_tokens_kept: int = 0
+    # this run: tokens of the answers written (hf: the engine's; openai: the server's usage, when it sends it)
+    answer_tokens: int = 0
+    engine: dict[str, Any] = field(default_factory=dict)  # hf: the engine's run (rows, pages, steps, preempted, ...)
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -224,7 +235,8 @@ class RegenerateSummary:
         pct = ", ".join(f"p{k}={v}" for k, v in self.answer_chars.items()) or "-"
         lines = [
             f"## Regenerate ({self.backend}): {self.records} conversations in {self.output}", "",
-            f"- this run: {self.written} written in {self.seconds:.1f} s; {self.already_done} already done; "
+            f"- this run: {self.written} written in {self.seconds:.1f} s ({self.answer_tokens} answer tokens); "
+            f"{self.already_done} already done; "
             f"{sum(self.failed.values())} failed; torn tail dropped: {self.torn_bytes_dropped} bytes; "
             f"{self.tool_calls_diverged} ended where the target's tool calls differ from the source's; "
             f"{self.turns_dropped_context_full} later user turns left out (context full)",
@@ -288,53 +300,128 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
     summary.flagged = flagged
 
 
+class _Tally:
+    """Where finished conversations go: written at once (one durable line each) or counted as failed; says
+    when ``regenerate.max_consecutive_failures`` in a row means stopping."""
+
+    def __init__(self, summary: RegenerateSummary, f: Any, limit: int, bar: tqdm):
+        self.summary, self.f, self.limit, self.bar = summary, f, limit, bar
+        self.in_a_row = 0
+
+    def settle(self, conv: Conversation) -> None:
+        s = self.summary
+        if conv.error:
+            s.failed[conv.error] += 1
+            s.failure_examples.setdefault(conv.error, f"{conv.prompt['id']}: {conv.detail}")
+            self.in_a_row += 1
+        else:
+            append_jsonl(self.f, conv.record(s.backend))
+            s.written += 1
+            self.in_a_row = 0
+            s.tool_calls_diverged += conv.diverged
+            s.turns_dropped_context_full += conv.turns_dropped
+            s.loop_cuts += len(conv.loop_cuts)
+            s.loop_tokens_generated += sum(g for g, _ in conv.loop_cuts)
+            s.loop_tokens_kept += sum(k for _, k in conv.loop_cuts)
+            s.answer_tokens += conv.answer_tokens
+        s.tried += 1
+        self.bar.update(1)
+
+    @property
+    def stop(self) -> bool:
+        return self.in_a_row >= self.limit
+
+
+def _rounds(pending: list[dict[str, Any]], backend: ChatBackend, tally: _Tally) -> None:
+    """Rounds of ``backend.batch_size`` conversations, each advanced one turn per ``complete`` call."""
+    for i in range(0, len(pending), backend.batch_size):
+        convs = [Conversation(p) for p in pending[i: i + backend.batch_size]]
+        while active := [c for c in convs if c.wants_more()]:
+            chats = [c.request() for c in active]
+            tools = [c.tools for c in active]
+            for conv, completion in zip(active, backend.complete(chats, tools if any(tools) else None),
+                                        strict=True):
+                conv.accept(completion)
+        for conv in convs:
+            tally.settle(conv)
+        if tally.stop:
+            return
+
+
+def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally) -> dict[str, Any]:
+    """One engine run over every pending conversation: a turn is submitted when the previous one's answer
+    ends, a conversation settled (written) when it ends. New conversations are opened only as the engine has
+    room for them (``wants``), so what a kill loses is the conversations in flight. Returns the engine's
+    statistics."""
+    stream = backend.stream(len(pending))  # one turn of a conversation in flight at a time
+    unopened = iter(pending)
+    open_: dict[str, Conversation] = {}
+
+    def open_more() -> None:
+        batch = []
+        for _ in range(max(0, stream.wants)):
+            p = next(unopened, None)
+            if p is None:
+                break
+            conv = open_[p["id"]] = Conversation(p)
+            batch.append((p["id"], conv.request(), conv.tools))
+        stream.submit(batch)
+
+    open_more()
+    for n, (key, completion) in enumerate(stream.results(), 1):
+        conv = open_[key]
+        conv.accept(completion)
+        if conv.wants_more():
+            stream.submit([(key, conv.request(), conv.tools)])
+        else:
+            del open_[key]
+            tally.settle(conv)
+            if tally.stop:
+                break
+        open_more()
+        if n % 64 == 0:
+            tally.bar.set_postfix(tok_s=round(stream.tokens_per_s()), open=len(open_), refresh=False)
+    return stream.stats()
+
+
 def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend,
                out_path: Path | None = None) -> RegenerateSummary:
-    """The loop, for any backend: chunks of prompts, every chunk advanced one turn per backend call.
-    ``out_path``: conversations.jsonl, or one device's part file when several devices share the work."""
+    """The loop, for any backend: one stream over the conversations where the backend has one (hf), else
+    rounds of conversations advanced a turn per backend call. ``out_path``: conversations.jsonl, or one
+    device's part file when several devices share the work."""
     out_path = out_path or cfg.conversations_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done, torn = resume(out_path)
     pending = [p for p in prompts if p["id"] not in done]
-    # Similar lengths share a batch: less padding (hf) and less waiting on one long request per round.
-    pending.sort(key=lambda p: sum(len(m["content"]) for m in p["messages"] if m["role"] != "assistant"))
+    streaming = hasattr(backend, "stream")
+    if streaming:
+        # The most turns (then the most text) first: the conversations opened last are short, so the run's
+        # end is not one long conversation's turns one after another.
+        pending.sort(key=lambda p: (-len(Conversation(p).segments), -_prompt_chars(p), p["id"]))
+    else:
+        # Similar lengths share a round: less waiting on one long request per round.
+        pending.sort(key=_prompt_chars)
     summary = RegenerateSummary(output=str(out_path), backend=backend.name, selected=len(prompts),
                                 already_done=len(prompts) - len(pending), torn_bytes_dropped=torn, written=0)
     start = time.perf_counter()
-    in_a_row, limit = 0, cfg.regenerate.max_consecutive_failures
+    limit = cfg.regenerate.max_consecutive_failures
     with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
                                          unit=" conv") as bar:
-        for i in range(0, len(pending), backend.batch_size):
-            convs = [Conversation(p) for p in pending[i: i + backend.batch_size]]
-            while active := [c for c in convs if c.wants_more()]:
-                chats = [c.request() for c in active]
-                tools = [c.tools for c in active]
-                for conv, completion in zip(active, backend.complete(chats, tools if any(tools) else None),
-                                            strict=True):
-                    conv.accept(completion)
-            for conv in convs:
-                if conv.error:
-                    summary.failed[conv.error] += 1
-                    summary.failure_examples.setdefault(conv.error, f"{conv.prompt['id']}: {conv.detail}")
-                    in_a_row += 1
-                else:
-                    append_jsonl(f, conv.record(backend.name))
-                    summary.written += 1
-                    in_a_row = 0
-                    summary.tool_calls_diverged += conv.diverged
-                    summary.turns_dropped_context_full += conv.turns_dropped
-                    summary.loop_cuts += len(conv.loop_cuts)
-                    summary.loop_tokens_generated += sum(g for g, _ in conv.loop_cuts)
-                    summary.loop_tokens_kept += sum(k for _, k in conv.loop_cuts)
-            summary.tried += len(convs)
-            bar.update(len(convs))
-            if in_a_row >= limit:
-                summary.stopped = (f"{in_a_row} prompts in a row failed (regenerate.max_consecutive_failures="
-                                   f"{limit}); {len(pending) - summary.tried} not tried")
-                break
+        tally = _Tally(summary, f, limit, bar)
+        if streaming and pending:
+            summary.engine = _stream(pending, backend, tally)
+        else:
+            _rounds(pending, backend, tally)
+        if tally.stop:
+            summary.stopped = (f"{tally.in_a_row} prompts in a row failed (regenerate.max_consecutive_failures="
+                               f"{limit}); {len(pending) - summary.tried} not tried")
     summary.seconds = time.perf_counter() - start
     validate(out_path, [p["id"] for p in prompts], summary)
     return summary
+
+
+def _prompt_chars(p: dict[str, Any]) -> int:
+    return sum(len(m["content"]) for m in p["messages"] if m["role"] != "assistant")
 
 
 def check_failures(cfg: RunConfig, summary: RegenerateSummary) -> None:
@@ -436,6 +523,8 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
                                 loop_cuts=sum(p["loop_cuts"] for p in parts),
                                 loop_tokens_generated=sum(p["loop_tokens_generated"] for p in parts),
                                 loop_tokens_kept=sum(p["loop_tokens_kept"] for p in parts),
+                                answer_tokens=sum(p["answer_tokens"] for p in parts),
+                                engine={dev: p["engine"] for dev, p in zip(devices, parts, strict=True)},
                                 tried=sum(p["tried"] for p in parts), stopped="; ".join(stopped) or None,
                                 seconds=time.perf_counter() - start)
     for p in parts:

@@ -1,5 +1,6 @@
-"""Regenerate: turn-by-turn feeding, retries and failures of the OpenAI client, resume after kill -9 or
-a torn line, and the real target through both backends (in-process HF, a real llama.cpp server)."""
+"""Regenerate: turn-by-turn feeding (rounds, and the hf backend's stream over conversations), retries and
+failures of the OpenAI client, resume after kill -9 or a torn line, and the real target through both backends
+(in-process HF: every turn as greedy generate alone; a real llama.cpp server)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from common.cli import LLAMA_CPP_CAUSES, exit_reason
@@ -177,19 +179,23 @@ def test_a_servers_looping_answer_is_cut_afterwards_and_counted(tmp_path: Path, 
     assert summary.flagged["loop"] == [ids[0]] and "1 answers cut at their loop's first copy" in str(summary)
 
 
-def test_loop_cuts_are_summed_over_the_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("streaming", [False, True])
+def test_loop_cuts_and_answer_tokens_are_summed_over_the_run(tmp_path: Path, streaming: bool) -> None:
     from data_prep.backends import Completion
     from data_prep.regenerate import load_prompt_records, regenerate
 
-    class Looping(ScriptedBackend):
-        def complete(self, batch: list[list[dict[str, str]]], tools: list[Any] | None = None) -> list[Any]:
-            return [Completion(text="x", finish_reason="loop", loop_tokens=(320, 100)) if "[loop]" in c[-1]["content"]
-                    else Completion(text="y", finish_reason="stop") for c in batch]
+    def complete(self: Any, batch: list[list[dict[str, str]]], tools: list[Any] | None = None) -> list[Any]:
+        return [Completion(text="x", finish_reason="loop", loop_tokens=(320, 100), tokens=100)
+                if "[loop]" in c[-1]["content"] else Completion(text="y", finish_reason="stop", tokens=7)
+                for c in batch]
 
     cfg = make_cfg(tmp_path)
     write_prompts(cfg, [[user("a [loop]"), user("b [loop]")], [user("c")], [user("d [loop]")]])
-    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), Looping())
+    backend_cls = type("Looping", (ScriptedStreamBackend if streaming else ScriptedBackend,), {"complete": complete})
+    backend = backend_cls(cfg.conversations_path) if streaming else backend_cls()
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
     assert (summary.loop_cuts, summary.loop_tokens_generated, summary.loop_tokens_kept) == (3, 960, 300)
+    assert summary.answer_tokens == 307 and "(307 answer tokens)" in summary.to_markdown()
     assert summary.finish_reasons == {"loop": 3, "stop": 1} and summary.loop_answers == 3
     assert "3 cut at a loop" in summary.to_markdown()
 
@@ -423,6 +429,71 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
         assert a.loop_tokens == ((o.generated, len(o.tokens)) if o.finish_reason == "loop" else None)
 
 
+MULTI_TURN = [  # (system?, user turns): 1 to 4 user turns, a source answer between them (replaced)
+    (None, ["Name three fruits.", "Which of them is the sweetest?", "Write a haiku about it."]),
+    ("You are terse.", ["What is 2 + 2?", "And times 3?"]),
+    (None, ["Say hello in French."]),
+    (None, ["List the planets of the solar system in order from the sun, one per line, with one fact each.",
+            "Which one is the largest?", "How many moons does it have?", "Thanks!"]),
+    (None, ["Translate 'good morning' into Spanish.", "And into German?"]),
+    (None, ["Give me a word that rhymes with cat.", "Another one?", "One more?"]),
+]
+
+
+def multi_turn_chats() -> list[list[dict[str, str]]]:
+    chats = []
+    for system, turns in MULTI_TURN:
+        chat = [{"role": "system", "content": system}] if system else []
+        for t in turns:
+            chat += [user(t), {"role": "assistant", "content": "(the source's answer, replaced)"}]
+        chats.append(chat)
+    return chats
+
+
+@pytest.mark.real
+def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_alone(tmp_path: Path, smollm2,
+                                                                                    monkeypatch) -> None:
+    """The stream over conversations, fp32, 3 rows for 6 conversations of 1-4 turns, so turns of different
+    conversations share steps and rows are refilled mid-run: every turn's answer equals HF ``generate``'s
+    greedy answer to that turn's prompt alone (the chat so far, the target's earlier answers in it, rendered
+    by ``loss_mask.prompt_text``), finish reason included; a conversation whose next prompt no longer leaves
+    room for an answer ends there (context_full), as the reference's budget says."""
+    import drafter.target
+    from data_prep.loss_mask import prompt_text
+
+    monkeypatch.setattr(drafter.target, "load_target_from_config", lambda target_cfg: smollm2)
+    max_tokens, max_context = 20, 130
+    cfg = make_cfg(tmp_path, max_tokens=max_tokens, batch_size=3, max_context_tokens=max_context)
+    ids = write_prompts(cfg, multi_turn_chats())
+    summary = run_regenerate(cfg)
+    records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
+    tok, stops = smollm2.tokenizer, drafter.target.stop_token_ids(smollm2.tokenizer)
+    answers = dropped = 0
+    for pid, (system, turns) in zip(ids, MULTI_TURN, strict=True):
+        msgs, reasons = records[pid]["messages"], records[pid]["finish_reasons"]
+        asked = [m for m in msgs if m["role"] != "assistant"]
+        assert [m["content"] for m in asked] == ([system] if system else []) + turns[:len(reasons)]
+        turn = 0
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            ids_in = tok(prompt_text(tok, msgs[:i]), add_special_tokens=False)["input_ids"]
+            budget = min(max_tokens, max_context - len(ids_in))
+            out = smollm2.model.generate(torch.tensor([ids_in]), max_new_tokens=budget, do_sample=False,
+                                         eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(ids_in):].tolist()
+            end = next((j for j, t in enumerate(out) if t in stops), None)
+            assert m["content"] == tok.decode(out if end is None else out[:end], skip_special_tokens=True), (pid, i)
+            assert reasons[turn] == ("length" if end is None else "stop"), (pid, turn)
+            turn += 1
+            answers += 1
+        if len(reasons) < len(turns):  # ended for lack of room: the next turn's prompt leaves none
+            dropped += len(turns) - len(reasons)
+            nxt = tok(prompt_text(tok, msgs + [user(turns[len(reasons)])]), add_special_tokens=False)["input_ids"]
+            assert len(nxt) >= max_context, pid
+    assert answers == summary.turns >= 10 and dropped == summary.turns_dropped_context_full >= 1
+    assert summary.engine["rows"] == 3 and summary.answer_tokens > 0
+
+
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,
                     causes: dict[int, str] | None = None) -> None:
     deadline = time.monotonic() + limit_s
@@ -437,10 +508,15 @@ def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit
 
 
 @pytest.mark.real
-def test_kill9_during_hf_regenerate_then_resume(tmp_path: Path) -> None:
-    tree = config_tree(tmp_path, backend="hf", batch_size=2, max_tokens=6)
+def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path: Path) -> None:
+    """The stream writes a conversation the moment its last turn is answered. A subprocess regenerating 10
+    conversations of 1-4 turns through 2 rows is killed with SIGKILL once the first is on disk: every line
+    there is a whole conversation, each of its turns answered; the rerun skips those and finishes the rest; and
+    the file then holds, id for id, what an uninterrupted run writes."""
+    chats = multi_turn_chats() + [[user(f"Name a fruit that starts with the letter {c}.")] for c in "ABCD"]
+    tree = config_tree(tmp_path / "killed", backend="hf", batch_size=2, max_tokens=8)
     cfg = parse_config(tree)
-    ids = write_prompts(cfg, [[user(f"Name a fruit that starts with the letter {c}.")] for c in "ABCDEFGHIJ"])
+    ids = write_prompts(cfg, chats)
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(tree))
     code = ("import sys; from common.config import load_config; from data_prep.regenerate import run_regenerate; "
@@ -457,14 +533,25 @@ def test_kill9_during_hf_regenerate_then_resume(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     before = cfg.conversations_path.read_bytes()
-    done_before = before.count(b"\n")
+    whole = before[: before.rfind(b"\n") + 1]
+    done_before = whole.count(b"\n")
     assert proc.returncode == -signal.SIGKILL and 1 <= done_before < len(ids), "the kill did not land mid-run"
+    turns = {pid: sum(m["role"] == "user" for m in chat) for pid, chat in zip(ids, chats, strict=True)}
+    for line in whole.splitlines():
+        rec = json.loads(line)  # whole, and complete: every turn answered
+        assert len(rec["finish_reasons"]) == turns[rec["id"]] and rec["messages"][-1]["role"] == "assistant"
     summary = run_regenerate(cfg)
     assert summary.already_done == done_before and summary.written == len(ids) - done_before
     assert summary.duplicate_ids == 0 and summary.missing == 0
-    assert cfg.conversations_path.read_bytes().startswith(before[: before.rfind(b"\n") + 1])
-    records = assert_each_id_once(cfg, ids)
-    assert all(r["backend"] == "hf" and len(r["finish_reasons"]) == 1 for r in records)
+    assert cfg.conversations_path.read_bytes().startswith(whole)
+    resumed = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
+    straight = make_cfg(tmp_path / "straight", backend="hf", batch_size=2, max_tokens=8)
+    write_prompts(straight, chats)
+    run_regenerate(straight)
+    for r in assert_each_id_once(straight, ids):
+        assert (resumed[r["id"]]["messages"], resumed[r["id"]]["finish_reasons"]) == (r["messages"],
+                                                                                   r["finish_reasons"])
+        assert r["backend"] == "hf" and len(r["finish_reasons"]) == turns[r["id"]]
 
 
 class LlamaServer:
@@ -603,13 +690,84 @@ class ScriptedBackend:
                 else Completion(text=f"a{len(chat) // 2 + 1}", finish_reason="stop") for chat in batch]
 
 
-def test_a_full_context_ends_the_conversation_and_is_counted(tmp_path: Path) -> None:
+class ScriptedStream:
+    """ScriptedBackend's answers through the stream interface the hf backend has: chats queue in submission
+    order and one comes out per poll, while later ones keep arriving. ``lines_seen`` records how many
+    conversations the output file held when each answer came out."""
+
+    def __init__(self, backend: ScriptedBackend, out: Path, rows: int):
+        self.backend, self.out, self.rows = backend, out, rows
+        self.queue: list[tuple[Any, list[dict[str, str]], Any]] = []
+        self.lines_seen: list[tuple[Any, int]] = []
+
+    @property
+    def wants(self) -> int:
+        return self.rows - len(self.queue)
+
+    def submit(self, items: list[tuple[Any, list[dict[str, str]], Any]]) -> None:
+        self.queue += items
+
+    def results(self) -> Iterator[tuple[Any, Any]]:
+        while self.queue:
+            key, chat, tools = self.queue.pop(0)
+            self.lines_seen.append((key, self.out.read_bytes().count(b"\n") if self.out.exists() else 0))
+            yield key, self.backend.complete([chat], [tools])[0]
+
+    def tokens_per_s(self) -> float:
+        return 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return {"scripted": True}
+
+
+class ScriptedStreamBackend(ScriptedBackend):
+    def __init__(self, out: Path, rows: int = 8):
+        self.out, self.rows, self.streams = out, rows, []
+
+    def stream(self, wanted: int) -> ScriptedStream:
+        self.streams.append(ScriptedStream(self, self.out, min(self.rows, wanted)))
+        return self.streams[-1]
+
+
+def test_the_stream_writes_each_conversation_when_it_ends_while_others_run(tmp_path: Path) -> None:
+    """One stream over every conversation: a turn is submitted when the previous answer comes back, and a
+    conversation is on disk the moment its last answer is, while longer ones are still being answered."""
+    from data_prep.regenerate import load_prompt_records, regenerate
+
+    cfg = make_cfg(tmp_path)
+    ids = write_prompts(cfg, [[user("a1")], [user("b1"), user("b2"), user("b3")], [user("c1"), user("c2")]])
+    backend = ScriptedStreamBackend(cfg.conversations_path, rows=8)
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
+    records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
+    assert [m["content"] for m in records[ids[1]]["messages"]] == ["b1", "a1", "b2", "a2", "b3", "a3"]
+    assert summary.written == 3 and summary.engine == {"scripted": True}
+    seen = dict(backend.streams[0].lines_seen)  # the last answer each conversation got, and the file then
+    assert seen[ids[1]] == 2, "the 1- and 2-turn conversations were not written before the 3-turn one ended"
+    assert seen[ids[2]] == 1 and seen[ids[0]] == 0
+    # the stream opens conversations as it has room: the longest work first, all three at once here
+    assert [key for key, _ in backend.streams[0].lines_seen[:3]] == [ids[1], ids[2], ids[0]]
+
+
+def test_the_stream_stops_after_consecutive_failures_leaving_the_rest_untried(tmp_path: Path) -> None:
+    from data_prep.regenerate import load_prompt_records, regenerate
+
+    cfg = make_cfg(tmp_path, max_consecutive_failures=3)
+    write_prompts(cfg, [[user(f"q{i} [full]")] for i in range(10)] + [[user("fine")]])
+    backend = ScriptedStreamBackend(cfg.conversations_path, rows=2)
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
+    assert summary.failed == {"prompt_exceeds_context": 3} and summary.tried == 3 and summary.written == 0
+    assert summary.stopped == "3 prompts in a row failed (regenerate.max_consecutive_failures=3); 8 not tried"
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_full_context_ends_the_conversation_and_is_counted(tmp_path: Path, streaming: bool) -> None:
     from data_prep.regenerate import load_prompt_records, regenerate
 
     cfg = make_cfg(tmp_path)
     write_prompts(cfg, [[user("q1"), {"role": "assistant", "content": "old"}, user("q2 [full]"), user("q3")],
                         [user("q1 [full]")], [user("q1"), user("q2")]])
-    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), ScriptedBackend())
+    backend = ScriptedStreamBackend(cfg.conversations_path) if streaming else ScriptedBackend()
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
     records = {r["id"]: r for r in read_conversations(cfg)}
     assert records["test-0000"]["messages"] == [user("q1"), {"role": "assistant", "content": "a1"}]
     assert records["test-0000"]["finish_reasons"] == ["stop"]
