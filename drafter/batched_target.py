@@ -120,6 +120,7 @@ class PagedKVCache:
         self._dirty: set[int] = set()
         self._freed: list[int] = []
         self.mask_mod = self._mask_mod()
+        self.flex_ran = False  # a flex decode step has run (until then a failure falls back to gather)
 
     @property
     def rows(self) -> int:
@@ -312,6 +313,22 @@ class BatchedTarget:
         positions <= its own. logits_at (B,): the one position per row whose logits are wanted;
         all_logits: every position's. aux: also return the aux layers' outputs.
         """
+        if isinstance(cache, PagedKVCache) and cache.attention == "flex" and not cache.flex_ran and not fresh:
+            try:
+                out = self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at,
+                                    all_logits=all_logits, aux=aux)
+                cache.flex_ran = True
+                return out
+            except Exception as e:  # noqa: BLE001 (a kernel that does not build must not stop a regeneration)
+                # The first flex step failed (this torch has no such kernel, or it did not compile): gather
+                # instead, for the rest of this cache's life. Rewriting this step's keys is harmless.
+                cache.attention = f"gather (flex failed: {type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                print(f"warning: paged attention falls back to gather: {cache.attention}", file=sys.stderr)
+        return self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at, all_logits=all_logits,
+                             aux=aux)
+
+    def _forward(self, cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, positions: Tensor, *,
+                 fresh: bool, logits_at: Tensor | None, all_logits: bool, aux: bool) -> BatchedOutput:
         b, t = ids.shape
         if not fresh and not isinstance(rows, slice):
             raise TypeError("a cached (non-fresh) step takes a slice of rows, so the cache is read in place")

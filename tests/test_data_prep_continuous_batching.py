@@ -181,6 +181,24 @@ def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
     assert sum(len(o.tokens) for o in cut) < sum(len(p.tokens) for p in plain) / 2
 
 
+def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> None:
+    import drafter.batched_target as bt
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this torch")
+
+    monkeypatch.setattr(bt, "flex_decode", broken)
+    model = tiny()
+    ps = prompts(5, 3, 40, seed=6)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=80, cpu_rows=3, attention="flex")
+    for i, p in enumerate(ps):
+        stream.submit(i, p, 12)
+    outs = dict(stream.run())
+    assert stream.stats()["attention"] == "gather (flex failed: RuntimeError: no kernel for this torch)"
+    for i, p in enumerate(ps):
+        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 12)
+
+
 def test_rows_come_from_the_setting_or_the_cpu_default_and_decode_in_a_few_shapes() -> None:
     engine = BatchedTarget(tiny())
     assert cb.plan_rows(engine, wanted=100, cpu_rows=16) == 16
