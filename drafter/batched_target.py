@@ -205,6 +205,13 @@ class PagedKVCache:
         pages = self.page_table[rows].gather(1, torch.div(positions, self.page, rounding_mode="floor"))
         return pages.long() * self.page + positions % self.page
 
+    def rows_rectangle(self, pool: Tensor, pages: Tensor, b: int) -> Tensor:
+        """One layer's pooled (kv, positions, d) keys or values of ``b`` rows, the (b * n) pages ``pages`` lists
+        (each row's first n, in order), as a (b, kv, n * page, d) rectangle."""
+        kv, _, d = pool.shape
+        picked = pool.view(kv, -1, self.page, d).index_select(1, pages)  # (kv, b * n, page, d)
+        return picked.view(kv, b, -1, d).transpose(0, 1)
+
     def _mask_mod(self) -> Callable[..., Tensor]:
         """Key ``kv_idx`` (pooled) is visible to row b's query iff b owns its page and its position in the
         row is at most the query's. Exact for any key, so a kernel that ignores the block mask's sparsity
@@ -351,8 +358,8 @@ class BatchedTarget:
             # Keys read per row: up to the furthest position in the batch, rounded up (aligned key blocks).
             span = min(cache.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
             mask = position_mask(positions, span, groups)  # one for all layers
-            if paged:  # each row's pages in order, as a (B, span) rectangle of pooled positions
-                gather = cache.addresses(rows, torch.arange(span, device=ids.device)[None].expand(b, span))
+            if paged:  # each row's first pages, in order: whole pages are copied (memcpy-sized pieces)
+                gather = cache.page_table[rows][:, : -(-span // cache.page)].reshape(-1).long()
         keep: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             residual = h
@@ -378,9 +385,9 @@ class BatchedTarget:
                 o = flex_decode(q.reshape(b, self.kv_heads, groups, self.head_dim), cache.k[i], cache.v[i],
                                 block_mask, self.scaling).reshape(b, self.heads, 1, self.head_dim)
             elif paged:
-                layer_k = cache.k[i][:, gather].transpose(0, 1)  # (B, kv, span, d)
-                layer_v = cache.v[i][:, gather].transpose(0, 1)
-                o = position_masked_attention(q, layer_k, layer_v, mask, self.scaling)
+                layer_k = cache.rows_rectangle(cache.k[i], gather, b)
+                layer_v = cache.rows_rectangle(cache.v[i], gather, b)
+                o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask, self.scaling)
             else:
                 layer_k, layer_v = cache.k[i, rows], cache.v[i, rows]  # views (rows is a slice)
                 layer_k[batch_index, :, positions] = k.transpose(1, 2)
