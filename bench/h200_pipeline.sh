@@ -11,9 +11,10 @@
 #              with CONFIG=$RUN/config.yaml) read it
 #   data-quality bench/data_quality.py: the first 1,200 prompts regenerated without and with stop_loops
 #                                                                   -> "data_quality" (conversations kept in $RUN/dq)
-#   regen-bench  bench/regenerate_throughput.py                     -> results.json "regenerate"
+#   regen-bench  bench/regenerate_throughput.py: the regenerate command end to end (REGEN_CONVERSATIONS, default
+#                4000; REGEN_BENCH_ARGS adds options)              -> "regenerate", with 2 GPUs "ddp_scaling"
 #   regenerate   python -m data_prep regenerate (one process per GPU, resumable)
-#   ddp-bench    bench/ddp_scaling.py                               -> "ddp_scaling"
+#   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
 #   ablations    bench/ablations.py (one lever per row; keep.json)  -> "ablations"
 #   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable)
@@ -84,15 +85,16 @@ cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.
 print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     data-quality)
       phase data-quality python3 bench/data_quality.py --config "$CONFIG" --regenerate 1200 --first-turns --keep $RUN/dq ;;
-    regen-bench)
-      phase regen-bench python3 bench/regenerate_throughput.py --prompts-file $RUN/prompts.jsonl --prompts 2000 \
-        --baseline-prompts 128 --baseline-batch 128 --max-tokens 1024 ;;
+    regen-bench)  # the regenerate command end to end on REGEN_CONVERSATIONS conversations, on 1 GPU (and 2 when there are)
+      gpus=$(python3 -c 'import torch; print(*range(1, min(torch.cuda.device_count(), 2) + 1))')
+      phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file $RUN/prompts.jsonl \
+        --conversations ${REGEN_CONVERSATIONS:-4000} --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before"; else
         phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
-        --prompts-file $RUN/prompts.jsonl --samples 3000 --steps 30 --precision no ;;
+        --samples 3000 --steps 30 --precision no ;;
     online-bench)
       phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --convs 300 --steps 30 ;;

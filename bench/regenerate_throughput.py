@@ -1,35 +1,55 @@
-"""Regeneration speed of the hf backend's batched engine against plain ``model.generate``, in one run.
+"""Regeneration speed, end to end: the regenerate command over N multi-turn conversations of a run config.
 
-    python bench/regenerate_throughput.py --prompts-file runs/smollm2-h200/prompts.jsonl   # on a GPU
-    python bench/regenerate_throughput.py --prompts-file P --prompts 24 --baseline-prompts 8 --max-tokens 16 \
-        --exact-prompts 4 --exact-max-tokens 8 --baseline-batch 4     # a CPU smoke run (figures not for quoting)
+    python bench/regenerate_throughput.py --config configs/smollm2-135m-h200.yaml \
+        --prompts-file runs/smollm2-h200/prompts.jsonl --conversations 4000               # one H200
+    python bench/regenerate_throughput.py --config configs/smollm2-135m-h200.yaml \
+        --prompts-file runs/smollm2-h200/prompts.jsonl --conversations 4000 --gpus 1 2   # and both GPUs of a node
+    BENCH_RESULTS=/tmp/smoke.json python bench/regenerate_throughput.py --config configs/smollm2-135m-h200.yaml \
+        --prompts-file P --conversations 6 --gpus 1 2 --exact-prompts 2 --exact-max-tokens 8 --ab-prompts 4 \
+        --set target.device=cpu --set target.dtype=float32 --set regenerate.max_tokens=16   # a CPU smoke run
 
-Prompts are the first user turns of an ingested ShareGPT prompts.jsonl (--prompts-file) under the chat
-template, answered greedily up to --max-tokens (a realistic mix: answers from a few tokens to the cap).
-Figures, written to bench/results.json "regenerate":
-- baseline_gen_tokens_per_s: plain ``model.generate`` on --baseline-prompts prompts, sorted by length and
-  left-padded in batches of --baseline-batch (the old backend at its best setting);
-- fast_same_set_tokens_per_s and speedup: the engine on those very prompts;
-- gen_tokens_per_s: the engine on --prompts prompts (its working size: slots sized from free memory);
-- exact_prompts / exact_matches: in fp32, how many of --exact-prompts answers equal ``generate``'s token
-  for token (``generate`` left-padded in one batch, as the CPU test runs it).
+What runs: ``python -m data_prep regenerate --config RUN/config.yaml`` as a child process, RUN a fresh run
+dir (under --out) holding the first --conversations records of --prompts-file (an ingested prompts.jsonl:
+for the shipped config, ShareGPT with up to 8 turns) and the config with --set applied (its regenerate
+section as shipped: max_tokens 1,024, stop_loops, max_context_tokens). For --gpus n the config's
+``regenerate.devices`` is the first n GPUs (on a machine without one: n CPU processes, a smoke run).
+
+Figures, bench/results.json:
+- "regenerate": gen_tokens_per_s = the answer tokens written to conversations.jsonl (the run's summary,
+  ``answer_tokens``) / the wall time of the command, start to exit (model load, compile and the tail of the
+  last conversations included: not a best window), for the first --gpus entry; gen_tokens, seconds,
+  conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens,
+  preemptions); exact_matches of --exact-prompts first turns answered in fp32 by the engine against
+  ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``: the engine alone (in this
+  process) on N first turns with each paged-attention kernel (flex: each row reads its own pages; gather: a
+  rectangle up to the furthest row), generated tokens/s each; with --baseline-prompts N, plain
+  ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
+- "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
+  regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import time
+from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import record  # noqa: E402
+from bench.results import command_line, device_name, record  # noqa: E402
+from bench.runs import run  # noqa: E402
+from common.config import dump_config, load_config  # noqa: E402
 from data_prep.continuous_batching import generate  # noqa: E402
-from drafter.batched_target import BatchedTarget  # noqa: E402
+from drafter.batched_target import ATTENTION_ENV, BatchedTarget  # noqa: E402
 from drafter.target import TargetModel, load_target, stop_token_ids  # noqa: E402
 from eval.prompts import render  # noqa: E402
 
@@ -44,6 +64,79 @@ def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:
                 break
             texts.append(next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"))
     return [ids for ids in (render(tok, t) for t in texts) if len(ids) <= 2048]
+
+
+def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gpus: int, out: Path) -> dict[str, Any]:
+    """The regenerate command on the first ``n`` prompts over ``gpus`` devices, in a fresh run dir: its wall
+    time and what its summary says it wrote."""
+    run_dir = out / f"gpus-{gpus}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    with open(prompts_file, "rb") as src, open(run_dir / "prompts.jsonl", "wb") as dst:
+        dst.writelines(islice(src, n))
+    devices = [f"cuda:{i}" for i in range(gpus)] if torch.cuda.is_available() else ["cpu"] * gpus
+    cfg = load_config(config, [*overrides, f"run_dir={run_dir}", "regenerate.num_prompts=null",
+                               f"regenerate.devices={json.dumps(devices)}"])
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    start = time.perf_counter()
+    run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_path)], log=run_dir / "regenerate.log")
+    seconds = time.perf_counter() - start
+    s = json.loads((run_dir / "data_prep_summary.json").read_text())["regenerate"]
+    print(f"regenerate on {gpus} device(s): {s['written']} conversations, {s['answer_tokens']} answer tokens in "
+          f"{seconds:.1f} s = {s['answer_tokens'] / seconds:.0f} tokens/s", flush=True)
+    return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
+            "seconds": round(seconds, 2), "conversations": s["written"], "answers": s["turns"],
+            "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
+            "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the run config (its regenerate and target sections)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
+    ap.add_argument("--prompts-file", type=Path, required=True, help="an ingested prompts.jsonl")
+    ap.add_argument("--conversations", type=int, default=4000)
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="device counts to run on (1 2: the speed-up)")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench-regenerate"))
+    ap.add_argument("--exact-prompts", type=int, default=64)
+    ap.add_argument("--exact-max-tokens", type=int, default=256)
+    ap.add_argument("--ab-prompts", type=int, default=0, help="first turns for the attention kernels' A/B")
+    ap.add_argument("--ab-max-tokens", type=int, default=512)
+    ap.add_argument("--baseline-prompts", type=int, default=0, help="first turns for plain generate (0: skip)")
+    ap.add_argument("--baseline-batch", type=int, default=128)
+    args = ap.parse_args()
+
+    runs = {g: end_to_end(args.config, args.set, args.prompts_file, args.conversations, g, args.out)
+            for g in args.gpus}
+    figures = {"model": "SmolLM2-135M-Instruct", "config": args.config, "overrides": args.set,
+               "prompts_file": str(args.prompts_file), **runs[args.gpus[0]]}
+    record("regenerate", figures)  # the end-to-end figures stand even if a check below fails
+    if 1 in runs and 2 in runs:
+        one, two = runs[1]["gen_tokens_per_s"], runs[2]["gen_tokens_per_s"]
+        record("ddp_scaling", {"regenerate_tokens_per_s_1gpu": one, "regenerate_tokens_per_s_2gpu": two,
+                               "regenerate_speedup_2gpu": round(two / one, 3),
+                               "regenerate_conversations": args.conversations,
+                               "regenerate_command": command_line(), "regenerate_device": device_name(),
+                               "regenerate_date": time.strftime("%Y-%m-%d")}, merge=True)
+
+    cfg = load_config(args.config, args.set)
+    device = cfg.target.device if cfg.target.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.ab_prompts or args.baseline_prompts:
+        target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=device)
+        prompts = first_turn_prompts(target.tokenizer, max(args.ab_prompts, args.baseline_prompts), args.prompts_file)
+        if args.ab_prompts:
+            figures["attention_ab"] = attention_ab(target, prompts[: args.ab_prompts], args.ab_max_tokens)
+        if args.baseline_prompts:
+            figures |= baseline(target, prompts[: args.baseline_prompts], cfg.regenerate.max_tokens,
+                                args.baseline_batch)
+        record("regenerate", figures)
+    if args.exact_prompts:
+        target = load_target(cfg.target.name, dtype="float32", device=device)
+        prompts = first_turn_prompts(target.tokenizer, args.exact_prompts, args.prompts_file)
+        figures |= exactness(target, prompts, args.exact_max_tokens)
+        record("regenerate", figures)
+    return 0
 
 
 def answer_tokens(row: list[int], stops: list[int]) -> list[int]:
@@ -79,51 +172,29 @@ def timed(fn, device: torch.device):
     return result, time.perf_counter() - t
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts-file", type=Path, required=True, help="an ingested prompts.jsonl")
-    ap.add_argument("--prompts", type=int, default=6000)
-    ap.add_argument("--baseline-prompts", type=int, default=512)
-    ap.add_argument("--baseline-batch", type=int, default=256)
-    ap.add_argument("--max-tokens", type=int, default=1024)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--exact-prompts", type=int, default=64)
-    ap.add_argument("--exact-max-tokens", type=int, default=256)
-    ap.add_argument("--device", default="auto")
-    args = ap.parse_args()
-
-    target = load_target("smollm2-135m-instruct", dtype=args.dtype, device=args.device)
-    prompts = first_turn_prompts(target.tokenizer, args.prompts, args.prompts_file)
-    figures = {"model": "SmolLM2-135M-Instruct", "dtype": args.dtype, "max_tokens": args.max_tokens,
-               **speed(target, prompts, args)}
-    record("regenerate", figures)  # the speed figures stand even if the exactness check below fails
-    target = load_target("smollm2-135m-instruct", dtype="float32", device=args.device)
-    figures |= exactness(target, prompts[: args.exact_prompts], args.exact_max_tokens)
-    record("regenerate", figures)
-    return 0
+def attention_ab(target: TargetModel, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """The engine on the same first turns with each paged-attention kernel (warmed up first, so a compile is
+    not timed): generated tokens/s, and whether the answers agree."""
+    engine, stops = BatchedTarget(target.model), stop_token_ids(target.tokenizer)
+    out: dict[str, Any] = {"prompts": len(prompts), "max_tokens": max_new}
+    answers = {}
+    for kernel in ("flex", "gather"):
+        os.environ[ATTENTION_ENV] = kernel
+        try:
+            generate(engine, prompts[:8], 8, stops, desc=f"warm-up {kernel}")
+            got, seconds = timed(lambda k=kernel: generate(engine, prompts, max_new, stops, desc=k), target.device)
+        finally:
+            del os.environ[ATTENTION_ENV]
+        answers[kernel] = [g.tokens for g in got]
+        out[f"{kernel}_tokens_per_s"] = round(sum(len(g.tokens) for g in got) / seconds, 1)
+    out["same_answers"] = sum(a == b for a, b in zip(answers["flex"], answers["gather"], strict=True))
+    return out
 
 
-def speed(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    dev, stops = target.device, stop_token_ids(target.tokenizer)
-    engine = BatchedTarget(target.model)
-    base_set = prompts[: args.baseline_prompts]
-    generate(engine, base_set[:8], 8, stops, desc="warm-up")
-    plain, plain_s = timed(lambda: plain_generate(target, base_set, args.max_tokens, args.baseline_batch), dev)
-    plain_tokens = sum(map(len, plain))
-    print(f"plain generate: {plain_tokens} tokens in {plain_s:.1f} s", flush=True)
-    fast, fast_s = timed(lambda: generate(engine, base_set, args.max_tokens, stops, desc="same set"), dev)
-    fast_tokens = sum(len(o.tokens) for o in fast)
-    print(f"engine, same prompts: {fast_tokens} tokens in {fast_s:.1f} s", flush=True)
-    big, big_s = timed(lambda: generate(engine, prompts, args.max_tokens, stops, desc="full set"), dev)
-    print(f"engine, {len(prompts)} prompts: {sum(len(o.tokens) for o in big)} tokens in {big_s:.1f} s", flush=True)
-    lengths = sorted(len(o.tokens) for o in big)
-    return {"prompts": len(prompts), "gen_tokens": sum(lengths), "seconds": round(big_s, 2),
-            "gen_tokens_per_s": round(sum(lengths) / big_s, 1), "answer_tokens_p50": lengths[len(lengths) // 2],
-            "answers_at_cap": sum(n >= args.max_tokens for n in lengths),
-            "baseline_prompts": len(base_set), "baseline_batch": args.baseline_batch,
-            "baseline_gen_tokens_per_s": round(plain_tokens / plain_s, 1),
-            "fast_same_set_tokens_per_s": round(fast_tokens / fast_s, 1),
-            "speedup": round((fast_tokens / fast_s) / (plain_tokens / plain_s), 2)}
+def baseline(target: TargetModel, prompts: list[list[int]], max_new: int, batch: int) -> dict[str, Any]:
+    plain, seconds = timed(lambda: plain_generate(target, prompts, max_new, batch), target.device)
+    return {"baseline_prompts": len(prompts), "baseline_batch": batch,
+            "baseline_gen_tokens_per_s": round(sum(map(len, plain)) / seconds, 1)}
 
 
 def exactness(target: TargetModel, prompts: list[list[int]], max_new: int) -> dict:

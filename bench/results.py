@@ -1,8 +1,11 @@
 """bench/results.json: each benchmark writes its own figures there, never a person.
 
 One object per benchmark: ``command`` (how to reproduce it), ``device``, ``date`` and the figures as
-plain fields. A benchmark that runs again replaces its object; the others stay. Writers take a file
-lock, so benchmarks running side by side (one per GPU) do not lose each other's objects.
+plain fields. A benchmark that runs again replaces its object; the others stay. Where two benchmarks fill
+one object (``ddp_scaling``: regeneration from bench/regenerate_throughput.py, training from
+bench/ddp_scaling.py), each writes with ``merge=True`` and names its own fields and provenance
+(``regenerate_command``, ...), so neither erases the other's. Writers take a file lock, so benchmarks
+running side by side (one per GPU) do not lose each other's objects.
 """
 
 from __future__ import annotations
@@ -41,14 +44,15 @@ def results_path() -> Path:
     return Path(os.environ.get(RESULTS_ENV, RESULTS))
 
 
-def record(name: str, figures: dict[str, Any], command: str | None = None) -> None:
-    """Replace ``name``'s object in the results file with these figures."""
+def record(name: str, figures: dict[str, Any], command: str | None = None, merge: bool = False) -> None:
+    """Replace ``name``'s object in the results file with these figures; ``merge``: keep the object's other
+    fields (the figures and the command, device and date replace theirs)."""
     path = results_path()
     entry = {"command": command or command_line(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
              **figures}
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(path.read_text()) if path.is_file() else {}
-        data[name] = entry
+        data[name] = (data.get(name, {}) | entry) if merge else entry
         write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
     print(f"{path}: {name} = {json.dumps(figures)}")
