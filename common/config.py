@@ -149,11 +149,12 @@ class RegenerateConfig(Section):
         0.05, description="Exit 2 when more than this share of the prompts tried in a run failed (all devices "
         "together).")
     batch_size: PositiveInt = Field(
-        16, description="Conversations regenerated together, turn by turn (hf: the pool the engine's slots draw "
-        "from, so make it large on a GPU; openai: at least `concurrency`).")
+        16, description="openai: conversations regenerated together, a turn per round (at least `concurrency`). "
+        "hf: on a CPU, the rows decoded at once (regenerate.slots); on a GPU unused (one stream over all "
+        "conversations, rows from slots).")
     slots: PositiveInt | None = Field(
-        None, description="hf: sequences decoded at once. Default: as many as the GPU's free memory holds for "
-        "the longest prompt + max_tokens (up to 4096); on a CPU, batch_size.")
+        None, description="hf: rows decoded at once, at most (the cache pages in flight bound them too). Default: "
+        "4096 on a GPU; on a CPU, batch_size.")
     devices: list[str] | None = Field(
         None, description="hf: devices to spread the prompts over, one process each (e.g. [cuda:0, cuda:1]). "
         "Default: every visible GPU when target.device is auto or cuda, else target.device alone.")
