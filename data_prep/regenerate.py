@@ -30,7 +30,7 @@ from common import lifeline
 from common.config import RunConfig, dump_config, parse_config
 from common.files import append_jsonl, cut_torn_tail
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
-from data_prep.steps import StepFailed
+from data_prep.step_failed import StepFailed
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary

@@ -18,17 +18,9 @@ from common.config import ConfigError, RunConfig, load_config
 from common.files import write_json_atomic
 from common.locking import run_lock
 from common.wheels import MissingWheelError
+from data_prep.step_failed import StepFailed
 
 ORDER = ("ingest", "regenerate", "capture")
-
-
-class StepFailed(ValueError):
-    """A step that ran but must not count as done (e.g. too many prompts failed); its summary is still
-    printed and saved, so the user sees what happened."""
-
-    def __init__(self, message: str, summary: Any):
-        super().__init__(message)
-        self.summary = summary
 
 
 def _runner(step: str) -> Callable[[RunConfig], Any]:

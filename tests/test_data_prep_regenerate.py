@@ -27,7 +27,7 @@ from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
 from data_prep.backends import BackendError, HFChatBackend
 from data_prep.regenerate import RegenerateError, run_regenerate
-from data_prep.steps import StepFailed
+from data_prep.step_failed import StepFailed
 
 REPO = Path(__file__).resolve().parents[1]
 

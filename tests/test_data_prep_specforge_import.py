@@ -23,7 +23,8 @@ from safetensors import safe_open
 
 from common.config import parse_config
 from common.wheels import builtin_gguf, converted_gguf_dir
-from data_prep.capture import CaptureError, run_capture
+from data_prep.capture import run_capture
+from data_prep.capture_sample import CaptureError
 from data_prep.dataset import ShardDataset
 from data_prep.loss_mask import render_with_mask
 from data_prep.specforge_import import export_for_specforge, list_files
