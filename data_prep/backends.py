@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from common import redact
 from common.config import RegenerateConfig, TargetConfig
 from data_prep.loops import first_repeat, retokenized_loop_start
+from data_prep.loss_mask import prompt_text
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
 Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
@@ -103,7 +104,6 @@ class HFChatBackend:
 
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
         from data_prep.continuous_batching import LoopStop, Sampling, generate
-        from data_prep.loss_mask import prompt_text
 
         texts = [prompt_text(self.tok, chat, self.template_kwargs, t)
                  for chat, t in zip(batch, tools or [None] * len(batch), strict=True)]

@@ -18,16 +18,15 @@ from common.config import ConfigError, RunConfig, load_config
 from common.files import write_json_atomic
 from common.locking import run_lock
 from common.wheels import MissingWheelError
+from data_prep.ingest import run_ingest
 from data_prep.step_failed import StepFailed
 
 ORDER = ("ingest", "regenerate", "capture")
 
 
 def _runner(step: str) -> Callable[[RunConfig], Any]:
-    # Imported per step: ingest needs neither torch nor the target.
+    # Regenerate and capture are imported when they run: ingest needs neither torch nor the target.
     if step == "ingest":
-        from data_prep.ingest import run_ingest
-
         return run_ingest
     if step == "regenerate":
         from data_prep.regenerate import run_regenerate

@@ -22,6 +22,7 @@ from drafter.checkpoint import CheckpointError, check_checkpoint, nonfinite_tens
 from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate
+from eval.live_gate import live_gate, live_prompts, run_live
 from eval.serving_sweep import SweepError, markdown, measure_table, read_table, recommend, write_sweep
 from eval.sglang_client import ServerError
 
@@ -50,8 +51,6 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
         print(f"warning: {problem}", file=sys.stderr)
     with run_lock(cfg.root, "eval run"):
         if live:
-            from eval.live_gate import run_live
-
             run_live(cfg, checkpoint, report_name)
         else:
             save_report(cfg, evaluate(cfg, {"candidate": checkpoint}, report_name))
@@ -68,8 +67,6 @@ def gate_command(config: str | Path, checkpoint: str | Path, overrides: Sequence
     report_name = _report_name(checkpoint, name)
     with run_lock(cfg.root, "eval gate"):
         if live:
-            from eval.live_gate import live_gate
-
             decision = live_gate(cfg, checkpoint, incumbent, promote, report_name)
         else:
             decision = gate(cfg, checkpoint, incumbent, promote, report_name)
@@ -90,8 +87,6 @@ def sweep_command(config: str | Path | None = None, table: str | Path | None = N
         if table is not None:
             costs, decode, alpha = read_table(Path(table))
         else:
-            from eval.live_gate import live_prompts
-
             costs, decode, alpha = measure_table(cfg, live_prompts(cfg))
         result = recommend(costs, decode, alpha)
         write_sweep(where, result)

@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from drafter.batched_target import BatchedTarget
 from drafter.model import Eagle3Drafter
-from drafter.target import TargetModel
+from drafter.target import TargetModel, stop_token_ids
+from eval.batched_eval import greedy_references
+from eval.batched_speculative import speculative_batch
 from train.metrics import conditional_acceptance
 from train.ttt import supervision, ttt_forward
 
@@ -180,11 +183,6 @@ def measure_gap(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[i
                 prompts: dict[str, list[list[int]]], k: int, max_new: int) -> dict[str, dict]:
     """Decode every prompt at T = 0 with the batched engine, replay each cycle by teacher forcing, and
     reduce per dataset (``DatasetGap.summary``)."""
-    from drafter.batched_target import BatchedTarget
-    from drafter.target import stop_token_ids
-    from eval.batched_eval import greedy_references
-    from eval.batched_speculative import speculative_batch
-
     refs = greedy_references(target, prompts, max_new + k + 1)  # covers the last cycles' drafts
     engine, stops = BatchedTarget(target.model, aux_ids), stop_token_ids(target.tokenizer)
     out = {}

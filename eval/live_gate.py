@@ -38,8 +38,11 @@ from typing import Any
 from common.config import ConfigError, RunConfig
 from common.files import write_text_atomic
 from drafter.checkpoint import check_checkpoint, fingerprint
+from drafter.target import load_tokenizer, resolve_source
 from eval import breakeven, metrics
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
+from eval.prompts import rendered_datasets
+from eval.report import json_safe
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
@@ -294,8 +297,6 @@ def markdown(r: dict) -> str:
 
 
 def write_live_report(cfg: RunConfig, report: dict) -> Path:
-    from eval.report import json_safe
-
     out = cfg.eval_dir / report["name"]
     out.mkdir(parents=True, exist_ok=True)
     clean = json_safe(report)
@@ -308,9 +309,6 @@ def write_live_report(cfg: RunConfig, report: dict) -> Path:
 
 def live_prompts(cfg: RunConfig) -> dict[str, list[list[int]]]:
     """The eval prompts rendered with the target's tokenizer and chat_template_kwargs, as the server renders."""
-    from drafter.target import load_tokenizer, resolve_source
-    from eval.prompts import rendered_datasets
-
     tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
     return rendered_datasets(tok, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
 
