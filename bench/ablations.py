@@ -116,7 +116,7 @@ def main() -> int:
         return worker(args)
 
     from common.config import load_config
-    from drafter.target import load_target
+    from target.hf_model import load_target
 
     cfg = load_config(args.config)
     rows = {k: (v if v is not None else [f"train.lr={3 * cfg.train.lr:g}"]) for k, v in ROWS.items()}

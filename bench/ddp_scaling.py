@@ -30,9 +30,9 @@ from bench.runs import make_run, median_tokens_per_s, run, step_records, train_c
 
 
 def _generate_on(device: str, prompts: list[list[int]], max_tokens: int, dtype: str, barrier, out) -> None:
-    from data_prep.continuous_batching import generate
-    from drafter.batched_target import BatchedTarget
-    from drafter.target import load_target, stop_token_ids
+    from target.batched import BatchedTarget
+    from target.continuous_batching import generate
+    from target.hf_model import load_target, stop_token_ids
 
     target = load_target("smollm2-135m-instruct", dtype=dtype, device=device)
     engine, stops = BatchedTarget(target.model), stop_token_ids(target.tokenizer)
@@ -79,7 +79,7 @@ def main() -> int:
         print("ddp_scaling needs 2 GPUs", file=sys.stderr)
         return 2
 
-    from drafter.target import load_target
+    from target.hf_model import load_target
 
     tok = load_target("smollm2-135m-instruct", device="cpu").tokenizer
     prompts = first_turn_prompts(tok, args.regen_prompts, args.prompts_file)

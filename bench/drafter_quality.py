@@ -29,13 +29,13 @@ from bench.results import record, results_path  # noqa: E402
 from bench.runs import holdout_at  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
 from drafter.factory import load_for_target  # noqa: E402
-from drafter.target import TargetModel, load_target_from_config, stop_token_ids  # noqa: E402
 from eval import breakeven  # noqa: E402
 from eval.batched_eval import acceptance, greedy_references  # noqa: E402
 from eval.gate import decide  # noqa: E402
 from eval.measure import Settings, measure  # noqa: E402
 from eval.prompts import rendered_datasets  # noqa: E402
 from eval.speculative import Eagle3Proposer, Engine  # noqa: E402
+from target.hf_model import TargetModel, load_target_from_config, stop_token_ids  # noqa: E402
 from train.checkpointing import read_trainer_state  # noqa: E402
 
 

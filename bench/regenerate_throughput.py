@@ -28,10 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
-from data_prep.continuous_batching import generate  # noqa: E402
-from drafter.batched_target import BatchedTarget  # noqa: E402
-from drafter.target import TargetModel, load_target, stop_token_ids  # noqa: E402
 from eval.prompts import render  # noqa: E402
+from target.batched import BatchedTarget  # noqa: E402
+from target.continuous_batching import generate  # noqa: E402
+from target.hf_model import TargetModel, load_target, stop_token_ids  # noqa: E402
 
 
 def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:

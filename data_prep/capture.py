@@ -5,7 +5,7 @@
 The target forward is one of three backends (``capture.backend``): ``hf`` (the HF model in-process),
 ``specforge`` (import SpecForge's SGLang capture: ``data_prep/specforge_import.py``; its samples are the ones
 SpecForge tokenized) or ``sglang`` (``data_prep/capture_sglang.py``). Only ``hf`` builds the HF model; the
-others read the tokenizer, config and head tensors from the checkpoint's files (``drafter.hf_index``).
+others read the tokenizer, config and head tensors from the checkpoint's files (``target.hf_index``).
 
 Shard k holds kept samples [k*S, (k+1)*S) in conversation order, so its content is a function of the
 input alone; a rerun keeps every shard whose checksum and sample plan verify and recomputes the rest
@@ -31,10 +31,10 @@ from safetensors.torch import save
 from torch import Tensor
 from tqdm import tqdm
 
+from common.batching import length_batches
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from common.lifeline import die_with_parent
-from data_prep.batching import length_batches
 from data_prep.capture_sample import CaptureError, Sample
 from data_prep.capture_sglang import SGLangCaptureBackend
 from data_prep.loss_mask import LossMaskError, render_many
@@ -55,8 +55,9 @@ from data_prep.store import (
     shard_name,
 )
 from drafter.factory import drafter_aux_ids
-from drafter.hf_index import load_indexed_target_from_config
-from drafter.target import TargetModel, load_target_from_config, resolve_aux_layer_ids
+from target.aux_layers import resolve_aux_layer_ids
+from target.hf_index import load_indexed_target_from_config
+from target.hf_model import TargetModel, load_target_from_config
 
 RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
 
@@ -193,7 +194,7 @@ class CaptureBackend(Protocol):
 
 
 class CaptureTarget(Protocol):
-    """What capture needs of the target: ``drafter.target.TargetModel`` (hf) or ``drafter.hf_index.IndexedTarget``."""
+    """What capture needs of the target: ``target.hf_model.TargetModel`` (hf) or ``target.hf_index.IndexedTarget``."""
 
     name: str
     tokenizer: Any

@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from drafter.batched_target import BatchedTarget
 from drafter.model import Eagle3Drafter
-from drafter.target import TargetModel, stop_token_ids
 from eval.batched_eval import greedy_references
 from eval.batched_speculative import speculative_batch
+from target.batched import BatchedTarget
+from target.hf_model import TargetModel, stop_token_ids
 from train.metrics import conditional_acceptance
 from train.ttt import supervision, ttt_forward
 

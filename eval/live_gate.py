@@ -38,12 +38,12 @@ from typing import Any
 from common.config import ConfigError, RunConfig
 from common.files import write_text_atomic
 from drafter.checkpoint import check_checkpoint, fingerprint
-from drafter.target import load_tokenizer, resolve_source
 from eval import breakeven, metrics
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
 from eval.prompts import rendered_datasets
 from eval.report import json_safe
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
+from target.hf_model import load_tokenizer, resolve_source
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 ROLE_KEYS = {"candidate": "server_url", "incumbent": "incumbent_url", "baseline": "baseline_url"}

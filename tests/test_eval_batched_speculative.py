@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter.batched_target import BatchedTarget
 from drafter.factory import fresh_drafter, shape_for_target
-from drafter.target import TargetModel
 from eval.batched_speculative import _groups, speculative_batch
 from eval.speculative import Eagle3Proposer, Engine
+from target.batched import BatchedTarget
+from target.hf_model import TargetModel
 
 V, AUX, K, NEW = 12, (0, 1, 2), 3, 30
 

@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter.factory import fresh_drafter, shape_for_target
-from drafter.target import TargetModel
 from eval import metrics
 from eval.decode_gap import ChainCounts, cycle_columns, measure_gap, replayed_lengths
+from target.hf_model import TargetModel
 
 V, AUX, K, NEW = 12, (0, 1, 2), 3, 30
 

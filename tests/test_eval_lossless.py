@@ -19,14 +19,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter.batched_target import BatchedTarget
 from drafter.factory import fresh_drafter, shape_for_target
-from drafter.target import TargetModel
 from eval import batched_eval, speculative
 from eval.batched_eval import acceptance, greedy_references
 from eval.lossless import check
 from eval.measure import Settings, measure
 from eval.speculative import Eagle3Proposer, Engine
+from target.batched import BatchedTarget
+from target.hf_model import TargetModel
 
 V, AUX, K, NEW = 32, (0, 1, 2), 3, 24
 

@@ -13,9 +13,10 @@ from torch import Tensor
 
 from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
-from drafter.target import resolve_source, target_text_config
-from drafter.target_init import init_from_target, last_layer_names, target_tensors
+from drafter.target_init import init_from_target
 from drafter.vocab_map import build_vocab_map
+from target.hf_index import last_layer_names, target_tensors
+from target.hf_model import resolve_source, target_text_config
 from train.data import TrainingData
 
 

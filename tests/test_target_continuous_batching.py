@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from data_prep import continuous_batching as cb
-from data_prep.continuous_batching import LoopStop, Sampling, generate, length_buckets
-from data_prep.loops import loop_start
-from drafter.batched_target import BatchedTarget, UnsupportedTargetError
+from target import continuous_batching as cb
+from target.batched import BatchedTarget, UnsupportedTargetError
+from target.continuous_batching import LoopStop, Sampling, generate, length_buckets
+from target.loops import loop_start
 
 STOPS = [1, 2]
 V = 101
@@ -138,8 +138,8 @@ def test_real_smollm2_64_prompts_equal_plain_generate(smollm2) -> None:
     """The Must-show check: 64 chat-templated MT-Bench prompts, fp32, every answer token for token equal to
     HF ``generate``'s greedy answer (run in left-padded batches of 16: batch 1 would take minutes here)."""
     from common.config import DatasetConfig
-    from drafter.target import stop_token_ids
     from eval.prompts import load_eval_prompts, render
+    from target.hf_model import stop_token_ids
 
     tok = smollm2.tokenizer
     ps = [render(tok, p) for p in load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)[16:80]]

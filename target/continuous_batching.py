@@ -22,13 +22,16 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from data_prep.batching import length_batches
-from data_prep.loops import check_window, loop_start
-from drafter.batched_target import BatchedTarget, KVCache
+from common.batching import length_batches
+from target.batched import BatchedTarget, KVCache
+from target.loops import check_window, loop_start
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
 MAX_SLOTS = 4096
-PREFILL_TOKENS = 65536  # padded prompt tokens per prefill call on a GPU (activations scale with it)
+# Padded prompt tokens per prefill call on a GPU (a CPU takes 4096); activations scale with it. Larger than the
+# speculative eval's (eval.batched_speculative.SPECULATIVE_PREFILL_TOKENS): this prefill keeps the logits of each
+# prompt's last position only, where that one keeps the aux states of every position and runs the drafter on them.
+GENERATE_PREFILL_TOKENS = 65536
 BUCKET_BASE = 512  # length buckets: 512, 1024, 2048, ... positions per slot
 
 
@@ -42,7 +45,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class LoopStop:
-    """Stop an answer that has fallen into a loop (``data_prep.loops``): every ``every`` tokens once it has
+    """Stop an answer that has fallen into a loop (``target.loops``): every ``every`` tokens once it has
     ``min_repeat_tokens``, its last tokens are checked, and an answer ending in a loop is cut to the loop's
     first copy and finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
 
@@ -134,7 +137,7 @@ class _Run:
 
     def admit(self, reqs: list[int]) -> None:
         """Prefill ``reqs`` into free slots, length-batched under the prefill token budget."""
-        budget = PREFILL_TOKENS if self.t.device.type == "cuda" else 4096
+        budget = GENERATE_PREFILL_TOKENS if self.t.device.type == "cuda" else 4096
         for group in length_batches([len(self.prompts[r]) for r in reqs], budget):
             self._prefill([reqs[i] for i in group])
 
