@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
 from bench.runs import REPO, holdout_at, make_run, read_log  # noqa: E402
-from common import lifeline  # noqa: E402
+from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
 
 ROWS = {
@@ -134,7 +134,7 @@ def main() -> int:
         cmd += ["--limit", str(args.limit)] if args.limit else []
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g)} if torch.cuda.is_available() else dict(os.environ)
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(args.out / f"gpu{g}.log", "w"),
-                                      stderr=subprocess.STDOUT, **lifeline.stage_kwargs()))  # die with us
+                                      stderr=subprocess.STDOUT, **parent_death.stage_kwargs()))  # die with us
     codes = [p.wait() for p in procs]
     results = [json.loads((args.out / f"row-{n}.json").read_text()) for n in names
                if (args.out / f"row-{n}.json").is_file()]

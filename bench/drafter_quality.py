@@ -36,7 +36,7 @@ from eval.measure import Settings, measure  # noqa: E402
 from eval.prompts import rendered_datasets  # noqa: E402
 from eval.speculative import Eagle3Proposer, Engine  # noqa: E402
 from target.hf_model import TargetModel, load_target_from_config, stop_token_ids  # noqa: E402
-from train.checkpointing import read_trainer_state  # noqa: E402
+from train.run_checkpoints import read_trainer_state  # noqa: E402
 
 
 def setup(config: str, limit: int | None = None, dtype: str = "float32",

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from common.batching import length_batches
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
-from common.lifeline import die_with_parent
+from common.parent_death import die_with_parent
 from data_prep.capture_sample import CaptureError, Sample
 from data_prep.capture_sglang import SGLangCaptureBackend
 from data_prep.loss_mask import LossMaskError, render_many

@@ -76,8 +76,8 @@ from torch import Tensor
 from common.files import write_json_atomic, write_jsonl_atomic
 from data_prep.capture_sample import CaptureError, Sample
 from data_prep.loss_mask import conversation_text
-from drafter.checkpoint import hf_config, read_config
 from drafter.factory import shape_for_target
+from drafter.sglang_checkpoint import hf_config, read_config
 from target.hf_model import target_text_config
 
 FILE_RE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")

@@ -18,7 +18,7 @@ from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
 from common.config import load_config
 from common.locking import run_lock
 from common.wheels import MissingWheelError
-from drafter.checkpoint import CheckpointError, check_checkpoint, nonfinite_tensors
+from drafter.sglang_checkpoint import CheckpointError, check_checkpoint, nonfinite_tensors
 from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate

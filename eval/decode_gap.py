@@ -32,8 +32,8 @@ from eval.batched_eval import greedy_references
 from eval.batched_speculative import speculative_batch
 from target.batched import BatchedTarget
 from target.hf_model import TargetModel, stop_token_ids
-from train.metrics import conditional_acceptance
 from train.ttt import supervision, ttt_forward
+from train.ttt_metrics import conditional_acceptance
 
 
 @dataclass

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig
-from drafter.checkpoint import fingerprint
 from drafter.factory import load_for_target
+from drafter.sglang_checkpoint import fingerprint
 from eval import breakeven
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.config import RunConfig
-from drafter.checkpoint import check_checkpoint, fingerprint
+from drafter.sglang_checkpoint import check_checkpoint, fingerprint
 from eval.evaluate import evaluate, save_report
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
 

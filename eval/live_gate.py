@@ -37,7 +37,7 @@ from typing import Any
 
 from common.config import ConfigError, RunConfig
 from common.files import write_text_atomic
-from drafter.checkpoint import check_checkpoint, fingerprint
+from drafter.sglang_checkpoint import check_checkpoint, fingerprint
 from eval import breakeven, metrics
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
 from eval.prompts import rendered_datasets

@@ -23,7 +23,7 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """Our default ids for a new drafter: the outputs of layers [2, N//2, N-3], written into its config.
 
     Not SGLang's default: for a drafter config without ids SGLang captures at the *inputs* of layers
-    [2, N//2, N-3], i.e. the outputs of [1, N//2-1, N-4] (``drafter.checkpoint.legacy_aux_layer_ids``;
+    [2, N//2, N-3], i.e. the outputs of [1, N//2-1, N-4] (``drafter.sglang_checkpoint.legacy_aux_layer_ids``;
     sglang srt/models/llama.py ``set_eagle3_layers_to_capture(None)``). Ours are always written out, so
     the server captures exactly these.
     """

@@ -236,7 +236,7 @@ def test_the_specforge_command_always_passes_the_drafters_config(tmp_path, check
     """SpecForge's prepare_hidden_states.py reads the capture layers and draft_vocab_size from
     --draft-model-config (without it, it fails: the option is read as a path). A fresh drafter's config.json is
     written to the run dir and passed; a warm start's config is written there with its ids spelled out."""
-    from drafter.checkpoint import check_checkpoint, save_checkpoint, shape_from_config
+    from drafter.sglang_checkpoint import check_checkpoint, save_checkpoint, shape_from_config
 
     run = tmp_path / "fresh"
     run.mkdir()

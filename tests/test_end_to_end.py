@@ -15,7 +15,7 @@ import yaml
 from common.config import load_config
 from data_prep.capture import run_capture
 from data_prep.regenerate import run_regenerate
-from drafter.checkpoint import check_checkpoint, load_checkpoint
+from drafter.sglang_checkpoint import check_checkpoint, load_checkpoint
 from eval import metrics
 from eval.batched_speculative import speculative_batch
 from eval.prompts import render
