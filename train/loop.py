@@ -2,8 +2,9 @@
 
     accelerate launch -m train --config FILE      # or: python -m train --config FILE [--set key=value ...]
 
-Reads top to bottom: config → accelerator → data → drafter (resume > warm start > from scratch) →
-optimizer → loop (accumulate, backward, clip, step, log, held-out eval, save) → final save → end_training.
+Reads top to bottom: ``train`` is ``setup`` (config → accelerator → data → drafter (resume > warm start >
+from scratch) → optimizer → resume state) then ``train_steps`` (accumulate, backward, clip, step, log, held-out
+eval, save) then end_training.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,38 @@ def run(config: str | Path, overrides: Sequence[str] = (), resume: str = "auto")
 def train(cfg: Any, resume: str) -> int:
     """``resume``: "auto" continues from the newest complete checkpoint in run_dir/checkpoints, "never"
     starts over."""
+    run = setup(cfg, resume)
+    train_steps(run, cfg.train)
+    run.accelerator.print(f"done: {run.state['step']} steps, {run.state['nonfinite_total']} skipped as non-finite; "
+                          f"checkpoints in {run.ckpt_root} (best: {run.ckpt_root / 'best'})")
+    run.accelerator.end_training()
+    return 0
+
+
+@dataclass
+class Run:
+    """What the step loop works on, built by ``setup``."""
+
+    accelerator: Accelerator
+    data: TrainingData
+    sampler: TokenBudgetSampler  # this process's training batches
+    holdout_sampler: TokenBudgetSampler
+    windows_per_epoch: int  # optimizer steps per epoch
+    total_steps: int
+    milestones: list[int]  # steps always saved (train.save_at)
+    model: torch.nn.Module  # the TTT unroll around the drafter, prepared by accelerate
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    state: dict[str, int]  # the position and counters a checkpoint saves (restored on resume)
+    log: JsonlLog
+    ckpt_root: Path
+    run_config: dict[str, Any]  # the resolved config each checkpoint carries
+    serve_dtype: str  # the dtype checkpoints are saved in
+
+
+def setup(cfg: Any, resume: str) -> Run:
+    """Accelerator, data, drafter (resume > warm start > from scratch), optimizer and schedule, and the state
+    of a resumed run, in this order (the seeded RNG is drawn from in it)."""
     train_cfg = cfg.train
     # -- accelerator -----------------------------------------------------------------------------
     accelerator = Accelerator(mixed_precision=mixed_precision(train_cfg.mixed_precision),
@@ -170,22 +204,33 @@ def train(cfg: Any, resume: str) -> int:
     log = JsonlLog(cfg.root / "train_log.jsonl", accelerator.is_main_process, state["step"])
     run_config = dump_config(cfg)
     serve_dtype = "bfloat16" if compute_dtype == torch.bfloat16 else "float32"
-    n = train_cfg.ttt_length
-    last_eval: dict[str, float] = {}
+    return Run(accelerator, data, sampler, holdout_sampler, windows_per_epoch, total_steps, milestones, model,
+               optimizer, scheduler, state, log, ckpt_root, run_config, serve_dtype)
 
-    def save() -> None:
-        metric = last_eval.get("holdout/accept_length")
-        trainer = {"position": dict(state), "metrics": last_eval, "store": data.target["fingerprint"]}
-        ckpt = run_checkpoints.save(accelerator, accelerator.unwrap_model(model).drafter, ckpt_root, state["step"],
-                                trainer, run_config, serve_dtype)
-        if accelerator.is_main_process:
-            run_checkpoints.update_best(ckpt_root, ckpt, state["step"],
+
+def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float]) -> None:
+    """A checkpoint of the current step (every process takes part), then, on rank 0, best and pruning."""
+    accelerator, state, ckpt_root = run.accelerator, run.state, run.ckpt_root
+    metric = last_eval.get("holdout/accept_length")
+    trainer = {"position": dict(state), "metrics": last_eval, "store": run.data.target["fingerprint"]}
+    ckpt = run_checkpoints.save(accelerator, accelerator.unwrap_model(run.model).drafter, ckpt_root, state["step"],
+                                trainer, run.run_config, run.serve_dtype)
+    if accelerator.is_main_process:
+        run_checkpoints.update_best(ckpt_root, ckpt, state["step"],
                                     "holdout/accept_length" if metric is not None else "latest (no held-out split)",
                                     metric)
-            run_checkpoints.prune(ckpt_root, train_cfg.keep_last, milestones)
-        accelerator.wait_for_everyone()
+        run_checkpoints.prune(ckpt_root, train_cfg.keep_last, run.milestones)
+    accelerator.wait_for_everyone()
 
-    # -- loop --------------------------------------------------------------------------------------
+
+def train_steps(run: Run, train_cfg: Any) -> None:
+    """The step loop: accumulate, backward, clip, step, log, held-out eval, save; from ``run.state`` to
+    ``run.total_steps``."""
+    accelerator, data, model, optimizer, scheduler = run.accelerator, run.data, run.model, run.optimizer, run.scheduler
+    state, log, sampler, total_steps, ckpt_root = run.state, run.log, run.sampler, run.total_steps, run.ckpt_root
+    train_ds, holdout_ds = data.train, data.holdout
+    n = train_cfg.ttt_length
+    last_eval: dict[str, float] = {}
     counts, window_bad, t0 = Counts.zeros(n, accelerator.device), False, time.perf_counter()
     window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
@@ -194,7 +239,7 @@ def train(cfg: Any, resume: str) -> int:
     model.train()
     while state["step"] < total_steps:
         sampler.set_epoch(state["epoch"])
-        batches = sampler.batches()[: windows_per_epoch * train_cfg.grad_accum]
+        batches = sampler.batches()[: run.windows_per_epoch * train_cfg.grad_accum]
         loader = data.loader(train_ds, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
         for k, raw in enumerate(loader, start=state["batch"]):
             batch = data.complete(to_device(raw, accelerator.device))
@@ -247,16 +292,16 @@ def train(cfg: Any, resume: str) -> int:
                 bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
                 counts = Counts.zeros(n, accelerator.device)
             at_end = state["step"] >= total_steps
-            milestone = state["step"] in milestones
+            milestone = state["step"] in run.milestones
             if len(holdout_ds) and (state["step"] % train_cfg.eval_every == 0
                                     or state["step"] % train_cfg.save_every == 0 or milestone or at_end):
-                last_eval = holdout_metrics(accelerator, model, data, holdout_sampler, n)
+                last_eval = holdout_metrics(accelerator, model, data, run.holdout_sampler, n)
                 accelerator.log(last_eval, step=state["step"])
                 log.write({"step": state["step"], **last_eval})
                 accelerator.print(f"step {state['step']}: " + ", ".join(
                     f"{k2.split('/')[1]} {v:.3f}" for k2, v in last_eval.items() if "loss_" not in k2))
             if state["step"] % train_cfg.save_every == 0 or milestone or at_end:
-                save()
+                save_step(run, train_cfg, last_eval)
             window_loss.zero_()
             window_bad, window_tokens, window_real, t0 = False, 0, 0, time.perf_counter()
             if at_end:
@@ -265,7 +310,3 @@ def train(cfg: Any, resume: str) -> int:
             state["epoch"] += 1
             state["batch"] = 0
     bar.close()
-    accelerator.print(f"done: {state['step']} steps, {state['nonfinite_total']} skipped as non-finite; "
-                      f"checkpoints in {ckpt_root} (best: {ckpt_root / 'best'})")
-    accelerator.end_training()
-    return 0
