@@ -70,9 +70,9 @@ def first_turns(src: Path, dst: Path, tokenizer) -> None:
 
 def worker(args: argparse.Namespace) -> int:
     """Train and measure the given rows on this process's GPU; rows go to <out>/row-<name>.json."""
-    from bench.drafter_quality import load_drafter, setup
     from common.config import load_config
     from eval.batched_eval import acceptance, greedy_references
+    from eval.quality import load_drafter, setup
     from train.loop import train
 
     cfg, target, prompts = setup(args.config, args.limit)

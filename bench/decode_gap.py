@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.drafter_quality import load_drafter, setup  # noqa: E402
 from bench.results import record  # noqa: E402
 from data_prep.capture import read_conversations, render_all  # noqa: E402
 from data_prep.dataset import in_holdout  # noqa: E402
 from eval.decode_gap import cause, holdout_counts, measure_gap  # noqa: E402
+from eval.quality import load_drafter, setup  # noqa: E402
 
 
 def holdout_figures(cfg, target, drafter, aux_ids, conversations: Path, limit: int, k: int, first: int) -> dict:

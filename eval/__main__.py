@@ -1,6 +1,8 @@
-"""python -m eval {run,gate,breakeven,sglang,sweep}: measure a drafter checkpoint and decide whether it ships.
+"""python -m eval {run,gate,quality,breakeven,sglang,sweep}: measure a drafter checkpoint and decide whether it ships.
 
   run        speculative decoding on the eval datasets (the HF target, or --live: the eval.sglang servers); report
+  quality    tau and alpha_k on every prompt of the eval datasets in batched passes, at several k:T (--settings),
+             the lossless check, tau* per k from batch-1 timings; run_dir/eval/<name>/quality.json
   gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to serve it from
              gate.promoted_dir; --live takes tau, alpha_k and the timings from SGLang servers at each
              eval.sglang.concurrency
@@ -15,7 +17,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eval.commands import breakeven_command, gate_command, run_command, sglang_command, sweep_command
+from eval.commands import (
+    breakeven_command,
+    gate_command,
+    quality_command,
+    run_command,
+    sglang_command,
+    sweep_command,
+)
+from eval.quality import DEFAULT_SETTINGS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +44,16 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--incumbent", help="default: gate.promoted_dir when it holds a drafter")
             p.add_argument("--promote", action="store_true",
                            help="serve a passing checkpoint: gate.promoted_dir -> promotions/<fingerprint>/")
+    q = sub.add_parser("quality")
+    q.add_argument("--config", required=True)
+    q.add_argument("--checkpoint", required=True)
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (the target runs in float32 unless target.dtype is set here)")
+    q.add_argument("--name", help="report folder under run_dir/eval (default: the checkpoint's name)")
+    q.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), metavar="K:T",
+                   help="k:T pairs (drafts per cycle, temperature); the first one is the gate's")
+    q.add_argument("--timing-prompts", type=int, default=8, help="prompts the batch-1 timings (tau*) run on")
+    q.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; the figures are for all)")
     sw = sub.add_parser("sweep")
     sw.add_argument("--config", help="measure on eval.sglang.server_url + sweep_urls and baseline_url")
     sw.add_argument("--table", help="a cost table JSON instead of measuring (see eval/serving_sweep.py)")
@@ -51,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return sglang_command(args.config, args.set)
     if args.cmd == "sweep":
         return sweep_command(args.config, args.table, args.set, args.out)
+    if args.cmd == "quality":
+        return quality_command(args.config, args.checkpoint, args.set, args.name, args.settings, args.timing_prompts,
+                               args.limit)
     if args.cmd == "run":
         return run_command(args.config, args.checkpoint, args.set, args.name, args.live)
     return gate_command(args.config, args.checkpoint, args.set, args.name, args.incumbent, args.promote, args.live)
