@@ -45,9 +45,10 @@ def save_summary(cfg: RunConfig, step: str, summary: Any) -> None:
     write_json_atomic(path, merged)
 
 
+@one_line_errors(MissingWheelError, prefix="data_prep: error")
 def run_steps(step: str, config: str | Path, overrides: Sequence[str] = ()) -> int:
     """``step`` is one of ORDER or "all". Exit code: 0 done, 2 an error (a bad config, a step that failed,
-    the run dir in use); the message is one line on stderr."""
+    the run dir in use, a crash before the steps start); the message is one line on stderr."""
     try:
         cfg = load_config(config, list(overrides))
     except ConfigError as e:
