@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
 from bench.runs import REPO, holdout_at, make_run, read_log  # noqa: E402
-from common import lifeline  # noqa: E402
+from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
 
 ROWS = {
@@ -70,9 +70,9 @@ def first_turns(src: Path, dst: Path, tokenizer) -> None:
 
 def worker(args: argparse.Namespace) -> int:
     """Train and measure the given rows on this process's GPU; rows go to <out>/row-<name>.json."""
-    from bench.drafter_quality import load_drafter, setup
     from common.config import load_config
     from eval.batched_eval import acceptance, greedy_references
+    from eval.quality import load_drafter, setup
     from train.loop import train
 
     cfg, target, prompts = setup(args.config, args.limit)
@@ -116,7 +116,7 @@ def main() -> int:
         return worker(args)
 
     from common.config import load_config
-    from drafter.target import load_target
+    from target.hf_model import load_target
 
     cfg = load_config(args.config)
     rows = {k: (v if v is not None else [f"train.lr={3 * cfg.train.lr:g}"]) for k, v in ROWS.items()}
@@ -134,7 +134,7 @@ def main() -> int:
         cmd += ["--limit", str(args.limit)] if args.limit else []
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g)} if torch.cuda.is_available() else dict(os.environ)
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(args.out / f"gpu{g}.log", "w"),
-                                      stderr=subprocess.STDOUT, **lifeline.stage_kwargs()))  # die with us
+                                      stderr=subprocess.STDOUT, **parent_death.stage_kwargs()))  # die with us
     codes = [p.wait() for p in procs]
     results = [json.loads((args.out / f"row-{n}.json").read_text()) for n in names
                if (args.out / f"row-{n}.json").is_file()]

@@ -13,7 +13,7 @@
 Per label, under "data_quality" in bench/results.json (a run writing one label keeps the other's figures):
 conversations, answers, answer_tokens (the answers' text under the target's tokenizer), capped_share (finish
 reason "length"), loop_cut_share ("loop"), loop_token_share (answer tokens inside a loop tail that
-data_prep.loops finds in the answers not already cut, over all answer tokens), after_first_repeat_char_share
+target.loops finds in the answers not already cut, over all answer tokens), after_first_repeat_char_share
 (the issue's measure: answer characters from the first 64-character window that already occurred earlier in
 the same answer, over all answer characters), mean_answer_tokens, median_answer_tokens. With --regenerate also
 seconds, answer_tokens_per_s (kept answer tokens a second) and generated_tokens_per_s (plus the tokens a loop
@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import command_line, device_name, record, results_path  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
-from data_prep.loops import after_first_repeat_chars, retokenized_loop_start  # noqa: E402
 from data_prep.regenerate import answer_text, load_prompt_records, regenerate  # noqa: E402
+from target.loops import after_first_repeat_chars, retokenized_loop_start  # noqa: E402
 
 NAME = "data_quality"
 CHAR_WINDOW = 64  # the issue's window
@@ -141,7 +141,7 @@ def main() -> int:
     if args.regenerate is None:
         if args.label is None:
             ap.error("--label before|after is needed to measure a file")
-        from drafter.target import load_tokenizer, resolve_source
+        from target.hf_model import load_tokenizer, resolve_source
 
         tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
         path = args.conversations or cfg.conversations_path

@@ -22,25 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.drafter_quality import load_drafter, setup  # noqa: E402
 from bench.results import record  # noqa: E402
-from data_prep.capture import read_conversations, render_all  # noqa: E402
-from data_prep.dataset import in_holdout  # noqa: E402
-from eval.decode_gap import cause, holdout_counts, measure_gap  # noqa: E402
-
-
-def holdout_figures(cfg, target, drafter, aux_ids, conversations: Path, limit: int, k: int, first: int) -> dict:
-    """Teacher forcing over the held-out split of ``conversations``: whole answers, and their first tokens."""
-    convs = read_conversations(conversations)
-    out: dict = {"conversations": str(conversations)}
-    for key, cap in (("", None), (f"_first{first}", first)):
-        samples, _ = render_all(convs, target.tokenizer, cfg.capture.max_length, cfg.target.chat_template_kwargs,
-                                max_answer_tokens=cap)
-        held = [s for s in samples if in_holdout(s.id, cfg.train.holdout_fraction)][:limit]
-        counts = holdout_counts(target, drafter, aux_ids, held, k)
-        out["samples"] = len(held)
-        out[f"acc{key}"], out[f"acc_chain{key}"] = counts.unconditional(), counts.conditional()
-    return out
+from eval.decode_gap import cause, holdout_figures, measure_gap  # noqa: E402
+from eval.quality import load_drafter, setup  # noqa: E402
 
 
 def main() -> int:

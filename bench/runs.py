@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from common import lifeline
+from common import parent_death
 from common.cli import exit_reason
 from common.config import dump_config, load_config
 
@@ -46,7 +46,7 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     with open(log, "w") if log else open(os.devnull, "w") as sink:
         proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=sink if log else None,
-                              stderr=subprocess.STDOUT if log else None, **lifeline.stage_kwargs())  # dies with us
+                              stderr=subprocess.STDOUT if log else None, **parent_death.stage_kwargs())  # dies with us
     if proc.returncode != 0:
         tail = log.read_text()[-3000:] if log else ""
         raise RuntimeError(f"{exit_reason(proc.returncode)}: {' '.join(cmd)}\n{tail}")

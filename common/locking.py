@@ -8,7 +8,7 @@ The pipeline holds the locks of the dirs its stages write and starts each stage 
 variables: ``EAGLE3_LOCK_HOLDER`` (its pid) and ``EAGLE3_HELD_LOCKS`` (the lock files). A stage whose lock is
 among them, and whose holder is one of its ancestors (the pipeline, possibly through ``accelerate launch``),
 runs under the pipeline's lock instead of taking its own, and so cannot deadlock on it; it also arranges to
-die with its parent (``common.lifeline``), because the lock it relies on dies with the pipeline. A stray
+die with its parent (``common.parent_death``), because the lock it relies on dies with the pipeline. A stray
 copy of the variables in another shell does not match: its holder is no ancestor there.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from common import lifeline
+from common import parent_death
 
 LOCK_NAME = ".lock"
 HOLDER_ENV = "EAGLE3_LOCK_HOLDER"
@@ -77,7 +77,7 @@ def run_lock(directory: str | Path, what: str, main_process: bool = True) -> Ite
     Creates ``directory``; an unwritable one is an OSError naming it."""
     path = lock_path(directory)
     if held_by_ancestor(path):
-        lifeline.die_with_parent()
+        parent_death.die_with_parent()
         yield path
         return
     if not main_process:

@@ -4,7 +4,7 @@
 A backend never raises for one bad record: it returns a ``Completion`` whose ``error`` names the
 reason, and the caller counts it and leaves the record for the next run.
 
-With ``regenerate.stop_loops`` an answer that ends in a degenerate loop (``data_prep.loops``) is cut to the
+With ``regenerate.stop_loops`` an answer that ends in a degenerate loop (``target.loops``) is cut to the
 loop's first copy, finish reason "loop": the hf engine stops it while it decodes; a server cannot, so the
 openai backend cuts the answer it gets back, by the target's tokens.
 """
@@ -29,7 +29,8 @@ from typing import Any, Protocol
 
 from common import redact
 from common.config import RegenerateConfig, TargetConfig
-from data_prep.loops import first_repeat, retokenized_loop_start
+from data_prep.loss_mask import prompt_text
+from target.loops import first_repeat, retokenized_loop_start
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
 Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
@@ -79,7 +80,7 @@ class ChatBackend(Protocol):
 
 class HFChatBackend:
     """The target in-process, through continuous batching over a paged KV cache
-    (``data_prep.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
+    (``target.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
     alone, and the GPU stays full while answers of very different lengths finish. ``stream`` is one engine run
     for a whole regeneration: a conversation's next turn joins the running batch when its previous answer
     ends. Chats are rendered as the server renders them (the target's chat_template_kwargs, the chat's tools).
@@ -89,8 +90,8 @@ class HFChatBackend:
     name = "hf"
 
     def __init__(self, target_cfg: TargetConfig, cfg: RegenerateConfig):
-        from drafter.batched_target import BatchedTarget, UnsupportedTargetError
-        from drafter.target import load_target_from_config, stop_token_ids
+        from target.batched import BatchedTarget, UnsupportedTargetError
+        from target.hf_model import load_target_from_config, stop_token_ids
 
         self.target = load_target_from_config(target_cfg)
         self.template_kwargs = target_cfg.chat_template_kwargs
@@ -128,7 +129,7 @@ class HFChatStream:
     LONGEST_ROW = 32768  # positions per row when the target names no context length
 
     def __init__(self, backend: HFChatBackend, wanted: int | None = None):
-        from data_prep.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
+        from target.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
 
         c = backend.cfg
         self.b = backend
@@ -151,8 +152,6 @@ class HFChatStream:
 
     def submit(self, items: list[tuple[Hashable, Chat, Tools]]) -> None:
         """Queue (key, chat, tools) items; rendered and tokenized together."""
-        from data_prep.loss_mask import prompt_text
-
         texts = [prompt_text(self.b.tok, chat, self.b.template_kwargs, tools or None) for _, chat, tools in items]
         if not texts:
             return
@@ -259,7 +258,7 @@ class OpenAIChatBackend:
             if self.target is None:
                 raise BackendError("regenerate.stop_loops: the openai backend needs the target's tokenizer to cut "
                                    "loops (target.name)")
-            from drafter.target import load_tokenizer, resolve_source
+            from target.hf_model import load_tokenizer, resolve_source
 
             try:
                 self._tokenizer = load_tokenizer(resolve_source(self.target.name, self.target.gguf_file),

@@ -5,7 +5,7 @@
 The target forward is one of three backends (``capture.backend``): ``hf`` (the HF model in-process),
 ``specforge`` (import SpecForge's SGLang capture: ``data_prep/specforge_import.py``; its samples are the ones
 SpecForge tokenized) or ``sglang`` (``data_prep/capture_sglang.py``). Only ``hf`` builds the HF model; the
-others read the tokenizer, config and head tensors from the checkpoint's files (``drafter.hf_index``).
+others read the tokenizer, config and head tensors from the checkpoint's files (``target.hf_index``).
 
 Shard k holds kept samples [k*S, (k+1)*S) in conversation order, so its content is a function of the
 input alone; a rerun keeps every shard whose checksum and sample plan verify and recomputes the rest
@@ -31,10 +31,20 @@ from safetensors.torch import save
 from torch import Tensor
 from tqdm import tqdm
 
+from common.batching import length_batches
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
-from data_prep.batching import length_batches
+from common.parent_death import die_with_parent
+from data_prep.capture_sample import CaptureError, Sample
+from data_prep.capture_sglang import SGLangCaptureBackend
 from data_prep.loss_mask import LossMaskError, render_many
+from data_prep.specforge_import import (
+    ServerRendering,
+    SpecForgeImport,
+    export_for_specforge,
+    specforge_command,
+    write_draft_config,
+)
 from data_prep.store import (
     IDENTITY,
     MANIFEST,
@@ -44,20 +54,12 @@ from data_prep.store import (
     StoreError,
     shard_name,
 )
-from drafter.target import TargetModel
+from drafter.factory import drafter_aux_ids
+from target.aux_layers import resolve_aux_layer_ids
+from target.hf_index import load_indexed_target_from_config
+from target.hf_model import TargetModel, load_target_from_config
 
 RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
-
-
-class CaptureError(ValueError):
-    """Bad input to capture; the message names the file and line."""
-
-
-@dataclass
-class Sample:
-    id: str
-    input_ids: list[int]
-    loss_mask: list[int]
 
 
 @dataclass
@@ -160,8 +162,6 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
         size = -(-len(chats) // (workers * 4))
         jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], max_length, kwargs, max_answer_tokens)
                 for a in range(0, len(chats), size)]
-        from common.lifeline import die_with_parent
-
         with mp.get_context("fork").Pool(workers, initializer=die_with_parent) as pool:  # none outlives us
             rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
     else:
@@ -194,7 +194,7 @@ class CaptureBackend(Protocol):
 
 
 class CaptureTarget(Protocol):
-    """What capture needs of the target: ``drafter.target.TargetModel`` (hf) or ``drafter.hf_index.IndexedTarget``."""
+    """What capture needs of the target: ``target.hf_model.TargetModel`` (hf) or ``target.hf_index.IndexedTarget``."""
 
     name: str
     tokenizer: Any
@@ -338,11 +338,7 @@ def load_capture_target(cfg: Any) -> CaptureTarget:
     """The HF model for backend 'hf' only; for the others the checkpoint's tokenizer, config and head tensors
     (a 1T-parameter target is never built here)."""
     if cfg.capture.backend == "hf":
-        from drafter.target import load_target_from_config
-
         return load_target_from_config(cfg.target)
-    from drafter.hf_index import load_indexed_target_from_config
-
     return load_indexed_target_from_config(cfg.target)
 
 
@@ -351,14 +347,6 @@ def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
     """The samples to store, what was skipped, and the backend that gives their states."""
     cap = cfg.capture
     if cap.backend == "specforge":
-        from data_prep.specforge_import import (
-            ServerRendering,
-            SpecForgeImport,
-            export_for_specforge,
-            specforge_command,
-            write_draft_config,
-        )
-
         root = Path(cap.specforge_dir)
         data_path = cfg.root / "specforge_input.jsonl"
         if not root.is_dir() or not any(root.rglob("data_*.ckpt*")):
@@ -381,17 +369,12 @@ def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
 def make_capture_backend(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int]) -> CaptureBackend:
     """The forward for rendered samples: the HF model, or a stock SGLang engine."""
     if cfg.capture.backend == "sglang":
-        from data_prep.capture_sglang import SGLangCaptureBackend
-
         return SGLangCaptureBackend(cfg)
     return HFCaptureBackend(target, aux_ids)  # type: ignore[arg-type]
 
 
 def run_capture(cfg: Any, target: CaptureTarget | None = None) -> CaptureSummary:
     """``cfg`` is a RunConfig; ``target`` lets callers (tests, the pipeline) reuse a loaded one."""
-    from drafter.factory import drafter_aux_ids
-    from drafter.target import resolve_aux_layer_ids
-
     cap, store = cfg.capture, cfg.store_dir
     # Read first: bad input fails before the target loads. SpecForge's samples come with its files.
     convs = read_conversations(cfg.conversations_path) if cap.backend != "specforge" else None

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset, Sampler
 
-from data_prep.batching import length_batches
+from common.batching import length_batches
 from data_prep.store import StoreError, read_manifest, verify_store
 
 PER_TOKEN = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")

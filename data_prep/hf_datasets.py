@@ -17,7 +17,7 @@ from typing import Any
 
 from common.config import PromptSource
 from data_prep.readers import Messages, Record, Tools, to_record
-from data_prep.sources import Fields, SourceError
+from data_prep.source_fields import Fields, SourceError
 
 DEFAULT_SPLIT = "train"
 BATCH_ROWS = 256

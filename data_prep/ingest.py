@@ -23,7 +23,7 @@ from common.config import RunConfig
 from common.files import write_jsonl_atomic
 from data_prep.readers import Messages, Record, Skip
 from data_prep.sources import open_source
-from data_prep.steps import StepFailed
+from data_prep.step_failed import StepFailed
 
 SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "orphan_tool_result",
                 "empty", "too_long", "duplicate")

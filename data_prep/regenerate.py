@@ -32,11 +32,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common import lifeline
+from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
 from common.files import append_jsonl, cut_torn_tail
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
-from data_prep.steps import StepFailed
+from data_prep.step_failed import StepFailed
 
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
@@ -510,7 +510,7 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
     start = time.perf_counter()
     # The workers die with this process (a pipeline killed with -9 takes its stages' workers along; the
     # run-dir lock they work under dies with it).
-    with mp.get_context("spawn").Pool(len(devices), initializer=lifeline.die_with_parent) as pool:
+    with mp.get_context("spawn").Pool(len(devices), initializer=parent_death.die_with_parent) as pool:
         parts = pool.starmap(_device_worker, [(tree, share, dev, str(part_path(out, r)))
                                               for r, (share, dev) in enumerate(zip(shares, devices, strict=True))])
     merge_parts(out)

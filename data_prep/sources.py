@@ -27,7 +27,9 @@ from typing import Any
 
 from common.config import CHAT_KINDS, PromptSource
 from common.wheels import MissingWheelError, builtin_data_path
+from data_prep import hf_datasets
 from data_prep.readers import JSON_FORMATS, JSON_TOOLS, Messages, Record, Skip, read_json_source, read_lines
+from data_prep.source_fields import Fields, SourceError
 
 # The field each kind reads, and for chats the role and content fields of a turn.
 KIND_FIELDS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messages", "role", "content"),
@@ -35,18 +37,6 @@ KIND_FIELDS = {"sharegpt": ("conversations", "from", "value"), "openai": ("messa
 RECORD_FILES = (".json", ".jsonl")
 DATASET_FILES = (".parquet", ".arrow")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-
-
-class SourceError(ValueError):
-    """A source that cannot be read at all; the message names the file or column and the config key."""
-
-
-@dataclass(frozen=True)
-class Fields:
-    """What a source's records hold, as far as is known before reading them all."""
-
-    columns: set[str]
-    turn_fields: set[str] | None  # keys of a turn in the chat column (None: not known)
 
 
 def open_source(src: PromptSource, key: str) -> tuple[str, Iterator[Record]]:
@@ -84,8 +74,6 @@ def open_source(src: PromptSource, key: str) -> tuple[str, Iterator[Record]]:
 
 
 def _open_dataset(src: PromptSource, key: str, path: Path) -> tuple[str, Iterator[Record]]:
-    from data_prep import hf_datasets  # imports `datasets` (~2 s) only for sources that need it
-
     ds, label = hf_datasets.load(src, key, path)
     convert = _converter(src)
     fields = hf_datasets.fields(ds, _column(src))

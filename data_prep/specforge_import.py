@@ -20,7 +20,7 @@ What SpecForge writes (read from SpecForge 0.2.0, the PyPI wheel = github.com/sg
   ``hidden_state`` (1, L, H) in the target's dtype.
 - ``aux_hidden_state``: SGLang's aux states for the capture layers, concatenated in layer order
   (``LogitsProcessor._get_hidden_states_to_store``, FULL capture mode), i.e. for the drafter's
-  ``eagle_aux_hidden_state_layer_ids`` exactly what SGLang serves it (``drafter.target.sglang_captured_outputs``).
+  ``eagle_aux_hidden_state_layer_ids`` exactly what SGLang serves it (``target.aux_layers.sglang_captured_outputs``).
   SpecForge's layers (``specforge/algorithms/model_providers.py`` ``resolve_eagle_capture_layers``): the run's
   override, else the draft config's ids, else [1, N//2-1, N-4]. The files do not record them, so the config
   names them (target.aux_layer_ids or drafter.init_from).
@@ -73,7 +73,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from data_prep.capture import CaptureError, Sample
+from common.files import write_json_atomic, write_jsonl_atomic
+from data_prep.capture_sample import CaptureError, Sample
+from data_prep.loss_mask import conversation_text
+from drafter.factory import shape_for_target
+from drafter.sglang_checkpoint import hf_config, read_config
+from target.hf_model import target_text_config
 
 FILE_RE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
@@ -169,8 +174,6 @@ class ServerRendering:
 
     def check(self, i: int, ids: Sequence[int], path: Path) -> None:
         """Raise when sample ``i``'s tokens are not the server's rendering of its conversation."""
-        from data_prep.loss_mask import conversation_text
-
         if i >= len(self.rows):
             raise CaptureError(f"{path}: SpecForge sample {i}, but {self.path} has {len(self.rows)} conversations: "
                                "these files come from another --data-path")
@@ -254,8 +257,6 @@ def export_for_specforge(conversations: Sequence[dict[str, Any]], path: Path) ->
     """Our regenerated conversations in SpecForge's --data-path format (one ``{"id", "conversations": messages,
     "tools"}`` per line; ``specforge/utils.py`` ``safe_conversations_generator`` reads "conversations" and
     "tools"). Returns the number written."""
-    from common.files import write_jsonl_atomic
-
     rows = [{"id": c["id"], "conversations": c["messages"]} | ({"tools": c["tools"]} if c.get("tools") else {})
             for c in conversations]
     write_jsonl_atomic(path, rows)
@@ -267,11 +268,6 @@ def write_draft_config(cfg: Any, aux_ids: Sequence[int], path: Path) -> Path:
     (``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``draft_vocab_size``; without the option
     prepare_hidden_states.py fails (it opens the option as a path). A warm start's own config with its ids spelled
     out; else the fresh drafter train will build, shaped like the target (``drafter.factory.shape_for_target``)."""
-    from common.files import write_json_atomic
-    from drafter.checkpoint import hf_config, read_config
-    from drafter.factory import shape_for_target
-    from drafter.target import target_text_config
-
     d = cfg.drafter
     if d.init_from:
         config = read_config(d.init_from)

@@ -18,24 +18,15 @@ from common.config import ConfigError, RunConfig, load_config
 from common.files import write_json_atomic
 from common.locking import run_lock
 from common.wheels import MissingWheelError
+from data_prep.ingest import run_ingest
+from data_prep.step_failed import StepFailed
 
 ORDER = ("ingest", "regenerate", "capture")
 
 
-class StepFailed(ValueError):
-    """A step that ran but must not count as done (e.g. too many prompts failed); its summary is still
-    printed and saved, so the user sees what happened."""
-
-    def __init__(self, message: str, summary: Any):
-        super().__init__(message)
-        self.summary = summary
-
-
 def _runner(step: str) -> Callable[[RunConfig], Any]:
-    # Imported per step: ingest needs neither torch nor the target.
+    # Regenerate and capture are imported when they run: ingest needs neither torch nor the target.
     if step == "ingest":
-        from data_prep.ingest import run_ingest
-
         return run_ingest
     if step == "regenerate":
         from data_prep.regenerate import run_regenerate
@@ -54,9 +45,10 @@ def save_summary(cfg: RunConfig, step: str, summary: Any) -> None:
     write_json_atomic(path, merged)
 
 
+@one_line_errors(MissingWheelError, prefix="data_prep: error")
 def run_steps(step: str, config: str | Path, overrides: Sequence[str] = ()) -> int:
     """``step`` is one of ORDER or "all". Exit code: 0 done, 2 an error (a bad config, a step that failed,
-    the run dir in use); the message is one line on stderr."""
+    the run dir in use, a crash before the steps start); the message is one line on stderr."""
     try:
         cfg = load_config(config, list(overrides))
     except ConfigError as e:

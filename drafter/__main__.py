@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from common.cli import EXIT_OK, EXIT_REJECTED, error_line, one_line_errors
-from drafter.checkpoint import CheckpointError, check_checkpoint
+from drafter.sglang_checkpoint import CheckpointError, check_checkpoint
 
 
 @one_line_errors(CheckpointError)

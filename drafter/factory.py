@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafter.checkpoint import load_checkpoint, read_config, rope_scaling_from, shape_from_config
 from drafter.model import DrafterShape, Eagle3Drafter
-from drafter.target import resolve_aux_layer_ids
+from drafter.sglang_checkpoint import load_checkpoint, read_config, rope_scaling_from, shape_from_config
+from target.aux_layers import resolve_aux_layer_ids
 
 
 class DrafterMismatchError(ValueError):

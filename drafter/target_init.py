@@ -8,58 +8,16 @@ where a target layer reads H. What carries over where the shapes allow:
   (the embedding half starts at zero), o_proj, the MLP and both norms are copied as they are;
 - fc: passes the top aux layer through (``[0, 0, I]``), so step 0 starts from the target's own
   residual stream near its output.
-Only the safetensors tensors named here are read (``target_tensors``), never the whole target.
+Only the safetensors tensors named here are read (``target.hf_index.target_tensors`` of
+``last_layer_names``), never the whole target.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
 from drafter.model import Eagle3Drafter
-
-
-class TargetInitError(ValueError):
-    pass
-
-
-def target_tensors(source_dir: str | Path, names: Iterable[str]) -> dict[str, Tensor]:
-    """Named tensors of a HF checkpoint directory (single ``model.safetensors`` or a sharded index);
-    names that it does not hold are left out."""
-    src = Path(source_dir)
-    index = src / "model.safetensors.index.json"
-    if index.is_file():
-        where = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(src.glob("*.safetensors"))
-        if not files:
-            raise TargetInitError(f"{src}: no safetensors weights to initialise the drafter from")
-        where = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                where |= {k: f.name for k in h.keys()}
-    out: dict[str, Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for n in names:
-        if n in where:
-            by_file.setdefault(where[n], []).append(n)
-    for file, keys in by_file.items():
-        with safe_open(str(src / file), framework="pt") as h:
-            out |= {k: h.get_tensor(k) for k in keys}
-    return out
-
-
-def last_layer_names(num_layers: int) -> list[str]:
-    p = f"model.layers.{num_layers - 1}."
-    return [p + n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                            "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")] \
-        + ["model.norm.weight"]
 
 
 @torch.no_grad()

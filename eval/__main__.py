@@ -1,6 +1,8 @@
-"""python -m eval {run,gate,breakeven,sglang,sweep}: measure a drafter checkpoint and decide whether it ships.
+"""python -m eval {run,gate,quality,breakeven,sglang,sweep}: measure a drafter checkpoint and decide whether it ships.
 
   run        speculative decoding on the eval datasets (the HF target, or --live: the eval.sglang servers); report
+  quality    tau and alpha_k on every prompt of the eval datasets in batched passes, at several k:T (--settings),
+             the lossless check, tau* per k from batch-1 timings; run_dir/eval/<name>/quality.json
   gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to serve it from
              gate.promoted_dir; --live takes tau, alpha_k and the timings from SGLang servers at each
              eval.sglang.concurrency
@@ -15,25 +17,32 @@ from __future__ import annotations
 import argparse
 import sys
 
-from eval.commands import breakeven_command, gate_command, run_command, sglang_command, sweep_command
+from eval import commands
+from eval.quality import DEFAULT_SETTINGS
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    for cmd in ("run", "gate", "sglang"):
+    for cmd in ("run", "gate", "quality", "sglang"):
         p = sub.add_parser(cmd)
         p.add_argument("--config", required=True)
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
         if cmd != "sglang":
             p.add_argument("--checkpoint", required=True)
             p.add_argument("--name", help="report folder under run_dir/eval (default: the checkpoint's name)")
+        if cmd in ("run", "gate"):
             p.add_argument("--live", action="store_true", help="measure on the eval.sglang servers")
         if cmd == "gate":
             p.add_argument("--incumbent", help="default: gate.promoted_dir when it holds a drafter")
             p.add_argument("--promote", action="store_true",
                            help="serve a passing checkpoint: gate.promoted_dir -> promotions/<fingerprint>/")
+        if cmd == "quality":  # the target runs in float32 unless --set target.dtype=...
+            p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), metavar="K:T",
+                           help="k:T pairs (drafts per cycle, temperature); the first one is the gate's")
+            p.add_argument("--timing-prompts", type=int, default=8, help="prompts the batch-1 timings run on")
+            p.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; the figures are for all)")
     sw = sub.add_parser("sweep")
     sw.add_argument("--config", help="measure on eval.sglang.server_url + sweep_urls and baseline_url")
     sw.add_argument("--table", help="a cost table JSON instead of measuring (see eval/serving_sweep.py)")
@@ -46,14 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     be.add_argument("--target-tps", type=float)
     args = ap.parse_args(argv)
     if args.cmd == "breakeven":
-        return breakeven_command(args.decode_ms, args.cycle_ms, args.steps, args.target_tps)
+        return commands.breakeven_command(args.decode_ms, args.cycle_ms, args.steps, args.target_tps)
     if args.cmd == "sglang":
-        return sglang_command(args.config, args.set)
+        return commands.sglang_command(args.config, args.set)
     if args.cmd == "sweep":
-        return sweep_command(args.config, args.table, args.set, args.out)
+        return commands.sweep_command(args.config, args.table, args.set, args.out)
+    if args.cmd == "quality":
+        return commands.quality_command(args.config, args.checkpoint, args.set, args.name, args.settings,
+                                        args.timing_prompts, args.limit)
     if args.cmd == "run":
-        return run_command(args.config, args.checkpoint, args.set, args.name, args.live)
-    return gate_command(args.config, args.checkpoint, args.set, args.name, args.incumbent, args.promote, args.live)
+        return commands.run_command(args.config, args.checkpoint, args.set, args.name, args.live)
+    return commands.gate_command(args.config, args.checkpoint, args.set, args.name, args.incumbent, args.promote,
+                                 args.live)
 
 
 if __name__ == "__main__":

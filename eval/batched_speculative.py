@@ -2,7 +2,7 @@
 
 Acceptance (tau, alpha_k) depends only on what the drafter proposes and what the target verifies, not on
 timing, so every prompt can run in one batch: each row keeps its own position in a position-indexed
-cache (``drafter.batched_target``), accepts its own number of drafts per cycle, and reads nothing that a
+cache (``target.batched``), accepts its own number of drafts per cycle, and reads nothing that a
 rejected draft left behind (keys beyond a row's committed length are overwritten before they are read).
 Per row, the cycle is the one ``eval.speculative.Engine`` runs at batch size 1 (same positions, same
 draft-extend from the target's aux states, same acceptance rule chosen by name through
@@ -19,11 +19,14 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from drafter.batched_target import BatchedTarget, position_mask, position_masked_attention
 from drafter.model import Eagle3Drafter, StepOutput
 from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
+from target.batched import BatchedTarget, position_mask, position_masked_attention
 
-PREFILL_TOKENS = 32768  # padded prompt tokens per prefill call
+# Padded prompt tokens per prefill call, on any device. Smaller than generate's
+# (target.continuous_batching.GENERATE_PREFILL_TOKENS): this prefill keeps the target's aux states (3H) at every
+# position and runs the drafter over the same positions.
+SPECULATIVE_PREFILL_TOKENS = 32768
 
 
 @dataclass
@@ -92,7 +95,7 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
 
     # -- prefill: the target over each prompt, then the drafter over the same positions -------------
     last = torch.zeros(n, 1, d.shape.hidden_size, dtype=d.fc.weight.dtype, device=dev)
-    for a, b in _groups([len(p) for p in prompts], PREFILL_TOKENS):
+    for a, b in _groups([len(p) for p in prompts], SPECULATIVE_PREFILL_TOKENS):
         width = max(len(p) for p in prompts[a:b])
         ids = torch.zeros(b - a, width, dtype=torch.long, device=dev)
         for j, p in enumerate(prompts[a:b]):
@@ -158,7 +161,7 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
 
 def _groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
     """Consecutive index ranges whose padded size (rows x longest) stays within ``budget``: contiguous,
-    unlike ``data_prep.batching.length_batches``, because the drafter's prefill reads its cache rows in place
+    unlike ``common.batching.length_batches``, because the drafter's prefill reads its cache rows in place
     (a slice)."""
     out, start, longest = [], 0, 0
     for i, n in enumerate(lengths):

@@ -2,7 +2,7 @@
 
 Each returns the exit code (``common.cli``): 0 pass (or promoted), 1 rejected by the gate, 2 an error,
 printed as one line on stderr (our errors carry ready messages that name the file or key); a crash is 2
-too, never 1. ``run``, ``gate`` (``--live`` too) and ``sweep --config`` hold the run dir's lock
+too, never 1. ``run``, ``gate`` (``--live`` too), ``quality`` and ``sweep --config`` hold the run dir's lock
 (``common.locking``) while they write there.
 """
 
@@ -16,12 +16,16 @@ from pathlib import Path
 
 from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
 from common.config import load_config
+from common.files import write_text_atomic
 from common.locking import run_lock
 from common.wheels import MissingWheelError
-from drafter.checkpoint import CheckpointError, check_checkpoint, nonfinite_tensors
+from drafter.sglang_checkpoint import CheckpointError, check_checkpoint, nonfinite_tensors
 from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate
+from eval.live_gate import live_gate, live_prompts, run_live
+from eval.quality import DEFAULT_SETTINGS, parse_settings, quality, quality_config, target_and_prompts
+from eval.report import json_safe
 from eval.serving_sweep import SweepError, markdown, measure_table, read_table, recommend, write_sweep
 from eval.sglang_client import ServerError
 
@@ -41,6 +45,17 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
+    _measurable(checkpoint)
+    with run_lock(cfg.root, "eval run"):
+        if live:
+            run_live(cfg, checkpoint, report_name)
+        else:
+            save_report(cfg, evaluate(cfg, {"candidate": checkpoint}, report_name))
+    return EXIT_OK
+
+
+def _measurable(checkpoint: str) -> None:
+    """Refuse NaN or inf weights (nothing meaningful to measure); warn about other layout problems."""
     bad = nonfinite_tensors(checkpoint)
     if bad:
         raise CheckpointError(f"{checkpoint}: non-finite weights (NaN/inf) in {', '.join(bad)}; nothing to measure: "
@@ -48,13 +63,28 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
                               "damaged after it was saved)")
     for problem in check_checkpoint(checkpoint, check_finite=False):
         print(f"warning: {problem}", file=sys.stderr)
-    with run_lock(cfg.root, "eval run"):
-        if live:
-            from eval.live_gate import run_live
 
-            run_live(cfg, checkpoint, report_name)
-        else:
-            save_report(cfg, evaluate(cfg, {"candidate": checkpoint}, report_name))
+
+@one_line_errors(MissingWheelError, ServerError)
+def quality_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (), name: str | None = None,
+                    settings: Sequence[str] = DEFAULT_SETTINGS, timing_prompts: int = 8,
+                    limit: int | None = None) -> int:
+    """tau and alpha_k on every prompt of the eval datasets in batched passes, at each k:T of ``settings``, the
+    lossless check at T = 0, tau* per k and the gate's decision at the first setting (``eval.quality``); writes
+    run_dir/eval/<name>/quality.json. The target runs in float32 unless ``overrides`` set target.dtype."""
+    checkpoint = str(checkpoint)
+    report_name = _report_name(checkpoint, name)
+    pairs = parse_settings(settings)
+    _measurable(checkpoint)
+    cfg = quality_config(config, overrides=overrides)
+    with run_lock(cfg.root, "eval quality"):
+        target, prompts = target_and_prompts(cfg, limit)
+        figures = quality(cfg, target, prompts, checkpoint, pairs, timing_prompts)
+        out = cfg.eval_dir / report_name / "quality.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out, json.dumps(json_safe(figures), indent=1) + "\n")
+    print(json.dumps(json_safe(figures), indent=1))
+    print(f"quality: {out}")
     return EXIT_OK
 
 
@@ -68,8 +98,6 @@ def gate_command(config: str | Path, checkpoint: str | Path, overrides: Sequence
     report_name = _report_name(checkpoint, name)
     with run_lock(cfg.root, "eval gate"):
         if live:
-            from eval.live_gate import live_gate
-
             decision = live_gate(cfg, checkpoint, incumbent, promote, report_name)
         else:
             decision = gate(cfg, checkpoint, incumbent, promote, report_name)
@@ -90,8 +118,6 @@ def sweep_command(config: str | Path | None = None, table: str | Path | None = N
         if table is not None:
             costs, decode, alpha = read_table(Path(table))
         else:
-            from eval.live_gate import live_prompts
-
             costs, decode, alpha = measure_table(cfg, live_prompts(cfg))
         result = recommend(costs, decode, alpha)
         write_sweep(where, result)

@@ -23,14 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from data_prep.capture import read_conversations, render_all
+from data_prep.dataset import in_holdout
 from drafter.model import Eagle3Drafter
-from drafter.target import TargetModel
-from train.metrics import conditional_acceptance
+from eval.batched_eval import greedy_references
+from eval.batched_speculative import speculative_batch
+from target.batched import BatchedTarget
+from target.hf_model import TargetModel, stop_token_ids
 from train.ttt import supervision, ttt_forward
+from train.ttt_metrics import conditional_acceptance
 
 
 @dataclass
@@ -180,11 +187,6 @@ def measure_gap(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[i
                 prompts: dict[str, list[list[int]]], k: int, max_new: int) -> dict[str, dict]:
     """Decode every prompt at T = 0 with the batched engine, replay each cycle by teacher forcing, and
     reduce per dataset (``DatasetGap.summary``)."""
-    from drafter.batched_target import BatchedTarget
-    from drafter.target import stop_token_ids
-    from eval.batched_eval import greedy_references
-    from eval.batched_speculative import speculative_batch
-
     refs = greedy_references(target, prompts, max_new + k + 1)  # covers the last cycles' drafts
     engine, stops = BatchedTarget(target.model, aux_ids), stop_token_ids(target.tokenizer)
     out = {}
@@ -207,6 +209,22 @@ def holdout_counts(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequenc
         correct, scored = forced_rows(target, drafter, aux_ids, s.input_ids, s.loss_mask, steps)
         counts.add(correct, scored)
     return counts
+
+
+def holdout_figures(cfg: Any, target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
+                    conversations: Path, limit: int, k: int, first: int) -> dict:
+    """Teacher forcing over the held-out split of ``conversations`` (at most ``limit``): whole answers, and their
+    first ``first`` tokens. ``cfg`` is the RunConfig (capture.max_length, the template kwargs, the split)."""
+    convs = read_conversations(conversations)
+    out: dict = {"conversations": str(conversations)}
+    for key, cap in (("", None), (f"_first{first}", first)):
+        samples, _ = render_all(convs, target.tokenizer, cfg.capture.max_length, cfg.target.chat_template_kwargs,
+                                max_answer_tokens=cap)
+        held = [s for s in samples if in_holdout(s.id, cfg.train.holdout_fraction)][:limit]
+        counts = holdout_counts(target, drafter, aux_ids, held, k)
+        out["samples"] = len(held)
+        out[f"acc{key}"], out[f"acc_chain{key}"] = counts.unconditional(), counts.conditional()
+    return out
 
 
 def cause(per_dataset: dict[str, dict], holdout_acc0: float | None, holdout_acc0_first: float | None,

@@ -11,15 +11,15 @@ import json
 from pathlib import Path
 
 from common.config import ConfigError, RunConfig
-from drafter.checkpoint import fingerprint
 from drafter.factory import load_for_target
-from drafter.target import load_target_from_config, resolve_source, stop_token_ids
+from drafter.sglang_checkpoint import fingerprint
 from eval import breakeven
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets
 from eval.report import log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
+from target.hf_model import load_target_from_config, resolve_source, stop_token_ids
 
 
 def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:

@@ -32,7 +32,7 @@ from common.files import (
     temp_path,
 )
 from common.locking import run_lock
-from drafter.checkpoint import CheckpointError, fingerprint
+from drafter.sglang_checkpoint import CheckpointError, fingerprint
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
 PROMOTIONS = "promotions"

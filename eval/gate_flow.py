@@ -1,5 +1,7 @@
-"""The gate around the pure decision: check the candidate, find the incumbent, measure both, decide
-(``eval.gate.decide``), promote on request, and record the decision in the history and the report.
+"""The gate around the pure decision, one frame for both ways of measuring: check the candidate, measure it
+(and the incumbent), decide (``eval.gate.decide``), promote on request, and record the decision in the history
+and the report. ``gate`` measures with the HF target here (``eval.evaluate``); ``eval.live_gate.live_gate`` on
+live SGLang servers. Both hand ``run_gate`` how to measure and how to save the report.
 
 A checkpoint that fails ``check_checkpoint`` is rejected without measuring (SGLang would serve it
 wrongly); an incumbent that fails it is dropped, and the candidate is held to break-even only.
@@ -7,40 +9,89 @@ wrongly); an incumbent that fails it is dropped, and the candidate is held to br
 The whole gate holds the promotions lock (``promotions/.lock``): the incumbent it measures stays the
 incumbent until its decision is recorded, and no second gate promotes in between. It first reconciles the
 history with what ``promoted`` serves (``eval.gate.reconcile``); a candidate that is already serving (a
-rerun after a kill that came after its promotion) is not measured against itself again.
+rerun after a kill that came after its promotion) is not measured against itself again: with ``--promote``
+the gate ends there; without, the HF gate holds it to break-even only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.config import RunConfig
-from drafter.checkpoint import check_checkpoint, fingerprint
+from drafter.sglang_checkpoint import check_checkpoint, fingerprint
 from eval.evaluate import evaluate, save_report
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
 
 
-def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
-    """The decision: "promoted" (passed and now served from gate.promoted_dir), "passed" or "rejected"."""
-    with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, "eval gate"):
-        return _gate(cfg, checkpoint, incumbent, do_promote, name)
+@dataclass
+class Measured:
+    """What a gate's measurement hands the frame: the report (the frame adds ``gate`` and saves it), whether
+    the candidate passed, the reasons (the decision's, then any notes), and the history record's measured
+    fields (tau, tau*, the incumbent, ...)."""
+
+    report: dict
+    passed: bool
+    reasons: list[str]
+    record: dict
 
 
-def _gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
-    record: dict = {"checkpoint": str(Path(checkpoint).resolve()), "fingerprint": None, "incumbent": None}
-    problems = check_checkpoint(checkpoint)
-    if problems:  # nothing to measure: SGLang would serve it wrongly
-        d = decide({}, float("nan"), cfg.gate.margin, checkpoint_problems=problems)
-        append_history(cfg.gate.history_file, record | {"decision": "rejected", "reasons": d.reasons})
-        print("REJECTED\n" + "\n".join(f"  - {r}" for r in d.reasons))
-        return "rejected"
-    record["fingerprint"] = fingerprint(checkpoint)
-    notes = []
-    serving = already_serving(cfg.gate.history_file, record["fingerprint"])
-    if serving is not None:
-        if do_promote:  # promoted by an earlier run of this gate, killed before its caller saw the exit code
+def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
+             measure: Callable[[dict | None], Measured], save: Callable[[RunConfig, dict], Any],
+             record_fields: dict | None = None) -> str:
+    """The gate's opening and closing, under the promotions lock (``holder`` names this gate in it).
+    ``measure(serving)`` is called with the history record of the candidate when it already serves (else None);
+    ``save(cfg, report)`` writes the report. ``record_fields`` go into every history record this gate writes.
+    Returns "promoted", "passed" or "rejected"."""
+    with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, holder):
+        record: dict = {"checkpoint": str(Path(checkpoint).resolve()), "fingerprint": None, "incumbent": None,
+                        **(record_fields or {})}
+        problems = check_checkpoint(checkpoint)
+        if problems:  # nothing to measure: SGLang would serve it wrongly
+            d = decide({}, float("nan"), cfg.gate.margin, checkpoint_problems=problems)
+            append_history(cfg.gate.history_file, record | {"decision": "rejected", "reasons": d.reasons})
+            print("REJECTED\n" + "\n".join(f"  - {r}" for r in d.reasons))
+            return "rejected"
+        record["fingerprint"] = fingerprint(checkpoint)
+        serving = already_serving(cfg.gate.history_file, record["fingerprint"])
+        if serving is not None and do_promote:  # promoted by an earlier run, killed before its caller saw the exit code
             print(f"PROMOTED (already: serving since {serving.get('time')}, {cfg.gate.history_file})")
             return "promoted"
+        measured = measure(serving)
+        decision = ("promoted" if do_promote else "passed") if measured.passed else "rejected"
+        reasons = list(measured.reasons)
+        if decision == "promoted":
+            reasons.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
+        report = measured.report
+        report["gate"] = {"decision": decision, "reasons": reasons, "datasets": gate_datasets(cfg),
+                          "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
+        save(cfg, report)
+        record |= measured.record | {"decision": decision, "reasons": reasons}
+        record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)
+        print(decision.upper())
+        return decision
+
+
+def gate_datasets(cfg: RunConfig) -> list[str]:
+    """The datasets the decision reads: gate.datasets, else every eval dataset."""
+    return cfg.gate.datasets or [d.name for d in cfg.eval.datasets]
+
+
+def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
+    """The decision: "promoted" (passed and now served from gate.promoted_dir), "passed" or "rejected"."""
+    def measure(serving: dict | None) -> Measured:
+        return _measure_hf(cfg, checkpoint, incumbent, serving, name)
+
+    return run_gate(cfg, checkpoint, do_promote, "eval gate", measure, save_report)
+
+
+def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving: dict | None, name: str) -> Measured:
+    """The candidate and the incumbent (given, else what ``promoted`` serves) on the HF target; a candidate that
+    already serves, or an incumbent that fails the checker, is held to break-even only."""
+    notes = []
+    if serving is not None:
         notes.append("the candidate is the drafter serving now; compared against break-even only")
         incumbent = None
     elif incumbent is None and (Path(cfg.gate.promoted_dir) / "config.json").is_file():
@@ -50,7 +101,7 @@ def _gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bo
         incumbent = None
     checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
     report = evaluate(cfg, checkpoints, name)
-    gate_ds = cfg.gate.datasets or [d.name for d in cfg.eval.datasets]
+    gate_ds = gate_datasets(cfg)
     cand = report["drafters"]["candidate"]
     tau = {ds: cand["datasets"][ds]["tau"] for ds in gate_ds}
     inc_tau = ({ds: report["drafters"]["incumbent"]["datasets"][ds]["tau"] for ds in gate_ds}
@@ -59,16 +110,7 @@ def _gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bo
                   for m in cand["lossless"].get("mismatches", [])]
     d = decide(tau, report["breakeven"]["tau_star"], cfg.gate.margin, inc_tau, cfg.gate.min_delta,
                lossless_mismatches=mismatches)
-    decision = ("promoted" if do_promote else "passed") if d.promote else "rejected"
-    if decision == "promoted":
-        notes.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
-    report["gate"] = {"decision": decision, "reasons": d.reasons + notes, "datasets": gate_ds,
-                      "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
-    save_report(cfg, report)
-    record |= {"incumbent": report["checkpoints"].get("incumbent"), "tau": tau, "incumbent_tau": inc_tau,
-               "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
-               "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"],
-               "decision": decision, "reasons": d.reasons + notes}
-    record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)
-    print(decision.upper())
-    return decision
+    record = {"incumbent": report["checkpoints"].get("incumbent"), "tau": tau, "incumbent_tau": inc_tau,
+              "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
+              "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"]}
+    return Measured(report, d.promote, d.reasons + notes, record)

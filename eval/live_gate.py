@@ -20,9 +20,9 @@ on every gate dataset); the candidate ships only if it passes at every concurren
 (``/server_info``) are checked first: the candidate and incumbent must speculate with the same flags, the
 baseline must not, all must serve one target, and a server must serve the checkpoint it is gated as.
 
-Promotion is the HF gate's (``eval.gate``): the whole gate holds the promotions lock after ``reconcile``, the report
-is saved, then the decision record is appended (for a promotion, before ``promoted`` switches to its immutable copy),
-then the decision is printed.
+The gate's frame is the HF gate's (``eval.gate_flow.run_gate``), with this measurement: the whole gate holds the
+promotions lock after ``reconcile``, the report is saved, then the decision record is appended (for a promotion,
+before ``promoted`` switches to its immutable copy), then the decision is printed.
 """
 
 from __future__ import annotations
@@ -37,10 +37,13 @@ from typing import Any
 
 from common.config import ConfigError, RunConfig
 from common.files import write_text_atomic
-from drafter.checkpoint import check_checkpoint, fingerprint
 from eval import breakeven, metrics
-from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
+from eval.gate import decide
+from eval.gate_flow import Measured, gate_datasets, run_gate
+from eval.prompts import rendered_datasets
+from eval.report import decimals, json_safe
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
+from target.hf_model import load_tokenizer, resolve_source
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 ROLE_KEYS = {"candidate": "server_url", "incumbent": "incumbent_url", "baseline": "baseline_url"}
@@ -257,10 +260,6 @@ def decide_live(report: dict, gate_datasets: Sequence[str], margin: float,
     return ok, reasons, taus
 
 
-def _f(x: Any, nd: int = 3) -> str:
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
-
-
 def markdown(r: dict) -> str:
     s = r["settings"]
     lines = [f"# Live eval report: {r['name']}", "",
@@ -272,15 +271,16 @@ def markdown(r: dict) -> str:
     for c, row in r["by_concurrency"].items():
         be = row["breakeven"]
         lines += ["", f"## Concurrency {c}", "",
-                  f"- tau* = {_f(be['tau_star'])} = cycle {_f(be['cycle_ms'], 2)} ms / decode {_f(be['decode_ms'], 2)} "
+                  f"- tau* = {decimals(be['tau_star'])} = cycle {decimals(be['cycle_ms'], 2)} ms / decode "
+                  f"{decimals(be['decode_ms'], 2)} "
                   f"ms ({be['source']})"]
         hdr = ["drafter", "dataset", "tau", "alpha_1..k", "cycle ms", "tok/s per request", "speed-up"]
         lines += ["", "| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
         for role, d in row["drafters"].items():
             for ds, st in d["datasets"].items():
-                alphas = " / ".join(_f(a, 2) for a in st.get("alpha_conditional") or []) or "–"
-                lines.append(f"| {role} | {ds} | {_f(st['tau'])} | {alphas} | {_f(st['cycle_ms'], 2)} | "
-                             f"{_f(d['tokens_per_s_per_request'], 1)} | x{_f(d['speedup'], 2)} |")
+                alphas = " / ".join(decimals(a, 2) for a in st.get("alpha_conditional") or []) or "–"
+                lines.append(f"| {role} | {ds} | {decimals(st['tau'])} | {alphas} | {decimals(st['cycle_ms'], 2)} | "
+                             f"{decimals(d['tokens_per_s_per_request'], 1)} | x{decimals(d['speedup'], 2)} |")
         skipped = [f"- {role}, {ds}: {st['requests_without_cycles']} of {st['requests']} requests ended at their "
                    "first token (no verify cycle): left out of tau and the cycle time"
                    for role, d in row["drafters"].items() for ds, st in d["datasets"].items()
@@ -294,8 +294,6 @@ def markdown(r: dict) -> str:
 
 
 def write_live_report(cfg: RunConfig, report: dict) -> Path:
-    from eval.report import json_safe
-
     out = cfg.eval_dir / report["name"]
     out.mkdir(parents=True, exist_ok=True)
     clean = json_safe(report)
@@ -308,9 +306,6 @@ def write_live_report(cfg: RunConfig, report: dict) -> Path:
 
 def live_prompts(cfg: RunConfig) -> dict[str, list[list[int]]]:
     """The eval prompts rendered with the target's tokenizer and chat_template_kwargs, as the server renders."""
-    from drafter.target import load_tokenizer, resolve_source
-    from eval.prompts import rendered_datasets
-
     tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
     return rendered_datasets(tok, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
 
@@ -327,47 +322,22 @@ def run_live(cfg: RunConfig, checkpoint: str | None, name: str,
 def live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str,
               prompts: Mapping[str, Sequence[Sequence[int]]] | None = None) -> str:
     """``eval gate --live``: "promoted", "passed" or "rejected"; history and report written as the HF gate's,
-    under the same promotions lock, reconcile and crash-safe promotion (``eval.gate.promote``)."""
-    with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, "eval gate --live"):
-        return _live_gate(cfg, checkpoint, incumbent, do_promote, name, prompts)
+    in the same frame (``eval.gate_flow.run_gate``: the promotions lock, reconcile, the crash-safe promotion)."""
+    def measure(_serving: dict | None) -> Measured:
+        checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
+        report = measure_live(cfg, prompts or live_prompts(cfg), checkpoints)
+        report["name"] = name
+        gate_ds = gate_datasets(cfg)
+        passed, reasons, taus = decide_live(report, gate_ds, cfg.gate.margin, cfg.gate.min_delta)
+        by_c = report["by_concurrency"]
+        served = report["servers"].get("incumbent")
+        record = {
+            "incumbent": {"served": served["draft_model_path"], "url": report["urls"]["incumbent"]} if served else None,
+            "tau": taus,
+            "incumbent_tau": {c: {ds: row["drafters"]["incumbent"]["datasets"][ds]["tau"] for ds in gate_ds}
+                              for c, row in by_c.items()} if served else None,
+            "tau_star": {c: row["breakeven"]["tau_star"] for c, row in by_c.items()},
+            "timings_source": {c: row["breakeven"]["source"] for c, row in by_c.items()}}
+        return Measured(report, passed, reasons, record)
 
-
-def _live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str,
-               prompts: Mapping[str, Sequence[Sequence[int]]] | None) -> str:
-    record: dict = {"checkpoint": str(Path(checkpoint).resolve()), "fingerprint": None, "incumbent": None,
-                    "mode": "live"}
-    problems = check_checkpoint(checkpoint)
-    if problems:  # SGLang would serve it wrongly: nothing to measure
-        d = decide({}, float("nan"), cfg.gate.margin, checkpoint_problems=problems)
-        append_history(cfg.gate.history_file, record | {"decision": "rejected", "reasons": d.reasons})
-        print("REJECTED\n" + "\n".join(f"  - {r}" for r in d.reasons))
-        return "rejected"
-    record["fingerprint"] = fingerprint(checkpoint)
-    serving = already_serving(cfg.gate.history_file, record["fingerprint"])
-    if serving is not None and do_promote:  # promoted by an earlier run, killed before its caller saw the exit code
-        print(f"PROMOTED (already: serving since {serving.get('time')}, {cfg.gate.history_file})")
-        return "promoted"
-    checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
-    report = measure_live(cfg, prompts or live_prompts(cfg), checkpoints)
-    report["name"] = name
-    gate_ds = cfg.gate.datasets or [d.name for d in cfg.eval.datasets]
-    passed, reasons, taus = decide_live(report, gate_ds, cfg.gate.margin, cfg.gate.min_delta)
-    decision = ("promoted" if do_promote else "passed") if passed else "rejected"
-    notes = []
-    if decision == "promoted":
-        notes.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
-    report["gate"] = {"decision": decision, "reasons": reasons + notes, "datasets": gate_ds,
-                      "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
-    write_live_report(cfg, report)
-    by_c = report["by_concurrency"]
-    served = report["servers"].get("incumbent")
-    record |= {
-        "incumbent": {"served": served["draft_model_path"], "url": report["urls"]["incumbent"]} if served else None,
-        "tau": taus, "incumbent_tau": {c: {ds: row["drafters"]["incumbent"]["datasets"][ds]["tau"] for ds in gate_ds}
-                                       for c, row in by_c.items()} if served else None,
-        "tau_star": {c: row["breakeven"]["tau_star"] for c, row in by_c.items()},
-        "timings_source": {c: row["breakeven"]["source"] for c, row in by_c.items()},
-        "decision": decision, "reasons": reasons + notes}
-    record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)
-    print(decision.upper())
-    return decision
+    return run_gate(cfg, checkpoint, do_promote, "eval gate --live", measure, write_live_report, {"mode": "live"})

@@ -23,8 +23,9 @@ def json_safe(x: Any) -> Any:
     return x
 
 
-def _f(x: Any, nd: int = 3) -> str:
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
+def decimals(x: Any, places: int = 3) -> str:
+    """A figure for report.md: ``x`` with ``places`` decimals, "–" when it is missing or not finite."""
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{places}f}"
 
 
 def markdown(r: dict) -> str:
@@ -37,16 +38,18 @@ def markdown(r: dict) -> str:
              + f", max_new_tokens = {s['max_new_tokens']}, "
              f"prompts: " + ", ".join(f"{n} {d}" for d, n in r["prompts"].items()) + ".", "",
              "## Break-even", "",
-             f"- tau* = {_f(be['tau_star'])} = cycle {_f(be['cycle_ms'], 2)} ms / decode {_f(be['decode_ms'], 2)} ms "
+             f"- tau* = {decimals(be['tau_star'])} = cycle {decimals(be['cycle_ms'], 2)} ms / decode "
+             f"{decimals(be['decode_ms'], 2)} ms "
              f"({be['source']} timings)",
-             f"- alpha to break even (constant per draft): {_f(be['alpha_breakeven']['finite_k'])} with k = {k}, "
-             f"{_f(be['alpha_breakeven']['k_infinity'])} as k -> inf"]
+             f"- alpha to break even (constant per draft): {decimals(be['alpha_breakeven']['finite_k'])} with k = {k}, "
+             f"{decimals(be['alpha_breakeven']['k_infinity'])} as k -> inf"]
     if "alpha_required" in be:
-        lines.append(f"- goal {be['target_tps']} tok/s needs {_f(be['tokens_per_cycle_required'])} tokens/cycle: "
-                     f"alpha {_f(be['alpha_required']['finite_k'])} (k = {k}), "
-                     f"{_f(be['alpha_required']['k_infinity'])} (k -> inf)")
+        lines.append(f"- goal {be['target_tps']} tok/s needs {decimals(be['tokens_per_cycle_required'])} tokens/cycle: "
+                     f"alpha {decimals(be['alpha_required']['finite_k'])} (k = {k}), "
+                     f"{decimals(be['alpha_required']['k_infinity'])} (k -> inf)")
     p = r["plain"]
-    lines += ["", f"Plain target decode: {_f(p['decode_ms'], 2)} ms/token ({_f(p['tokens_per_s'], 1)} tok/s).", ""]
+    lines += ["", f"Plain target decode: {decimals(p['decode_ms'], 2)} ms/token "
+              f"({decimals(p['tokens_per_s'], 1)} tok/s).", ""]
     for name, d in r["drafters"].items():
         ck = r.get("checkpoints", {}).get(name, {})
         lines += [f"## Drafter `{name}`" + (f" — `{ck['path']}`" if ck else ""), ""]
@@ -56,13 +59,14 @@ def markdown(r: dict) -> str:
               [f"P(d{i})" for i in range(1, k + 1)] + ["accepted 0..k"]
         lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
         for ds, st in d["datasets"].items():
-            row = [ds, str(st["cycles"]), _f(st["tau"])] + [_f(a) for a in st["alpha_conditional"]] + \
-                  [_f(a) for a in st["alpha_unconditional"]] + [" / ".join(map(str, st["histogram"]))]
+            row = [ds, str(st["cycles"]), decimals(st["tau"])] + [decimals(a) for a in st["alpha_conditional"]] + \
+                  [decimals(a) for a in st["alpha_unconditional"]] + [" / ".join(map(str, st["histogram"]))]
             lines.append("| " + " | ".join(row) + " |")
         sp = d["speed"]
         lines += ["", *[f"- {x}" for x in d["phase_lines"]],
-                  f"- cycle {_f(d['phases_ms_per_cycle']['cycle'], 2)} ms; speculative {_f(sp['spec_tps'], 1)} tok/s "
-                  f"vs plain {_f(sp['plain_tps'], 1)} tok/s: speed-up x{_f(sp['speedup'], 2)}"]
+                  f"- cycle {decimals(d['phases_ms_per_cycle']['cycle'], 2)} ms; "
+                  f"speculative {decimals(sp['spec_tps'], 1)} tok/s "
+                  f"vs plain {decimals(sp['plain_tps'], 1)} tok/s: speed-up x{decimals(sp['speedup'], 2)}"]
         ll = d["lossless"]
         if ll["checked"]:
             verdict = ("OK: identical to greedy decoding" if ll["ok"]
@@ -74,7 +78,7 @@ def markdown(r: dict) -> str:
                 lines.append(f"- near-ties (top-1/top-2 logit margin < {ll['tie_epsilon']}; not failures): "
                              f"{len(ll['near_ties'])} prompt(s)")
                 lines += [f"  - {m['dataset']} prompt {m['prompt']}: token {m['first_divergence']}, margin "
-                          f"{_f(m['margin'], 5)} (greedy {m['greedy']} vs speculative {m['speculative']})"
+                          f"{decimals(m['margin'], 5)} (greedy {m['greedy']} vs speculative {m['speculative']})"
                           for m in ll["near_ties"]]
         else:
             lines.append(f"- lossless: not checked ({ll['reason']})")

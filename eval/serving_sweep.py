@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from common.files import write_json_atomic, write_text_atomic
+from eval.live_gate import decode_summary, run_prompts, served_settings, spec_summary
+from eval.sglang_client import auth_headers, server_info
 
 
 class SweepError(ValueError):
@@ -113,9 +115,6 @@ def measure_table(cfg: Any, prompts: Mapping[str, Sequence[Sequence[int]]]) -> t
                                                                                      list[float] | None]:
     """A cost table from live servers: each of eval.sglang.server_url + sweep_urls runs one setting (read from
     its /server_info); t_decode from baseline_url; alpha from the longest chain measured."""
-    from eval.live_gate import decode_summary, run_prompts, served_settings, spec_summary
-    from eval.sglang_client import auth_headers, server_info
-
     live = cfg.eval.sglang
     if live is None or not live.baseline_url:
         raise SweepError("eval.sglang.baseline_url: eval sweep needs a server without speculation for t_decode")

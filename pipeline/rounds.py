@@ -12,7 +12,7 @@ Exit codes: 0 the round finished (the gate promoted or rejected: the verdict say
 round is marked done only after its gate exited 0 or 1 and recorded its decision. The pipeline holds the
 locks of the run's root and of the round's dir (``common.locking``) for the whole round, so a second
 pipeline on the same run fails at once naming this one's pid; its stages run under those locks and die
-with it (``common.lifeline``), so a killed pipeline leaves no stage writing behind it.
+with it (``common.parent_death``), so a killed pipeline leaves no stage writing behind it.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from pathlib import Path
 
 import yaml
 
-from common import lifeline
+from common import parent_death
 from common.cli import EXIT_OK, EXIT_REJECTED, exit_reason, one_line_errors
 from common.config import ConfigError, RunConfig, dump_config, load_config
 from common.dtypes import torch_dtype
 from common.files import write_text_atomic
 from common.locking import inherit_env, run_lock
 from common.wheels import BUILTIN_TARGET, MissingWheelError, builtin_data_path, builtin_gguf
-from drafter.target import resolve_source
 from eval.gate import read_history
+from target.hf_model import resolve_source
 
 
 class PipelineError(ValueError):
@@ -86,12 +86,12 @@ def slice_prompts(pool: Path, out: Path, start: int, count: int) -> int:
 
 def run_stage(cmd: list[str], log: Path, env: dict[str, str] | None = None, gate: bool = False) -> int:
     """A stage as its own CLI; stdout/stderr go to the terminal (progress bars) and the failure message
-    names the log and the command to rerun. The stage dies with this process (``common.lifeline``);
+    names the log and the command to rerun. The stage dies with this process (``common.parent_death``);
     ``env`` is added to its environment. Exit 0 is success; 1 too for the ``gate`` (a rejection); anything
     else is an error, and so is a stage killed by a signal."""
     print(f"\n$ {' '.join(cmd)}", flush=True)
     start = time.time()
-    with subprocess.Popen(cmd, env=os.environ | (env or {}), **lifeline.stage_kwargs()) as proc:
+    with subprocess.Popen(cmd, env=os.environ | (env or {}), **parent_death.stage_kwargs()) as proc:
         rc = proc.wait()
     with log.open("a") as f:
         f.write(json.dumps({"cmd": cmd, "rc": rc, "seconds": round(time.time() - start, 1)}) + "\n")

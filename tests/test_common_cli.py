@@ -56,3 +56,18 @@ def test_a_return_code_reads_as_an_exit_or_a_named_signal_with_its_cause():
                                                                   "CMAKE_ARGS=-DGGML_NATIVE=OFF (make setup does)")
     assert exit_reason(-signal.SIGUSR1) == "killed by SIGUSR1 (signal 10)"
     assert exit_reason(-200) == "killed by signal 200"
+
+
+def test_every_command_runs_under_one_line_errors():
+    """What each ``python -m <package>`` calls is wrapped, so that a crash anywhere in it is exit 2, never 1."""
+    import data_prep.steps
+    import drafter.__main__
+    import eval.commands
+    import pipeline.rounds
+    import train.loop
+
+    wrapped = one_line_errors()(lambda: 0).__code__
+    commands = [data_prep.steps.run_steps, train.loop.run, pipeline.rounds.run_round, drafter.__main__.main,
+                *(getattr(eval.commands, n) for n in dir(eval.commands) if n.endswith("_command"))]
+    assert len(commands) == 10
+    assert [c.__qualname__ for c in commands if c.__code__ is not wrapped] == []

@@ -12,7 +12,7 @@ import torch
 from common.config import parse_config
 from data_prep import capture
 from data_prep.loss_mask import render_with_mask
-from drafter.target import load_tokenizer, resolve_source
+from target.hf_model import load_tokenizer, resolve_source
 
 CONV = [
     {"role": "user", "content": "Count to twenty."},
@@ -83,7 +83,6 @@ def test_training_from_a_store_captured_with_another_cap_is_refused(tmp_path, mo
 def test_online_training_renders_with_the_cap(tmp_path, tok, monkeypatch) -> None:
     import json
 
-    import drafter.target
     from train import data
 
     (tmp_path / "conversations.jsonl").write_text(
@@ -91,7 +90,7 @@ def test_online_training_renders_with_the_cap(tmp_path, tok, monkeypatch) -> Non
     stub = types.SimpleNamespace(tokenizer=tok, num_layers=30, name="stub", hidden_size=8, vocab_size=4,
                                  embed_weight=lambda: torch.zeros(4, 8), lm_head_weight=lambda: torch.zeros(4, 8),
                                  fingerprint=lambda: "0")
-    monkeypatch.setattr(drafter.target, "load_target_from_config", lambda cfg: stub)
+    monkeypatch.setattr(data, "load_target_from_config", lambda cfg: stub)
     td = data.online_data(_cfg(tmp_path, source="online", max_answer_tokens=4, holdout_fraction=0.0),
                           torch.device("cpu"))
     assert len(td.train) == 6

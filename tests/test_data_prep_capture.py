@@ -183,7 +183,8 @@ def test_cli_config_errors_exit_2(tmp_path):
 
 
 def test_conversations_that_are_empty_or_not_utf8_are_errors_naming_file_and_line(tmp_path):
-    from data_prep.capture import CaptureError, read_conversations
+    from data_prep.capture import read_conversations
+    from data_prep.capture_sample import CaptureError
 
     path = tmp_path / "conversations.jsonl"
     path.write_bytes(b"")

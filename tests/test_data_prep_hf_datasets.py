@@ -19,7 +19,7 @@ from datasets.packaged_modules.parquet.parquet import Parquet
 
 from common.config import ConfigError, DatasetConfig, RunConfig, parse_config
 from data_prep.ingest import run_ingest
-from data_prep.sources import SourceError
+from data_prep.source_fields import SourceError
 from data_prep.steps import run_steps
 from eval.prompts import load_eval_prompts
 

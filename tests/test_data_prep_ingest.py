@@ -12,8 +12,8 @@ import pytest
 
 from common.config import RunConfig, parse_config
 from data_prep.ingest import run_ingest
-from data_prep.sources import SourceError
-from data_prep.steps import StepFailed
+from data_prep.source_fields import SourceError
+from data_prep.step_failed import StepFailed
 
 
 def make_cfg(tmp_path: Path, sources: list[dict[str, Any]], **data: Any) -> RunConfig:

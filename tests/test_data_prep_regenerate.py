@@ -29,7 +29,7 @@ from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
 from data_prep.backends import BackendError, HFChatBackend
 from data_prep.regenerate import RegenerateError, run_regenerate
-from data_prep.steps import StepFailed
+from data_prep.step_failed import StepFailed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -393,13 +393,13 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     these run to the cap with a loop at the end; with it they end as "loop" after a few hundred tokens, and what
     is kept is the start of the answer generated without it, token for token. A prompt answered without a loop
     is the same answer either way. The hf backend gives the same answers and counts."""
-    import drafter.target
     from common.config import DatasetConfig
-    from data_prep.continuous_batching import LoopStop, generate
-    from data_prep.loops import loop_start
     from data_prep.loss_mask import prompt_text
-    from drafter.batched_target import BatchedTarget
     from eval.prompts import load_eval_prompts
+    from target import hf_model
+    from target.batched import BatchedTarget
+    from target.continuous_batching import LoopStop, generate
+    from target.loops import loop_start
 
     tok = smollm2.tokenizer
     mtbench = load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)
@@ -408,7 +408,7 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     cfg = make_cfg(tmp_path, max_tokens=512, batch_size=4)
     r = cfg.regenerate
     assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
-    engine, stops = BatchedTarget(smollm2.model), drafter.target.stop_token_ids(tok)
+    engine, stops = BatchedTarget(smollm2.model), hf_model.stop_token_ids(tok)
     plain = generate(engine, ids, 512, stops, cpu_slots=4)
     cut = generate(engine, ids, 512, stops, cpu_slots=4, loops=LoopStop(r.loop_min_repeat_tokens, r.loop_max_period))
     looped = 0
@@ -422,7 +422,7 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
             assert (o.tokens, o.finish_reason) == (p.tokens, p.finish_reason)
     assert looped >= 2 and cut[3].finish_reason == "stop"
 
-    monkeypatch.setattr(drafter.target, "load_target_from_config", lambda target_cfg: smollm2)
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg: smollm2)
     answers = HFChatBackend(cfg.target, r).complete(chats)
     for a, o in zip(answers, cut, strict=True):
         assert a.finish_reason == o.finish_reason and a.text == tok.decode(o.tokens, skip_special_tokens=True)
@@ -458,16 +458,16 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     greedy answer to that turn's prompt alone (the chat so far, the target's earlier answers in it, rendered
     by ``loss_mask.prompt_text``), finish reason included; a conversation whose next prompt no longer leaves
     room for an answer ends there (context_full), as the reference's budget says."""
-    import drafter.target
     from data_prep.loss_mask import prompt_text
+    from target import hf_model
 
-    monkeypatch.setattr(drafter.target, "load_target_from_config", lambda target_cfg: smollm2)
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg: smollm2)
     max_tokens, max_context = 20, 130
     cfg = make_cfg(tmp_path, max_tokens=max_tokens, batch_size=3, max_context_tokens=max_context)
     ids = write_prompts(cfg, multi_turn_chats())
     summary = run_regenerate(cfg)
     records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
-    tok, stops = smollm2.tokenizer, drafter.target.stop_token_ids(smollm2.tokenizer)
+    tok, stops = smollm2.tokenizer, hf_model.stop_token_ids(smollm2.tokenizer)
     answers = dropped = 0
     for pid, (system, turns) in zip(ids, MULTI_TURN, strict=True):
         msgs, reasons = records[pid]["messages"], records[pid]["finish_reasons"]

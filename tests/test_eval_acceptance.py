@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter.target import TargetModel
 from eval.lossless import check
 from eval.speculative import (
     ACCEPTANCE_RULES,
@@ -26,6 +25,7 @@ from eval.speculative import (
     accept_sglang,
     acceptance_rule,
 )
+from target.hf_model import TargetModel
 
 T = 0.8
 LOGITS = torch.tensor([[1.5, 0.2, -0.3, 0.9, -1.0, 0.0],   # p0: argmax 0; the draft proposes 3 (p0(3) = 0.24)

@@ -6,37 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
+from transformers import LlamaForCausalLM
 
-from drafter.batched_target import BatchedTarget
-from drafter.factory import fresh_drafter, shape_for_target
-from drafter.target import TargetModel
 from eval.batched_speculative import _groups, speculative_batch
 from eval.speculative import Eagle3Proposer, Engine
+from target.batched import BatchedTarget
+from target.hf_model import TargetModel
 
 V, AUX, K, NEW = 12, (0, 1, 2), 3, 30
-
-
-class _Tok:
-    pad_token_id, eos_token_id, unk_token_id = 0, 1, None
-
-    def convert_tokens_to_ids(self, token: str) -> None:
-        return None
 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[LlamaForCausalLM, object]:
     """A tiny target with a 12-token vocab and a random drafter: small enough that drafts often match."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, vocab_size=V, num_hidden_layers=4, rope_theta=10000.0, max_position_embeddings=512)
-    target = LlamaForCausalLM(cfg).eval()
-    drafter = fresh_drafter(shape_for_target(cfg, V, AUX), target.get_input_embeddings().weight.detach(),
-                            torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-    for p in drafter.parameters():
-        if p.requires_grad:
-            torch.nn.init.normal_(p, std=0.3)
-    return target, drafter
+    return tiny_target_and_drafter(V, AUX)
 
 
 @pytest.mark.parametrize(("temperature", "rule"), [(0.0, "sglang"), (1.0, "sglang"), (1.0, "speculative_sampling")])
@@ -46,7 +30,7 @@ def test_batched_rows_equal_the_batch1_engine(pair, temperature: float, rule: st
     prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (12,), generator=g)]
     batched = speculative_batch(BatchedTarget(target, AUX), drafter, prompts, K, NEW, [1], temperature, seed=5,
                                 acceptance=rule)
-    engine = Engine(TargetModel(target, _Tok(), "tiny", None), AUX, [1])
+    engine = Engine(TargetModel(target, TinyTokenizer(), "tiny", None), AUX, [1])
     proposer = Eagle3Proposer(drafter, AUX)
     kept = 0
     for i, p in enumerate(prompts):
@@ -66,7 +50,7 @@ def test_acceptance_report_is_lossless_against_batched_greedy(pair) -> None:
     from eval.batched_eval import acceptance, greedy_references
 
     target, drafter = pair
-    tm = TargetModel(target, _Tok(), "tiny", None)
+    tm = TargetModel(target, TinyTokenizer(), "tiny", None)
     g = torch.Generator().manual_seed(2)
     prompts = {"a": [torch.randint(2, V, (int(n),), generator=g).tolist() for n in (3, 9, 15)], "b": [[4, 5, 6]]}
     refs = greedy_references(tm, prompts, NEW)
@@ -82,7 +66,7 @@ def test_greedy_references_carry_the_plain_loops_margins(pair) -> None:
     from eval.batched_eval import greedy_references
 
     target, _ = pair
-    tm = TargetModel(target, _Tok(), "tiny", None)
+    tm = TargetModel(target, TinyTokenizer(), "tiny", None)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in (4, 11, 17)]
     refs = greedy_references(tm, {"a": prompts}, NEW)["a"]

@@ -6,35 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
 
-from drafter.factory import fresh_drafter, shape_for_target
-from drafter.target import TargetModel
 from eval import metrics
 from eval.decode_gap import ChainCounts, cycle_columns, measure_gap, replayed_lengths
+from target.hf_model import TargetModel
 
 V, AUX, K, NEW = 12, (0, 1, 2), 3, 30
 
 
-class _Tok:
-    pad_token_id, eos_token_id, unk_token_id = 0, None, None  # no stop token: every answer runs to NEW
-
-    def convert_tokens_to_ids(self, token: str) -> None:
-        return None
-
-
 @pytest.fixture(scope="module")
 def pair() -> tuple[TargetModel, object]:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, vocab_size=V, num_hidden_layers=4, rope_theta=10000.0, max_position_embeddings=512)
-    target = LlamaForCausalLM(cfg).eval()
-    drafter = fresh_drafter(shape_for_target(cfg, V, AUX), target.get_input_embeddings().weight.detach(),
-                            torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-    for p in drafter.parameters():
-        if p.requires_grad:
-            torch.nn.init.normal_(p, std=0.3)
-    return TargetModel(target, _Tok(), "tiny", None), drafter
+    target, drafter = tiny_target_and_drafter(V, AUX)
+    return TargetModel(target, TinyTokenizer(eos_token_id=None), "tiny", None), drafter  # answers run to NEW
 
 
 def _prompts(n: int = 10) -> list[list[int]]:

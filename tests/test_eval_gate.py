@@ -12,7 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from drafter.checkpoint import save_checkpoint
+from drafter.sglang_checkpoint import save_checkpoint
 from eval.commands import gate_command, run_command
 from eval.gate import append_history, decide
 

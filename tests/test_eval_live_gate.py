@@ -19,7 +19,7 @@ import yaml
 
 from common.config import ConfigError, parse_config
 from common.locking import LockBusy, run_lock
-from drafter.checkpoint import fingerprint, save_checkpoint
+from drafter.sglang_checkpoint import fingerprint, save_checkpoint
 from eval import gate as gate_module
 from eval.commands import gate_command, sweep_command
 from eval.gate import promotions_dir, read_history

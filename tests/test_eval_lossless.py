@@ -17,49 +17,33 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
+from transformers import LlamaForCausalLM
 
-from drafter.batched_target import BatchedTarget
-from drafter.factory import fresh_drafter, shape_for_target
-from drafter.target import TargetModel
+from drafter.factory import fresh_drafter
 from eval import batched_eval, speculative
 from eval.batched_eval import acceptance, greedy_references
 from eval.lossless import check
 from eval.measure import Settings, measure
 from eval.speculative import Eagle3Proposer, Engine
+from target.batched import BatchedTarget
+from target.hf_model import TargetModel
 
 V, AUX, K, NEW = 32, (0, 1, 2), 3, 24
-
-
-class _Tok:
-    pad_token_id, eos_token_id, unk_token_id = 0, 1, None
-
-    def convert_tokens_to_ids(self, token: str) -> None:
-        return None
 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[LlamaForCausalLM, object, list[list[int]]]:
     """A tiny target whose logits spread enough for greedy decoding to be decided (std 0.3), a random drafter
     over its 32 tokens (drafts get accepted, so caches are cropped), and 24 prompts."""
-    torch.manual_seed(1)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, vocab_size=V, num_hidden_layers=4, rope_theta=10000.0, max_position_embeddings=512)
-    target = LlamaForCausalLM(cfg).eval()
-    for p in target.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    drafter = fresh_drafter(shape_for_target(cfg, V, AUX), target.get_input_embeddings().weight.detach(),
-                            torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
-    for p in drafter.parameters():
-        if p.requires_grad:
-            torch.nn.init.normal_(p, std=0.3)
+    target, drafter = tiny_target_and_drafter(V, AUX, seed=1, target_std=0.3)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (24,), generator=g)]
     return target, drafter, prompts
 
 
 def _tiny(model: LlamaForCausalLM) -> TargetModel:
-    return TargetModel(model, _Tok(), "tiny", None)
+    return TargetModel(model, TinyTokenizer(), "tiny", None)
 
 
 # ---------------------------------------------------------------- the bugs

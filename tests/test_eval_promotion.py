@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import eval.gate as gate_mod
-from drafter.checkpoint import fingerprint, save_checkpoint
+from drafter.sglang_checkpoint import fingerprint, save_checkpoint
 from eval.gate import (
     FP_CHARS,
     append_history,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from common.config import DatasetConfig
-from data_prep.sources import SourceError
+from data_prep.source_fields import SourceError
 from eval.prompts import PromptError, load_eval_prompts
 
 

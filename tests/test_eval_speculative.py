@@ -8,11 +8,12 @@ import torch
 
 from drafter.factory import fresh_drafter, shape_for_target
 from drafter.model import causal_mask
-from drafter.target import default_aux_layer_ids, stop_token_ids
 from drafter.vocab_map import build_vocab_map
 from eval import metrics
 from eval.prompts import render
 from eval.speculative import Draft, Eagle3Proposer, Engine
+from target.aux_layers import default_aux_layer_ids
+from target.hf_model import stop_token_ids
 
 K = 3
 

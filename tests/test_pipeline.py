@@ -139,7 +139,7 @@ def test_a_crashing_gate_exits_2_and_the_round_is_not_done(tmp_path, tiny_drafte
     that succeeds. The pipeline must stop with exit 2 and leave the round to be rerun."""
     from safetensors.torch import load_file, save_file
 
-    from drafter.checkpoint import save_checkpoint
+    from drafter.sglang_checkpoint import save_checkpoint
 
     cfg = _tiny_run(tmp_path)
     tree = yaml.safe_load(cfg.read_text())

@@ -130,7 +130,7 @@ def test_unusable_run_dir_and_full_disk_are_one_line_and_temps_are_cleaned(tmp_p
     line = _one_error_line(capsys)
     assert line.startswith(f"error: {blocker / 'run'}") and "not a directory" in line, line
 
-    import train.checkpointing as ckpt_mod
+    import train.run_checkpoints as ckpt_mod
 
     real_save = ckpt_mod.save_checkpoint
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from train_fixtures import make_config, make_store
 
-from drafter.checkpoint import check_checkpoint
+from drafter.sglang_checkpoint import check_checkpoint
 from train.loop import run
 
 

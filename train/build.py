@@ -13,8 +13,10 @@ from torch import Tensor
 
 from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
-from drafter.target import target_text_config
+from drafter.target_init import init_from_target
 from drafter.vocab_map import build_vocab_map
+from target.hf_index import last_layer_names, target_tensors
+from target.hf_model import resolve_source, target_text_config
 from train.data import TrainingData
 
 
@@ -41,9 +43,6 @@ def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
     model = fresh_drafter(shape, embed, d2t, t2d, seed=cfg.train.seed)
     if d.init == "random":
         return model, "from scratch, shaped like the target"
-    from drafter.target import resolve_source
-    from drafter.target_init import init_from_target, last_layer_names, target_tensors
-
     n = tgt["num_layers"]
     set_ = init_from_target(model, target_tensors(resolve_source(cfg.target.name, cfg.target.gguf_file),
                                                   last_layer_names(n)), data.head["lm_head.weight"], n)

@@ -23,6 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 from data_prep.capture import read_conversations, render_all, teacher_signal
 from data_prep.dataset import ShardDataset, collate, in_holdout
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
+from drafter.factory import drafter_aux_ids
+from target.aux_layers import resolve_aux_layer_ids
+from target.hf_model import load_target_from_config
 
 # Per-token batch tensors the model takes, and the attention mask an online batch gives the target.
 BATCH_KEYS = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
@@ -109,9 +112,6 @@ def store_data(cfg: Any) -> TrainingData:
 
 def online_data(cfg: Any, device: torch.device) -> TrainingData:
     """conversations.jsonl rendered as capture renders it, and the target loaded on ``device``."""
-    from drafter.factory import drafter_aux_ids
-    from drafter.target import load_target_from_config, resolve_aux_layer_ids
-
     target = load_target_from_config(cfg.target.model_copy(update={"device": str(device)}))
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids,
                                     drafter_aux_ids(cfg.drafter.init_from, target.num_layers), target.num_layers)

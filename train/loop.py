@@ -2,8 +2,9 @@
 
     accelerate launch -m train --config FILE      # or: python -m train --config FILE [--set key=value ...]
 
-Reads top to bottom: config → accelerator → data → drafter (resume > warm start > from scratch) →
-optimizer → loop (accumulate, backward, clip, step, log, held-out eval, save) → final save → end_training.
+Reads top to bottom: ``train`` is ``setup`` (config → accelerator → data → drafter (resume > warm start >
+from scratch) → optimizer → resume state) then ``train_steps`` (accumulate, backward, clip, step, log, held-out
+eval, save) then end_training.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +31,12 @@ from common.locking import run_lock
 from common.tracking import flat_config, make_trackers
 from common.wheels import MissingWheelError
 from data_prep.dataset import TokenBudgetSampler
-from train import checkpointing
+from train import run_checkpoints
 from train.build import build_drafter, teacher_rows
 from train.data import TrainingData, to_device, training_data
-from train.metrics import Counts
 from train.module import TTTModel
 from train.optim import make_optimizer, make_scheduler, trainable
+from train.ttt_metrics import Counts
 
 
 class TrainingAborted(RuntimeError):
@@ -50,13 +52,13 @@ def mixed_precision(setting: str) -> str | None:
     return "bf16" if torch.cuda.is_available() else "no"
 
 
-def configure_deepspeed(accelerator: Accelerator, tc: Any) -> None:
+def configure_deepspeed(accelerator: Accelerator, train_cfg: Any) -> None:
     """DeepSpeed clips and accumulates inside its engine, and wants a micro-batch size even though our
     batches are token budgets (the number only labels its throughput logs)."""
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
-        plugin.deepspeed_config.update(gradient_clipping=tc.max_grad_norm, train_micro_batch_size_per_gpu=1,
-                                       gradient_accumulation_steps=tc.grad_accum)
+        plugin.deepspeed_config.update(gradient_clipping=train_cfg.max_grad_norm, train_micro_batch_size_per_gpu=1,
+                                       gradient_accumulation_steps=train_cfg.grad_accum)
 
 
 class JsonlLog:
@@ -84,7 +86,7 @@ def pad_multiple(device: torch.device) -> int:
 
 def holdout_metrics(accelerator: Accelerator, model: torch.nn.Module, data: TrainingData,
                     sampler: TokenBudgetSampler, n: int) -> dict[str, float]:
-    """Held-out loss, acc_i and simulated accept length (train/metrics.py has the formula)."""
+    """Held-out loss, acc_i and simulated accept length (train/ttt_metrics.py has the formula)."""
     counts = Counts.zeros(n, accelerator.device)
     model.eval()
     dev = accelerator.device
@@ -110,32 +112,64 @@ def run(config: str | Path, overrides: Sequence[str] = (), resume: str = "auto")
 def train(cfg: Any, resume: str) -> int:
     """``resume``: "auto" continues from the newest complete checkpoint in run_dir/checkpoints, "never"
     starts over."""
-    tc = cfg.train
+    run = setup(cfg, resume)
+    train_steps(run, cfg.train)
+    run.accelerator.print(f"done: {run.state['step']} steps, {run.state['nonfinite_total']} skipped as non-finite; "
+                          f"checkpoints in {run.ckpt_root} (best: {run.ckpt_root / 'best'})")
+    run.accelerator.end_training()
+    return 0
+
+
+@dataclass
+class Run:
+    """What the step loop works on, built by ``setup``."""
+
+    accelerator: Accelerator
+    data: TrainingData
+    sampler: TokenBudgetSampler  # this process's training batches
+    holdout_sampler: TokenBudgetSampler
+    windows_per_epoch: int  # optimizer steps per epoch
+    total_steps: int
+    milestones: list[int]  # steps always saved (train.save_at)
+    model: torch.nn.Module  # the TTT unroll around the drafter, prepared by accelerate
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    state: dict[str, int]  # the position and counters a checkpoint saves (restored on resume)
+    log: JsonlLog
+    ckpt_root: Path
+    run_config: dict[str, Any]  # the resolved config each checkpoint carries
+    serve_dtype: str  # the dtype checkpoints are saved in
+
+
+def setup(cfg: Any, resume: str) -> Run:
+    """Accelerator, data, drafter (resume > warm start > from scratch), optimizer and schedule, and the state
+    of a resumed run, in this order (the seeded RNG is drawn from in it)."""
+    train_cfg = cfg.train
     # -- accelerator -----------------------------------------------------------------------------
-    accelerator = Accelerator(mixed_precision=mixed_precision(tc.mixed_precision),
-                              gradient_accumulation_steps=tc.grad_accum,
+    accelerator = Accelerator(mixed_precision=mixed_precision(train_cfg.mixed_precision),
+                              gradient_accumulation_steps=train_cfg.grad_accum,
                               log_with=make_trackers(cfg.tracking, cfg.tracking_dir, "train") or None,
                               project_dir=cfg.run_dir)
-    set_seed(tc.seed)
+    set_seed(train_cfg.seed)
     ckpt_root = cfg.checkpoints_dir
     if accelerator.is_main_process:
         remove_temps(ckpt_root)  # half-built saves of a killed run (we hold the run dir's lock)
-    resume_from = checkpointing.latest(ckpt_root) if resume == "auto" else None
+    resume_from = run_checkpoints.latest(ckpt_root) if resume == "auto" else None
 
     # -- data ------------------------------------------------------------------------------------
     # Rank 0 verifies the store's sha256 first and the others find it cached; online reads no shards.
-    with accelerator.main_process_first() if tc.source == "store" else nullcontext():
+    with accelerator.main_process_first() if train_cfg.source == "store" else nullcontext():
         data = training_data(cfg, accelerator.device)
     train_ds, holdout_ds = data.train, data.holdout
     ranks = {"num_replicas": accelerator.num_processes, "rank": accelerator.process_index}
-    sampler = TokenBudgetSampler(train_ds.lengths, tc.batch_tokens, shuffle=True, seed=tc.seed, **ranks)
-    holdout_sampler = TokenBudgetSampler(holdout_ds.lengths, tc.batch_tokens, shuffle=False, **ranks)
-    windows_per_epoch = len(sampler) // tc.grad_accum
+    sampler = TokenBudgetSampler(train_ds.lengths, train_cfg.batch_tokens, shuffle=True, seed=train_cfg.seed, **ranks)
+    holdout_sampler = TokenBudgetSampler(holdout_ds.lengths, train_cfg.batch_tokens, shuffle=False, **ranks)
+    windows_per_epoch = len(sampler) // train_cfg.grad_accum
     if windows_per_epoch == 0:
         raise TrainingAborted(f"{data.source}: {len(train_ds)} training samples make {len(sampler)} batches per "
-                              f"process, fewer than train.grad_accum={tc.grad_accum}; capture more data")
-    total_steps = min(tc.max_steps or math.inf, tc.epochs * windows_per_epoch)
-    milestones = sorted({max(1, round(f * total_steps)) for f in tc.save_at})
+                              f"process, fewer than train.grad_accum={train_cfg.grad_accum}; capture more data")
+    total_steps = min(train_cfg.max_steps or math.inf, train_cfg.epochs * windows_per_epoch)
+    milestones = sorted({max(1, round(f * total_steps)) for f in train_cfg.save_at})
 
     # -- drafter ---------------------------------------------------------------------------------
     if resume_from is not None:
@@ -147,7 +181,8 @@ def train(cfg: Any, resume: str) -> int:
     how = f"resume from {resume_from}" if resume_from else how
     compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     rows = teacher_rows(data, drafter) if data.teacher == "hidden" else None
-    model = TTTModel(drafter, rows, tc.ttt_length, tc.loss_decay).to_device(accelerator.device, compute_dtype)
+    model = TTTModel(drafter, rows, train_cfg.ttt_length, train_cfg.loss_decay).to_device(accelerator.device,
+                                                                                          compute_dtype)
     n_train = sum(p.numel() for p in trainable(model))
     accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; {accelerator.num_processes} "
                       f"process{'es' if accelerator.num_processes > 1 else ''}; "
@@ -155,36 +190,47 @@ def train(cfg: Any, resume: str) -> int:
                       f"{total_steps} steps")
 
     # -- optimizer, schedule, state ----------------------------------------------------------------
-    optimizer = make_optimizer(model, tc.lr, tc.weight_decay, fused=accelerator.device.type == "cuda")
-    scheduler = make_scheduler(optimizer, tc.warmup_ratio, int(total_steps))
+    optimizer = make_optimizer(model, train_cfg.lr, train_cfg.weight_decay, fused=accelerator.device.type == "cuda")
+    scheduler = make_scheduler(optimizer, train_cfg.warmup_ratio, int(total_steps))
     accelerator.init_trackers(cfg.tracking.project, config=flat_config(dump_config(cfg)))
-    configure_deepspeed(accelerator, tc)
+    configure_deepspeed(accelerator, train_cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
     state = {"step": 0, "epoch": 0, "batch": 0, "nonfinite_total": 0, "nonfinite_in_row": 0, "tokens_seen": 0}
     if resume_from is not None:
-        checkpointing.verify_state(resume_from)
-        accelerator.load_state(str(resume_from / checkpointing.STATE_DIR))
-        state.update(checkpointing.read_trainer_state(resume_from)["position"])
+        run_checkpoints.verify_state(resume_from)
+        accelerator.load_state(str(resume_from / run_checkpoints.STATE_DIR))
+        state.update(run_checkpoints.read_trainer_state(resume_from)["position"])
     log = JsonlLog(cfg.root / "train_log.jsonl", accelerator.is_main_process, state["step"])
     run_config = dump_config(cfg)
     serve_dtype = "bfloat16" if compute_dtype == torch.bfloat16 else "float32"
-    n = tc.ttt_length
-    last_eval: dict[str, float] = {}
+    return Run(accelerator, data, sampler, holdout_sampler, windows_per_epoch, total_steps, milestones, model,
+               optimizer, scheduler, state, log, ckpt_root, run_config, serve_dtype)
 
-    def save() -> None:
-        metric = last_eval.get("holdout/accept_length")
-        trainer = {"position": dict(state), "metrics": last_eval, "store": data.target["fingerprint"]}
-        ckpt = checkpointing.save(accelerator, accelerator.unwrap_model(model).drafter, ckpt_root, state["step"],
-                                trainer, run_config, serve_dtype)
-        if accelerator.is_main_process:
-            checkpointing.update_best(ckpt_root, ckpt, state["step"],
+
+def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float]) -> None:
+    """A checkpoint of the current step (every process takes part), then, on rank 0, best and pruning."""
+    accelerator, state, ckpt_root = run.accelerator, run.state, run.ckpt_root
+    metric = last_eval.get("holdout/accept_length")
+    trainer = {"position": dict(state), "metrics": last_eval, "store": run.data.target["fingerprint"]}
+    ckpt = run_checkpoints.save(accelerator, accelerator.unwrap_model(run.model).drafter, ckpt_root, state["step"],
+                                trainer, run.run_config, run.serve_dtype)
+    if accelerator.is_main_process:
+        run_checkpoints.update_best(ckpt_root, ckpt, state["step"],
                                     "holdout/accept_length" if metric is not None else "latest (no held-out split)",
                                     metric)
-            checkpointing.prune(ckpt_root, tc.keep_last, milestones)
-        accelerator.wait_for_everyone()
+        run_checkpoints.prune(ckpt_root, train_cfg.keep_last, run.milestones)
+    accelerator.wait_for_everyone()
 
-    # -- loop --------------------------------------------------------------------------------------
+
+def train_steps(run: Run, train_cfg: Any) -> None:
+    """The step loop: accumulate, backward, clip, step, log, held-out eval, save; from ``run.state`` to
+    ``run.total_steps``."""
+    accelerator, data, model, optimizer, scheduler = run.accelerator, run.data, run.model, run.optimizer, run.scheduler
+    state, log, sampler, total_steps, ckpt_root = run.state, run.log, run.sampler, run.total_steps, run.ckpt_root
+    train_ds, holdout_ds = data.train, data.holdout
+    n = train_cfg.ttt_length
+    last_eval: dict[str, float] = {}
     counts, window_bad, t0 = Counts.zeros(n, accelerator.device), False, time.perf_counter()
     window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
@@ -193,7 +239,7 @@ def train(cfg: Any, resume: str) -> int:
     model.train()
     while state["step"] < total_steps:
         sampler.set_epoch(state["epoch"])
-        batches = sampler.batches()[: windows_per_epoch * tc.grad_accum]
+        batches = sampler.batches()[: run.windows_per_epoch * train_cfg.grad_accum]
         loader = data.loader(train_ds, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
         for k, raw in enumerate(loader, start=state["batch"]):
             batch = data.complete(to_device(raw, accelerator.device))
@@ -203,7 +249,7 @@ def train(cfg: Any, resume: str) -> int:
                 bad = accelerator.reduce((~torch.isfinite(res.loss)).float(), reduction="sum")
                 if bad == 0:
                     accelerator.backward(res.loss)
-                    window_loss += res.loss.detach().double() / tc.grad_accum
+                    window_loss += res.loss.detach().double() / train_cfg.grad_accum
                 else:
                     window_bad = True
                 counts.add(res.step_losses, res.correct, res.scored)
@@ -213,7 +259,7 @@ def train(cfg: Any, resume: str) -> int:
                 continue
             grad_norm = None
             if not window_bad:
-                grad_norm = accelerator.clip_grad_norm_(trainable(model), tc.max_grad_norm)
+                grad_norm = accelerator.clip_grad_norm_(trainable(model), train_cfg.max_grad_norm)
                 window_bad = grad_norm is not None and not math.isfinite(float(grad_norm))
             if not window_bad:
                 optimizer.step()
@@ -233,12 +279,12 @@ def train(cfg: Any, resume: str) -> int:
                       "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"]}
             log.write(record)
             bar.update(1)
-            if state["nonfinite_in_row"] >= tc.max_nonfinite_in_row:
+            if state["nonfinite_in_row"] >= train_cfg.max_nonfinite_in_row:
                 raise TrainingAborted(
                     f"{state['nonfinite_in_row']} non-finite losses/gradients in a row (train.max_nonfinite_in_row="
-                    f"{tc.max_nonfinite_in_row}) at step {state['step']}; the last good checkpoint in {ckpt_root} "
-                    "is intact; lower train.lr or check the store for non-finite values")
-            if state["step"] % tc.log_every == 0 or state["step"] == total_steps:
+                    f"{train_cfg.max_nonfinite_in_row}) at step {state['step']}; the last good checkpoint in "
+                    f"{ckpt_root} is intact; lower train.lr or check the store for non-finite values")
+            if state["step"] % train_cfg.log_every == 0 or state["step"] == total_steps:
                 summary = Counts.from_flat(accelerator.reduce(counts.flat(), reduction="sum"), n).summary("train/")
                 accelerator.log({**{k2: v for k2, v in record.items() if v is not None and k2 != "step"},
                                  **summary}, step=state["step"])
@@ -246,16 +292,16 @@ def train(cfg: Any, resume: str) -> int:
                 bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
                 counts = Counts.zeros(n, accelerator.device)
             at_end = state["step"] >= total_steps
-            milestone = state["step"] in milestones
-            if len(holdout_ds) and (state["step"] % tc.eval_every == 0 or state["step"] % tc.save_every == 0
-                                    or milestone or at_end):
-                last_eval = holdout_metrics(accelerator, model, data, holdout_sampler, n)
+            milestone = state["step"] in run.milestones
+            if len(holdout_ds) and (state["step"] % train_cfg.eval_every == 0
+                                    or state["step"] % train_cfg.save_every == 0 or milestone or at_end):
+                last_eval = holdout_metrics(accelerator, model, data, run.holdout_sampler, n)
                 accelerator.log(last_eval, step=state["step"])
                 log.write({"step": state["step"], **last_eval})
                 accelerator.print(f"step {state['step']}: " + ", ".join(
                     f"{k2.split('/')[1]} {v:.3f}" for k2, v in last_eval.items() if "loss_" not in k2))
-            if state["step"] % tc.save_every == 0 or milestone or at_end:
-                save()
+            if state["step"] % train_cfg.save_every == 0 or milestone or at_end:
+                save_step(run, train_cfg, last_eval)
             window_loss.zero_()
             window_bad, window_tokens, window_real, t0 = False, 0, 0, time.perf_counter()
             if at_end:
@@ -264,7 +310,3 @@ def train(cfg: Any, resume: str) -> int:
             state["epoch"] += 1
             state["batch"] = 0
     bar.close()
-    accelerator.print(f"done: {state['step']} steps, {state['nonfinite_total']} skipped as non-finite; "
-                      f"checkpoints in {ckpt_root} (best: {ckpt_root / 'best'})")
-    accelerator.end_training()
-    return 0

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from data_prep import continuous_batching as cb
-from data_prep.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
-from data_prep.loops import loop_start
-from drafter.batched_target import BatchedTarget, UnsupportedTargetError
+from target import continuous_batching as cb
+from target.batched import BatchedTarget, UnsupportedTargetError
+from target.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
+from target.loops import loop_start
 
 STOPS = [1, 2]
 V = 101
@@ -182,7 +182,7 @@ def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
 
 
 def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> None:
-    import drafter.batched_target as bt
+    import target.batched as bt
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this torch")
@@ -222,8 +222,8 @@ def test_real_smollm2_64_prompts_equal_plain_generate(smollm2) -> None:
     """The Must-show check: 64 chat-templated MT-Bench prompts, fp32, every answer token for token equal to
     HF ``generate``'s greedy answer (run in left-padded batches of 16: batch 1 would take minutes here)."""
     from common.config import DatasetConfig
-    from drafter.target import stop_token_ids
     from eval.prompts import load_eval_prompts, render
+    from target.hf_model import stop_token_ids
 
     tok = smollm2.tokenizer
     ps = [render(tok, p) for p in load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)[16:80]]

@@ -15,7 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from drafter.checkpoint import (
+from drafter.factory import load_for_target
+from drafter.model import DrafterShape, Eagle3Drafter
+from drafter.sglang_checkpoint import (
     check_checkpoint,
     expected_tensors,
     fingerprint,
@@ -24,8 +26,6 @@ from drafter.checkpoint import (
     save_checkpoint,
     shape_from_config,
 )
-from drafter.factory import load_for_target
-from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.vocab_map import build_vocab_map
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,13 +4,15 @@ Capture through SpecForge or SGLang needs, on this machine, only what the store 
 its tokenizer (to render and check samples), its config (layer count, widths, architecture) and two tensors,
 the input embedding and the lm_head (``target_head.safetensors``: training needs no target model). For
 Kimi-K2.5 the whole checkpoint is about 1 T parameters; this reads ``model.safetensors.index.json`` (or a
-single file's header) and loads just those two tensors from the shards that hold them.
+single file's header) and loads just those two tensors from the shards that hold them. ``target_tensors``
+reads other named tensors the same way (the last layer's, for ``drafter.init: target``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from common.dtypes import torch_dtype
-from drafter.target import TargetError, hash_weight_files, load_tokenizer, resolve_source
+from target.aux_layers import TargetError
+from target.hf_model import hash_weight_files, load_tokenizer, resolve_source
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -56,7 +59,7 @@ def head_tensor_names(names: list[str], tied: bool, where: str) -> tuple[str, st
 
 
 class IndexedTarget:
-    """The capture-facing part of ``drafter.target.TargetModel`` (name, tokenizer, sizes, fingerprint, head
+    """The capture-facing part of ``target.hf_model.TargetModel`` (name, tokenizer, sizes, fingerprint, head
     tensors) for a checkpoint that is never instantiated here."""
 
     def __init__(self, name: str, source_dir: Path, tokenizer: Any, config: dict[str, Any], dtype: torch.dtype):
@@ -121,3 +124,41 @@ def load_indexed_target(name: str, gguf_file: str | None = None, dtype: str = "b
 def load_indexed_target_from_config(cfg: Any) -> IndexedTarget:
     """``cfg`` is a TargetConfig section."""
     return load_indexed_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.trust_remote_code)
+
+
+class TargetInitError(ValueError):
+    pass
+
+
+def target_tensors(source_dir: str | Path, names: Iterable[str]) -> dict[str, Tensor]:
+    """Named tensors of a HF checkpoint directory (single ``model.safetensors`` or a sharded index);
+    names that it does not hold are left out."""
+    src = Path(source_dir)
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        where = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(src.glob("*.safetensors"))
+        if not files:
+            raise TargetInitError(f"{src}: no safetensors weights to initialise the drafter from")
+        where = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                where |= {k: f.name for k in h.keys()}
+    out: dict[str, Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for n in names:
+        if n in where:
+            by_file.setdefault(where[n], []).append(n)
+    for file, keys in by_file.items():
+        with safe_open(str(src / file), framework="pt") as h:
+            out |= {k: h.get_tensor(k) for k in keys}
+    return out
+
+
+def last_layer_names(num_layers: int) -> list[str]:
+    p = f"model.layers.{num_layers - 1}."
+    return [p + n for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                            "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")] \
+        + ["model.norm.weight"]

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from common.files import remove_temps, replace_symlink, sha256_file, swap_dir, temp_path, write_text_atomic
-from drafter.checkpoint import CheckpointError, save_checkpoint
 from drafter.model import Eagle3Drafter
+from drafter.sglang_checkpoint import CheckpointError, save_checkpoint
 
 STEP_RE = re.compile(r"^step-(\d{6,})$")
 STATE_DIR = "training_state"

@@ -9,7 +9,7 @@ T=0 each answer is what greedy ``model.generate`` gives for that prompt alone (u
 for an answer stopped at a loop): rows never see each other, and the only difference is the attention
 kernel's summation order (tests compare them token for token).
 
-Memory is pages of ``PAGE`` positions (``drafter.batched_target.PagedKVCache``): a row holds the pages of the
+Memory is pages of ``PAGE`` positions (``target.batched.PagedKVCache``): a row holds the pages of the
 positions it has used, so how many rows run is bounded by the tokens in flight, not by rows x (longest prompt
 + budget). A GPU's pages come from its free memory once; a CPU's pool starts small and grows up to every
 row at ``max_len``. A request is admitted only while pages stay free for the live rows to grow
@@ -31,13 +31,16 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from data_prep.batching import length_batches
-from data_prep.loops import check_window, loop_start
-from drafter.batched_target import PAGE, BatchedTarget
+from common.batching import length_batches
+from target.batched import PAGE, BatchedTarget
+from target.loops import check_window, loop_start
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
 MAX_ROWS = 4096  # rows decoded at once on a GPU (regenerate.slots overrides)
-PREFILL_TOKENS = 65536  # padded prompt tokens per prefill call on a GPU (activations scale with it)
+# Padded prompt tokens per prefill call on a GPU (a CPU takes CPU_PREFILL_TOKENS); activations scale with it. Larger
+# than the speculative eval's (eval.batched_speculative.SPECULATIVE_PREFILL_TOKENS): this prefill keeps the logits of
+# each prompt's last position only, where that one keeps the aux states of every position and runs the drafter on them.
+GENERATE_PREFILL_TOKENS = 65536
 CPU_PREFILL_TOKENS = 4096
 CPU_START_POSITIONS = 512  # a CPU pool starts with this many positions per row and grows as rows need more
 GROWTH_RESERVE = 0.25  # pages per live row kept free when admitting (rows grow a page every PAGE tokens)
@@ -54,7 +57,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class LoopStop:
-    """Stop an answer that has fallen into a loop (``data_prep.loops``): every ``every`` tokens once it has
+    """Stop an answer that has fallen into a loop (``target.loops``): every ``every`` tokens once it has
     ``min_repeat_tokens``, its last tokens are checked, and an answer ending in a loop is cut to the loop's
     first copy and finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
 
@@ -147,7 +150,7 @@ class Stream:
 
     ``max_len``: the most positions one request may take (prompt + budget); ``rows``/``cpu_rows``: see
     ``plan_rows``; ``pages``: the pool's size (default ``plan_pages``); ``attention``: "flex" or "gather"
-    (default: the device's, ``drafter.batched_target.default_attention``)."""
+    (default: the device's, ``target.batched.default_attention``)."""
 
     def __init__(self, target: BatchedTarget, stop_ids: Sequence[int], sampling: Sampling = Sampling(), *,
                  max_len: int, rows: int | None = None, cpu_rows: int = 16, wanted: int = MAX_ROWS,
@@ -265,7 +268,7 @@ class Stream:
             self.cache.ensure(row, len(r.prompt) + 1)
             self.owed += self._owed(row, r)
             taken.append((row, self.queue.popleft()))
-        budget = PREFILL_TOKENS if self.t.device.type == "cuda" else CPU_PREFILL_TOKENS
+        budget = GENERATE_PREFILL_TOKENS if self.t.device.type == "cuda" else CPU_PREFILL_TOKENS
         for group in length_batches([len(r.prompt) for _, r in taken], budget):
             self._prefill([taken[i] for i in group])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from data_prep.batching import length_batches
+from common.batching import length_batches
 
 
 def test_length_batches_cover_every_row_once_within_budget() -> None:

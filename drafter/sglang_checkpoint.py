@@ -22,8 +22,8 @@ from safetensors.torch import save_file
 from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
 from common.files import fresh_tmp_dir, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
-from drafter.target import ascending_problem
 from drafter.vocab_map import vocab_map_problems
+from target.aux_layers import ascending_problem
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_NAME = "model.safetensors"

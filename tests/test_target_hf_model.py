@@ -10,17 +10,12 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from drafter.checkpoint import legacy_aux_layer_ids, save_checkpoint
 from drafter.factory import DrafterMismatchError, drafter_aux_ids, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import Eagle3Drafter
-from drafter.target import (
-    TargetError,
-    TargetModel,
-    default_aux_layer_ids,
-    resolve_aux_layer_ids,
-    sglang_captured_outputs,
-)
+from drafter.sglang_checkpoint import legacy_aux_layer_ids, save_checkpoint
 from drafter.vocab_map import build_vocab_map
+from target.aux_layers import TargetError, default_aux_layer_ids, resolve_aux_layer_ids, sglang_captured_outputs
+from target.hf_model import TargetModel
 
 TINY_IDS = (0, 2, 4)
 

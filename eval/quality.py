@@ -1,0 +1,127 @@
+"""How good a drafter is on whole eval sets (``python -m eval quality``): tau and alpha_k on every prompt.
+
+    python -m eval quality --config configs/smollm2-135m-h200.yaml --checkpoint runs/smollm2-h200/checkpoints/best
+
+Every prompt of the config's eval datasets (their limits lifted; ``limit`` for smoke runs), first turn,
+chat-templated, at each k:T setting, with the batched engine (``eval.batched_eval``): tau, alpha_k, and at T = 0
+the prompts whose output differs from the target's greedy output. Then tau* per k from the batch-1 engine's
+timings on the first ``timing_prompts`` prompts (one process, nothing else on the device), and what the gate
+would decide at the first setting (against break-even only). The target runs in float32 unless overridden, so
+that the lossless check is exact (``eval.lossless``). ``eval run`` measures the batch-1 engine on the datasets as
+configured (timings and acceptance together); this measures acceptance on all of them in a few batched passes.
+``bench/drafter_quality.py`` records the same figures in ``bench/results.json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from common.config import RunConfig, load_config
+from drafter.factory import load_for_target
+from drafter.model import Eagle3Drafter
+from eval import breakeven
+from eval.batched_eval import acceptance, greedy_references
+from eval.gate import decide
+from eval.measure import Settings, measure
+from eval.prompts import rendered_datasets
+from eval.speculative import Eagle3Proposer, Engine
+from target.hf_model import TargetModel, load_target_from_config, stop_token_ids
+
+DEFAULT_SETTINGS = ("3:0", "3:1", "5:0")  # k:T; the first one is the one the gate's decision reads
+
+
+class QualityError(ValueError):
+    pass
+
+
+def parse_settings(settings: Sequence[str]) -> list[tuple[int, float]]:
+    """``["3:0", "5:0.7"]`` -> ``[(3, 0.0), (5, 0.7)]``."""
+    out = []
+    for s in settings:
+        k, sep, t = s.partition(":")
+        try:
+            out.append((int(k), float(t)))
+        except ValueError:
+            raise QualityError(f"--settings {s}: expected k:T, e.g. 3:0 (k drafts per cycle, temperature T)") from None
+        if not sep or out[-1][0] < 1 or out[-1][1] < 0:
+            raise QualityError(f"--settings {s}: expected k:T with k >= 1 and T >= 0, e.g. 3:0")
+    if not out:
+        raise QualityError("--settings: give at least one k:T pair")
+    return out
+
+
+def setup(config: str | Path, limit: int | None = None, dtype: str = "float32", overrides: Sequence[str] = (),
+          ) -> tuple[RunConfig, TargetModel, dict[str, list[list[int]]]]:
+    """The config (``target.dtype`` set to ``dtype`` before ``overrides``), the target and every eval prompt
+    (``limit`` per dataset: smoke runs only)."""
+    cfg = quality_config(config, dtype, overrides)
+    return (cfg, *target_and_prompts(cfg, limit))
+
+
+def quality_config(config: str | Path, dtype: str = "float32", overrides: Sequence[str] = ()) -> RunConfig:
+    """The run config with ``target.dtype`` set to ``dtype`` first, so that ``overrides`` may set it otherwise."""
+    return load_config(config, [f"target.dtype={dtype}", *overrides])
+
+
+def target_and_prompts(cfg: RunConfig, limit: int | None = None) -> tuple[TargetModel, dict[str, list[list[int]]]]:
+    """The target and every prompt of the eval datasets, their limits lifted (``limit``: smoke runs only)."""
+    target = load_target_from_config(cfg.target)
+    datasets = [ds.model_copy(update={"limit": limit}) for ds in cfg.eval.datasets]
+    return target, rendered_datasets(target.tokenizer, datasets, template_kwargs=cfg.target.chat_template_kwargs)
+
+
+def load_drafter(target: TargetModel, cfg: RunConfig, checkpoint: str | Path) -> tuple[Eagle3Drafter, tuple]:
+    """A saved drafter on the target's device and dtype, and its aux layer ids."""
+    return load_for_target(checkpoint, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
+                           device=target.device, dtype=target.dtype)
+
+
+def summary(stats: dict, k: int, temperature: float) -> dict:
+    """Per dataset: tau, alpha, histogram and, at T = 0, how many prompts differ from greedy."""
+    out = {name: {"tau": s["tau"], "prompts": s["prompts"], "k": k, "temperature": temperature,
+                  "alpha": s["alpha_conditional"], "histogram": s["histogram"]} for name, s in stats.items()}
+    for name, s in stats.items():
+        if "lossless_mismatches" in s:
+            out[name]["lossless_mismatches"] = len(s["lossless_mismatches"])
+    return out
+
+
+def timings(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int], prompts: list[list[int]],
+            ks: list[int], max_new: int) -> dict:
+    """Batch-1 plain decode and speculative cycle times: tau* per k (one process, one stream)."""
+    engine = Engine(target, aux_ids, stop_token_ids(target.tokenizer))
+    out = {}
+    for k in ks:
+        rep = measure(engine, {"timing": prompts}, {"d": Eagle3Proposer(drafter, aux_ids)}, Settings(k, 0.0, max_new))
+        cycle = rep["drafters"]["d"]["phases_ms_per_cycle"]["cycle"]
+        out[str(k)] = breakeven.breakeven(rep["plain"]["decode_ms"], cycle, k)
+    return out
+
+
+@torch.no_grad()
+def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]], checkpoint: str | Path,
+            settings: Sequence[tuple[int, float]], timing_prompts: int = 8) -> dict:
+    """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``,
+    tau* and the timings per k, and the gate's decision at the first setting against break-even."""
+    drafter, aux_ids = load_drafter(target, cfg, checkpoint)
+    max_new = cfg.eval.max_new_tokens
+    refs = greedy_references(target, prompts, max_new)
+    results = {f"k{k}_T{t:g}": summary(acceptance(target, drafter, aux_ids, prompts, k, t, max_new, refs,
+                                                   rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon), k, t)
+               for k, t in settings}
+    first = next(iter(results.values()))
+    first_name = list(prompts)[0]
+    times = timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts],
+                    sorted({k for k, _ in settings}), max_new)
+    k0 = settings[0][0]
+    tau_star = times[str(k0)]["tau_star"]
+    mismatches = [f"{name}: {s['lossless_mismatches']} prompts differ from greedy" for name, s in first.items()
+                  if s.get("lossless_mismatches")]
+    d = decide({name: s["tau"] for name, s in first.items()}, tau_star, cfg.gate.margin, lossless_mismatches=mismatches)
+    return {**first, "checkpoint": str(checkpoint), "max_new_tokens": max_new,
+            "settings": results, "tau_star": {k: v["tau_star"] for k, v in times.items()},
+            "timings_ms": {k: {"decode": v["decode_ms"], "cycle": v["cycle_ms"]} for k, v in times.items()},
+            "timing_prompts": timing_prompts, "gate": {"promote": d.promote, "reasons": d.reasons}}

@@ -1,0 +1,66 @@
+"""``python -m eval quality``: the batched whole-dataset eval as an eval command (eval/quality.py), with the run
+dir's lock, its report under run_dir/eval/<name>/quality.json and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from drafter.sglang_checkpoint import save_checkpoint
+from eval.commands import quality_command
+from eval.quality import QualityError, parse_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_config(tmp_path: Path) -> Path:
+    cfg = {"run_dir": str(tmp_path / "run"),
+           "target": {"name": "smollm2-135m-instruct", "device": "cpu", "aux_layer_ids": [2, 15, 27]},
+           "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
+           "eval": {"num_steps": 3, "max_new_tokens": 8,
+                    "datasets": [{"name": "mtbench", "kind": "mtbench", "path": "builtin", "limit": 1}]},
+           "gate": {"promoted_dir": str(tmp_path / "promoted"), "history_file": str(tmp_path / "promotions.jsonl")}}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_settings_are_k_colon_t_pairs():
+    assert parse_settings(["3:0", "5:0.7"]) == [(3, 0.0), (5, 0.7)]
+    for bad in (["3"], ["x:0"], ["0:0"], ["3:-1"], []):
+        with pytest.raises(QualityError, match="--settings"):
+            parse_settings(bad)
+
+
+def test_bad_settings_are_one_line_and_exit_2(tmp_path, tiny_drafter):
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    r = subprocess.run([sys.executable, "-m", "eval", "quality", "--config", str(write_config(tmp_path)),
+                        "--checkpoint", str(ckpt), "--settings", "3"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--settings 3: expected k:T, e.g. 3:0 "
+                                                                            "(k drafts per cycle, temperature T)")
+
+
+@pytest.mark.real
+def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys):
+    from drafter.factory import fresh_drafter, shape_for_target
+    from drafter.vocab_map import build_vocab_map
+
+    d2t, t2d = build_vocab_map(torch.zeros(smollm2.vocab_size), 1024)
+    drafter = fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)), smollm2.embed_weight().detach(),
+                            d2t, t2d)
+    ckpt = save_checkpoint(drafter, tmp_path / "step-1", dtype="float32")
+    assert quality_command(write_config(tmp_path), ckpt, settings=["3:0", "2:1"], timing_prompts=1, limit=2) == 0
+    figures = json.loads((tmp_path / "run" / "eval" / "step-1" / "quality.json").read_text())
+    assert set(figures["settings"]) == {"k3_T0", "k2_T1"} and set(figures["tau_star"]) == {"2", "3"}
+    greedy = figures["settings"]["k3_T0"]["mtbench"]
+    assert greedy["prompts"] == 2 and greedy["k"] == 3 and greedy["tau"] >= 1.0  # the config's limit (1) is lifted
+    assert greedy["lossless_mismatches"] == 0  # fp32 target: speculative output equals greedy, token for token
+    assert figures["mtbench"] == greedy and figures["timing_prompts"] == 1
+    assert isinstance(figures["gate"]["promote"], bool) and figures["gate"]["reasons"] is not None
+    assert "quality: " in capsys.readouterr().out
