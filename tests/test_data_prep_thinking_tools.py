@@ -228,13 +228,13 @@ def test_hf_backend_renders_tools_and_template_kwargs_and_its_plain_text_ends_a_
     import target.continuous_batching as cb
 
     fed: list[list[int]] = []
-    real = cb.generate
+    real = cb.Stream.submit
 
-    def spy(engine, prompts, *args, **kwargs):
-        fed.extend(list(p) for p in prompts)
-        return real(engine, prompts, *args, **kwargs)
+    def spy(stream, key, prompt, max_new):  # what the engine is asked to answer
+        fed.append(list(prompt))
+        return real(stream, key, prompt, max_new)
 
-    monkeypatch.setattr(cb, "generate", spy)
+    monkeypatch.setattr(cb.Stream, "submit", spy)
     cfg = k25_cfg(tmp_path, k25_style_target, thinking,
                   regenerate={"backend": "hf", "batch_size": 2, "max_tokens": 6, "devices": ["cpu"]})
     cfg.root.mkdir(parents=True)
