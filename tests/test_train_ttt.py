@@ -118,7 +118,8 @@ def test_soft_ce_gradient_matches_autograd(mapped):
     m.zero_grad()
     import train.ttt as ttt
 
-    def plain(logits, probs, weight):
+    def plain(logits, probs, weight, offset=0):
+        probs = probs[:, offset:offset + logits.shape[1]]
         return (-(probs * torch.log_softmax(logits.float(), -1)).sum(-1) * weight).sum()
 
     orig, ttt.soft_cross_entropy = ttt.soft_cross_entropy, plain
@@ -212,3 +213,71 @@ def test_flex_attention_gradients_match_reference_cuda():
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-4, atol=1e-5)
     for n, gr in grads[0][1].items():
         torch.testing.assert_close(grads[1][1][n], gr, rtol=1e-3, atol=1e-5, msg=n)
+
+
+# Token-budget batches (train.batch_tokens over lengths rounded up to 128 on CUDA) as the sampler makes them:
+# many rows of short samples, a few of long ones, a lone long one, one 128-token block.
+BATCH_SHAPES = [(2, 256), (3, 384), (5, 512), (2, 1024), (7, 256), (6, 640), (16, 384), (1, 768), (4, 128)]
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_flex_serves_every_batch_shape_with_a_few_graphs():
+    """Compiled statically, flex attention recompiled for every (rows, length) of a token-budget batch until
+    torch's recompile limit, then ran unfused (seen on the H200). Compiled with dynamic shapes (what
+    ``train.attention._flex`` returns; forward only and without the log-sum-exp here: CPU flex has neither),
+    nine batch shapes take at most four graphs and every output equals eager flex attention."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from train import attention as ta
+
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(b, 4, t, 16, generator=g), torch.randn(b, 2, t, 16, generator=g),
+                torch.randn(b, 2, t, 16, generator=g), ta.causal_block_mask(t, "cpu")) for b, t in BATCH_SHAPES]
+    want = [flex_attention(q, k, v, block_mask=mask, enable_gqa=True) for q, k, v, mask in batches]  # (it traces too)
+    compiled, before = ta._flex(), _graphs()
+    for (q, k, v, mask), w in zip(batches, want, strict=True):
+        torch.testing.assert_close(compiled(q, k, v, block_mask=mask, enable_gqa=True), w, rtol=1e-4, atol=1e-5)
+    assert _graphs() - before <= 4 < torch._dynamo.config.recompile_limit
+
+
+def test_the_ttt_step_compiles_its_soft_ce_a_few_times_for_every_batch_shape(mapped, monkeypatch):
+    """The TTT step's soft-CE kernels as CUDA compiles them (``train.ttt.compiled_kernels``, dynamic), forward and
+    backward over batches of 1 to 6 rows and 12 to 90 positions, 3 TTT steps each, in chunks of 16 rows so that
+    a step spans one chunk or several. Slices of the teacher at each step's offset gave a graph per step (their
+    storage offsets) and hit torch's recompile limit; named by row indices, the whole run takes two graphs per
+    kernel (a batch of one row specialises), with the eager kernels' per-step losses and gradients."""
+    import train.ttt as ttt
+
+    monkeypatch.setattr(ttt, "CE_CHUNK_ROWS", 16)
+    m = mapped
+    shape = m.shape
+    compiled = 0
+    for k, (b, t) in enumerate([(2, 48), (3, 64), (5, 33), (1, 50), (4, 17), (6, 90), (1, 12), (2, 16)]):
+        g = torch.Generator().manual_seed(k)
+        ids = torch.randint(0, shape.vocab_size, (b, t), generator=g)
+        aux = torch.randn(b, t, 3 * shape.hidden_size, generator=g)
+        last = torch.randn(b, t, shape.hidden_size, generator=g)
+        lm_head = torch.randn(shape.vocab_size, shape.hidden_size, generator=g) * 0.3
+        rows = lm_head[m.to_target_ids(torch.arange(shape.draft_vocab_size))]
+        sup = supervision(teacher_from_hidden(last, rows), (last @ lm_head.t()).argmax(-1),
+                          torch.rand(b, t, generator=g) < 0.8, m.t2d)
+        results = {}
+        for kind in ("eager", "compiled"):
+            monkeypatch.setattr(ttt, "_kernels", (lambda device: ttt.compiled_kernels()) if kind == "compiled"
+                                else (lambda device: (ttt._ce_rows, ttt._ce_grad)))
+            m.zero_grad()
+            before = _graphs()
+            res = ttt_forward(m, ids, aux, sup, N, DECAY)
+            res.loss.backward()
+            compiled += _graphs() - before if kind == "compiled" else 0
+            grads = {n: q.grad.clone() for n, q in m.named_parameters() if q.grad is not None}
+            results[kind] = (res.step_losses, grads)
+        torch.testing.assert_close(results["compiled"][0], results["eager"][0], rtol=1e-5, atol=1e-6)
+        for name, grad in results["eager"][1].items():
+            torch.testing.assert_close(results["compiled"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert compiled <= 4

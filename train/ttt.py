@@ -79,30 +79,54 @@ def supervision(teacher_logp: Tensor, target_argmax: Tensor, loss_mask: Tensor, 
     return Supervision(teacher_logp, argmax, label, t2d[argmax])
 
 
-def _ce_rows(z: Tensor, p: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row: CE(p, softmax(z)) = logsumexp(z) - p . z (p sums to 1), and the logsumexp."""
-    zf = z.float()
+def _ce_rows(z: Tensor, probs: Tensor, zrow: Tensor, prow: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows ``zrow`` of the logits z (R, V) against rows ``prow`` of the teacher probs (P, V), both flattened:
+    per row CE(p, softmax(z)) = logsumexp(z) - p . z (p sums to 1), and the logsumexp. A chunk is named by row
+    indices, not cut by slicing, so a compiled kernel always sees the same whole tensors: slices of the teacher at
+    each TTT step's offset, or a batch's last short chunk, would otherwise each take a graph of their own."""
+    zf, p = z.index_select(0, zrow).float(), probs.index_select(0, prow)
     lse = torch.logsumexp(zf, -1)
     return lse - (p * zf).sum(-1), lse
 
 
-def _ce_grad(z: Tensor, p: Tensor, lse: Tensor, w: Tensor) -> Tensor:
-    return ((torch.exp(z.float() - lse.unsqueeze(-1)) - p) * w.unsqueeze(-1)).to(z.dtype)
+def _ce_grad(z: Tensor, probs: Tensor, zrow: Tensor, prow: Tensor, lse: Tensor, w: Tensor) -> Tensor:
+    zc, p = z.index_select(0, zrow), probs.index_select(0, prow)
+    return ((torch.exp(zc.float() - lse.unsqueeze(-1)) - p) * w.unsqueeze(-1)).to(z.dtype)
 
 
 _fused: dict[str, object] = {}
+
+
+def compiled_kernels():
+    """The two chunk functions compiled with dynamic shapes: every batch shape, TTT step and chunk shares a
+    graph (a chunk of one row would specialise: ``_chunks`` never makes one); tests/test_train_ttt.py counts
+    them over a run of batch shapes."""
+    if not _fused:
+        _fused["rows"] = torch.compile(_ce_rows, dynamic=True)
+        _fused["grad"] = torch.compile(_ce_grad, dynamic=True)
+    return _fused["rows"], _fused["grad"]
 
 
 def _kernels(device: torch.device):
     """On CUDA the two chunk functions are compiled into fused kernels: eager, each elementwise pass
     over a (rows, 32000) chunk is a full fp32 round trip through memory, and those passes dominate
     the step for small drafters."""
-    if device.type != "cuda":
-        return _ce_rows, _ce_grad
-    if not _fused:
-        _fused["rows"] = torch.compile(_ce_rows, dynamic=True)
-        _fused["grad"] = torch.compile(_ce_grad, dynamic=True)
-    return _fused["rows"], _fused["grad"]
+    return compiled_kernels() if device.type == "cuda" else (_ce_rows, _ce_grad)
+
+
+def _chunks(b: int, rows: int, t: int, offset: int, device: torch.device) -> list[tuple[Tensor, Tensor]]:
+    """(logit rows, teacher rows) per chunk of CE_CHUNK_ROWS of the flattened (b * rows) logits: logit row r is
+    batch r // rows, position offset + r % rows of the (b * t)-row teacher. A last chunk of one row joins the one
+    before it."""
+    total = b * rows
+    bounds = list(range(0, total, CE_CHUNK_ROWS)) + [total]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
+        del bounds[-2]
+    out = []
+    for a, e in zip(bounds, bounds[1:], strict=False):
+        r = torch.arange(a, e, device=device)
+        out.append((r, torch.div(r, rows, rounding_mode="floor") * t + offset + r % rows))
+    return out
 
 
 class _SoftCE(torch.autograd.Function):
@@ -110,33 +134,40 @@ class _SoftCE(torch.autograd.Function):
     alive at once; backward reuses the forward's logsumexp."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, probs: Tensor, weight: Tensor) -> Tensor:  # (B,L,V), (B,L,V), (B,L)
+    def forward(ctx, logits: Tensor, probs: Tensor, weight: Tensor, offset: int) -> Tensor:
+        # logits (B, L, V), probs (B, T, V): logits[:, r] is scored against probs[:, offset + r]; weight (B, L)
         rows_fn, _ = _kernels(logits.device)
+        b, rows, v = logits.shape
+        z, p, w = logits.reshape(b * rows, v), probs.reshape(-1, v), weight.reshape(-1)
+        chunks = _chunks(b, rows, probs.shape[1], offset, logits.device)
         total = logits.new_zeros((), dtype=torch.float32)
         lses = []
-        for a in range(0, logits.shape[1], CE_CHUNK_ROWS):
-            sl = slice(a, a + CE_CHUNK_ROWS)
-            row, lse = rows_fn(logits[:, sl], probs[:, sl])
-            total = total + (row * weight[:, sl]).sum()
+        for zrow, prow in chunks:
+            row, lse = rows_fn(z, p, zrow, prow)
+            total = total + (row * w[zrow]).sum()
             lses.append(lse)
-        ctx.save_for_backward(logits, probs, weight, torch.cat(lses, dim=1))
+        ctx.save_for_backward(logits, probs, weight, torch.cat(lses))
+        ctx.offset = offset
         return total
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, probs, weight, lse = ctx.saved_tensors
         _, grad_fn = _kernels(logits.device)
-        out = torch.empty_like(logits)
-        w = weight * grad
-        for a in range(0, logits.shape[1], CE_CHUNK_ROWS):
-            sl = slice(a, a + CE_CHUNK_ROWS)
-            out[:, sl] = grad_fn(logits[:, sl], probs[:, sl], lse[:, sl], w[:, sl])
-        return out, None, None
+        b, rows, v = logits.shape
+        z, p, w = logits.reshape(b * rows, v), probs.reshape(-1, v), (weight * grad).reshape(-1)
+        out = torch.empty_like(z)
+        for zrow, prow in _chunks(b, rows, probs.shape[1], ctx.offset, logits.device):
+            a, e = int(zrow[0]), int(zrow[-1]) + 1
+            out[a:e] = grad_fn(z, p, zrow, prow, lse[a:e], w[a:e])
+        return out.view_as(logits), None, None, None
 
 
-def soft_cross_entropy(logits: Tensor, probs: Tensor, weight: Tensor) -> Tensor:
-    """Weighted sum over rows of CE(probs, softmax(logits)); gradient flows to ``logits`` only."""
-    return _SoftCE.apply(logits, probs.detach(), weight.detach().float())
+def soft_cross_entropy(logits: Tensor, probs: Tensor, weight: Tensor, offset: int = 0) -> Tensor:
+    """Weighted sum over rows of CE(probs, softmax(logits)); gradient flows to ``logits`` only. ``logits`` (B, L,
+    V) row r is scored against ``probs`` (B, T, V) row offset + r (a TTT step passes the whole teacher and its
+    offset, not a slice of it)."""
+    return _SoftCE.apply(logits, probs.detach(), weight.detach().float(), offset)
 
 
 def ttt_forward(model: Eagle3Drafter, input_ids: Tensor, aux: Tensor, sup: Supervision, ttt_length: int,
@@ -169,7 +200,7 @@ def ttt_forward(model: Eagle3Drafter, input_ids: Tensor, aux: Tensor, sup: Super
         label = sup.label[:, 1 + i:]
         weight = (label & sup.in_vocab[:, 1 + i:]).float()
         count = weight.sum()
-        ce = soft_cross_entropy(logits, probs[:, 1 + i:], weight) / count.clamp(min=1)
+        ce = soft_cross_entropy(logits, probs, weight, offset=1 + i) / count.clamp(min=1)
         loss = loss + decay ** i * ce
         step_losses.append(ce.detach())
         with torch.no_grad():
