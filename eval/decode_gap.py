@@ -240,12 +240,14 @@ def cause(per_dataset: dict[str, dict], holdout_acc0: float | None, holdout_acc0
         parts.append(f"no train/decode mismatch: decoding replays teacher forcing in >= {agree:.1%} of {cycles} "
                      "cycles")
     for name, d in per_dataset.items():
-        parts.append(f"{name}: decode alpha_0 {d['decode_alpha'][0]:.3f} = teacher-forced at cycle starts "
+        parts.append(f"{name}: decode alpha_0 {d['decode_alpha'][0]:.3f}, teacher-forced at cycle starts "
                      f"{d['teacher_forced_acc_at_cycle_starts'][0]:.3f}, teacher-forced over all answer positions "
                      f"{d['teacher_forced_acc'][0]:.3f}")
     if holdout_acc0 is not None and holdout_acc0_first is not None:
+        decode0 = min(d["decode_alpha"][0] for d in per_dataset.values())
         parts.append(f"held-out acc_0 {holdout_acc0:.3f} over whole answers, {holdout_acc0_first:.3f} over their "
-                     "first tokens: the rest of the gap is the data (held-out answers are not eval answers)")
+                     f"first tokens, {holdout_acc0_first - decode0:+.3f} from decoding's lowest alpha_0: what "
+                     "separates them is the data (held-out answers are not eval answers), not the engine")
     if loopy_acc0 is not None:
         parts.append(f"held-out acc_0 {loopy_acc0:.3f} on answers regenerated without loop stops (their loop tails "
                      "are easy tokens)")
