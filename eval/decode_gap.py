@@ -246,8 +246,9 @@ def cause(per_dataset: dict[str, dict], holdout_acc0: float | None, holdout_acc0
     if holdout_acc0 is not None and holdout_acc0_first is not None:
         decode0 = min(d["decode_alpha"][0] for d in per_dataset.values())
         parts.append(f"held-out acc_0 {holdout_acc0:.3f} over whole answers, {holdout_acc0_first:.3f} over their "
-                     f"first tokens, {holdout_acc0_first - decode0:+.3f} from decoding's lowest alpha_0: what "
-                     "separates them is the data (held-out answers are not eval answers), not the engine")
+                     f"first tokens, {holdout_acc0_first - decode0:+.3f} from decoding's lowest alpha_0"
+                     + (": what separates them is the data (held-out answers are not eval answers), not the engine"
+                        if agree >= 0.98 else ""))
     if loopy_acc0 is not None:
         parts.append(f"held-out acc_0 {loopy_acc0:.3f} on answers regenerated without loop stops (their loop tails "
                      "are easy tokens)")
