@@ -175,11 +175,23 @@ class RegenerateConfig(Section):
         "period) to count as a loop.")
     loop_max_period: PositiveInt = Field(
         256, description="stop_loops: the longest repeating block (in tokens) looked for.")
+    loop_keep_tokens: NonNegativeInt = Field(
+        0, description="stop_loops: tokens of the loop's copies kept after its first copy (at most "
+        "loop_min_repeat_tokens, which a detected loop always has). A greedy target loops when it is served too, "
+        "so a bounded tail teaches the drafter to copy without letting loops outweigh the rest.")
 
     @model_validator(mode="after")
     def _urls_for_openai(self) -> RegenerateConfig:
         if self.backend == "openai" and not self.server_urls:
             raise ValueError("backend 'openai' needs regenerate.server_urls")
+        return self
+
+    @model_validator(mode="after")
+    def _keep_within_detected_copies(self) -> RegenerateConfig:
+        if self.loop_keep_tokens > self.loop_min_repeat_tokens:
+            raise ValueError(f"regenerate.loop_keep_tokens {self.loop_keep_tokens} > loop_min_repeat_tokens "
+                             f"{self.loop_min_repeat_tokens}: a loop is cut as soon as it is detected, so only that "
+                             "many copied tokens exist; lower loop_keep_tokens or raise loop_min_repeat_tokens")
         return self
 
 

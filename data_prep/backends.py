@@ -134,7 +134,7 @@ class HFChatStream:
         c = backend.cfg
         self.b = backend
         self.max_len = backend.max_context or self.LONGEST_ROW
-        loops = LoopStop(c.loop_min_repeat_tokens, c.loop_max_period) if c.stop_loops else None
+        loops = LoopStop(c.loop_min_repeat_tokens, c.loop_max_period, keep=c.loop_keep_tokens) if c.stop_loops else None
         self.engine = Stream(backend.engine, backend.stop_ids, Sampling(c.temperature, c.top_p, c.top_k, c.seed),
                              max_len=self.max_len, rows=c.slots, cpu_rows=c.batch_size, wanted=wanted or MAX_ROWS,
                              loops=loops)
@@ -280,7 +280,7 @@ class OpenAIChatBackend:
         # without such a repeat cannot end in a loop, and most answers need no tokenizer
         if c.error or c.tool_calls or first_repeat(text, max(1, (m - 6) // 4)) is None:
             return c
-        cut = cut_text_loop(self.tokenizer(), text, m, p)
+        cut = cut_text_loop(self.tokenizer(), text, m, p, self.cfg.loop_keep_tokens)
         if cut is None:
             return c
         kept, tokens, kept_tokens = cut
@@ -354,16 +354,21 @@ class OpenAIChatBackend:
             return Completion(error="bad_response", detail=f"{url}: {type(e).__name__}: {body[:200]!r}")
 
 
-def cut_text_loop(tokenizer: Any, text: str, min_repeat_tokens: int, max_period: int) -> tuple[str, int, int] | None:
-    """(the text through the loop's first copy, its tokens, the tokens kept) when ``text``'s tokens end in a
-    loop (its last token may be ragged: ``retokenized_loop_start``), else None. The cut is at the first dropped
-    token's character offset (fast tokenizers), else where the decoded kept tokens end."""
+def cut_text_loop(tokenizer: Any, text: str, min_repeat_tokens: int, max_period: int, keep: int = 0
+                  ) -> tuple[str, int, int] | None:
+    """(the text through the loop's first copy and ``keep`` tokens of its copies, its tokens, the tokens kept)
+    when ``text``'s tokens end in a loop (its last token may be ragged: ``retokenized_loop_start``), else None.
+    The cut is at the first dropped token's character offset (fast tokenizers), else where the decoded kept
+    tokens end."""
     fast = getattr(tokenizer, "is_fast", False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=fast)
     ids = enc["input_ids"]
     start = retokenized_loop_start(ids, min_repeat_tokens, max_period)
     if start is None:
         return None
+    start = min(start + keep, len(ids))
+    if start == len(ids):
+        return None  # nothing left to drop
     if fast:
         kept = text[: enc["offset_mapping"][start][0]]
     else:

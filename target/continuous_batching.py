@@ -59,11 +59,17 @@ class Sampling:
 class LoopStop:
     """Stop an answer that has fallen into a loop (``target.loops``): every ``every`` tokens once it has
     ``min_repeat_tokens``, its last tokens are checked, and an answer ending in a loop is cut to the loop's
-    first copy and finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
+    first copy and ``keep`` tokens of its copies (at most ``min_repeat_tokens``: what a detected loop has) and
+    finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
 
     min_repeat_tokens: int = 64
     max_period: int = 256
     every: int = 16
+    keep: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.keep <= self.min_repeat_tokens:
+            raise ValueError(f"LoopStop.keep {self.keep}: expected 0..min_repeat_tokens ({self.min_repeat_tokens})")
 
     @property
     def window(self) -> int:
@@ -72,7 +78,7 @@ class LoopStop:
 
 @dataclass
 class Generated:
-    tokens: list[int]  # the answer, without its stop token (a "loop" answer: cut after the loop's first copy)
+    tokens: list[int]  # the answer, without its stop token (a "loop" answer: cut after the loop's first copy + keep)
     finish_reason: str  # "stop" | "length" | "loop"
     stop_token: int | None = None  # the stop token that ended it
     # with ``margins=True``: the top-1 minus top-2 logit behind each token, the stop token's last (the T=0
@@ -343,12 +349,13 @@ class Stream:
         answer.append(tok)
         n, lp = len(answer), self.loops
         if lp is not None and n >= lp.min_repeat_tokens and n % lp.every == 0:
-            # Only the answer's last tokens can decide (LoopStop.window); a cut keeps the loop's first copy.
+            # Only the answer's last tokens can decide (LoopStop.window); a cut keeps the loop's first copy and
+            # lp.keep tokens of its copies (a detected loop has at least min_repeat_tokens >= keep of them).
             off = max(0, n - lp.window)
             start = loop_start(answer[off:], lp.min_repeat_tokens, lp.max_period)
             if start is not None:
-                del answer[off + start:]
-                del self.margins[row][off + start:]
+                del answer[off + start + lp.keep:]
+                del self.margins[row][off + start + lp.keep:]
                 self._finish(row, "loop", generated=n)
                 return
         if n >= r.max_new:

@@ -179,6 +179,19 @@ def test_a_servers_looping_answer_is_cut_afterwards_and_counted(tmp_path: Path, 
     assert summary.flagged["loop"] == [ids[0]] and "1 answers cut at their loop's first copy" in str(summary)
 
 
+def test_a_servers_looping_answer_keeps_the_asked_tokens_of_its_copies(tmp_path: Path, fake: Any) -> None:
+    """regenerate.loop_keep_tokens: the cut moves past the first copy by that many of the answer's tokens (here
+    one more period of ". Let me say it again", 6 tokens); more than loop_min_repeat_tokens is refused at load."""
+    cfg = openai_cfg(tmp_path, [fake.url], loop_keep_tokens=6)
+    ids = write_prompts(cfg, [[user("q [loop]")]])
+    summary = run_regenerate(cfg)
+    (rec,) = assert_each_id_once(cfg, ids)
+    assert rec["messages"][1]["content"] == "Sure. Let me say it again. Let me say it again"
+    assert (rec["finish_reasons"], summary.loop_tokens_kept) == (["loop"], 13)
+    with pytest.raises(ValueError, match="loop_keep_tokens 65 > loop_min_repeat_tokens 64"):
+        openai_cfg(tmp_path, [fake.url], loop_keep_tokens=65)
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_loop_cuts_and_answer_tokens_are_summed_over_the_run(tmp_path: Path, streaming: bool) -> None:
     from data_prep.backends import Completion

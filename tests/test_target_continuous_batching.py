@@ -181,6 +181,28 @@ def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
     assert sum(len(o.tokens) for o in cut) < sum(len(p.tokens) for p in plain) / 2
 
 
+def test_a_looping_answer_keeps_the_asked_tokens_of_its_copies() -> None:
+    """``LoopStop.keep``: the same cut point as without it, then exactly ``keep`` tokens of the copies, which are
+    the plain answer's next tokens (a bounded loop tail for the drafter to learn copying from)."""
+    engine = BatchedTarget(tiny())
+    ps = prompts(12, 3, 20)
+    plain = generate(engine, ps, 160, STOPS, cpu_slots=6)
+    lp, keep = LoopStop(min_repeat_tokens=16, max_period=32, every=8), LoopStop(16, 32, 8, keep=16)
+    cut = generate(engine, ps, 160, STOPS, cpu_slots=6, loops=lp)
+    kept = generate(engine, ps, 160, STOPS, cpu_slots=6, loops=keep)
+    looped = 0
+    for p, c, k in zip(plain, cut, kept, strict=True):
+        assert (k.finish_reason, k.generated) == (c.finish_reason, c.generated)
+        if c.finish_reason == "loop":
+            looped += 1
+            assert k.tokens == p.tokens[:len(c.tokens) + 16]
+        else:
+            assert k.tokens == c.tokens
+    assert looped >= 6, "the tiny model did not loop: the test checks nothing"
+    with pytest.raises(ValueError, match="keep 17"):
+        LoopStop(16, 32, 8, keep=17)
+
+
 def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> None:
     import target.batched as bt
 
