@@ -139,8 +139,10 @@ def online_data(cfg: Any, device: torch.device) -> TrainingData:
 
     info = {"name": target.name, "fingerprint": target.fingerprint(), "num_layers": target.num_layers,
             "hidden_size": target.hidden_size, "vocab_size": target.vocab_size}
+    unlocated = sum(s.unlocated_ends for s in samples)
+    note = f" ({unlocated} cut answers keep the loss on their end-of-turn marker: text end not found)"
     return TrainingData(
-        source=f"online from {cfg.conversations_path}",
+        source=f"online from {cfg.conversations_path}" + (note if unlocated else ""),
         train=SampleDataset([s for s, h in zip(samples, split, strict=True) if not h]),
         holdout=SampleDataset([s for s, h in zip(samples, split, strict=True) if h]),
         target=info, aux_layer_ids=aux_ids, teacher="hidden", head=head, token_counts=counts, complete=complete)
