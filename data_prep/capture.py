@@ -62,6 +62,13 @@ from target.hf_model import TargetModel, load_target_from_config
 RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
 
 
+def end_of_turn_rule(backend: str) -> str:
+    """What a store's loss mask does with end-of-turn markers (manifest ``end_of_turn_loss``, checked by training):
+    "ended_answers": loss on the marker only of answers the target ended (``loss_mask``); "specforge": SpecForge's
+    own mask."""
+    return "specforge" if backend == "specforge" else "ended_answers"
+
+
 @dataclass
 class CaptureSummary:
     store_dir: str
@@ -409,7 +416,7 @@ def run_capture(cfg: Any, target: CaptureTarget | None = None) -> CaptureSummary
     answer_cap = cfg.train.max_answer_tokens if cap.backend != "specforge" else None
     unlocated = sum(s.unlocated_ends for s in samples)
     manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
-                "max_answer_tokens": answer_cap,
+                "max_answer_tokens": answer_cap, "end_of_turn_loss": end_of_turn_rule(cap.backend),
                 "skipped": dict(sorted(skipped.items())), "unlocated_ends": unlocated, "shards": [],
                 "complete": False}
     summary = CaptureSummary(str(store), skipped=dict(skipped),

@@ -67,7 +67,8 @@ def test_stored_states_equal_direct_forward(smollm2, tmp_path):
     cfg = _setup(tmp_path, 5, shard_samples=2)
     summary = run_capture(cfg, target=smollm2)
     assert summary.skipped == {"no_loss_tokens": 1} and summary.samples == 5 and summary.shards == 3
-    assert read_manifest(cfg.store_dir)["unlocated_ends"] == summary.unlocated_ends == 0
+    manifest = read_manifest(cfg.store_dir)
+    assert manifest["end_of_turn_loss"] == "ended_answers" and manifest["unlocated_ends"] == summary.unlocated_ends == 0
     ds = ShardDataset(cfg.store_dir)
     head = load_target_head(cfg.store_dir)
     assert torch.equal(head["lm_head.weight"], smollm2.lm_head_weight())

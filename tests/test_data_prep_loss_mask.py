@@ -171,3 +171,21 @@ def test_a_trimming_template_ends_a_cut_span_at_the_trimmed_text(tok) -> None:
     r = render_with_mask(tok, chat, 4096, finish_reasons=["length", "stop"])
     assert _masked_spans(tok, r) == ["4, of course.", "It is 6.\nDone!<|eot_id|>"] and r.unlocated_ends == 0
 
+
+def test_training_refuses_a_store_captured_before_cut_answers_lost_their_end_of_turn(tmp_path, monkeypatch) -> None:
+    from common.config import parse_config
+    from data_prep.store import StoreError
+    from train import data
+
+    cfg = parse_config({"run_dir": str(tmp_path), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
+                        "data": {"sources": [{"kind": "lines", "path": "unused"}]},
+                        "eval": {"datasets": [{"name": "x", "kind": "lines"}]}})
+    monkeypatch.setattr(data, "read_manifest", lambda store: {"max_answer_tokens": None})
+    with pytest.raises(StoreError, match=r"captured before cut answers \(finish reason length, loop\) lost the loss "
+                                         r"on their end-of-turn marker, .*; rerun `python -m data_prep capture`"):
+        data.store_data(cfg)
+    monkeypatch.setattr(data, "read_manifest", lambda store: {"max_answer_tokens": None,
+                                                               "end_of_turn_loss": "specforge"})
+    with pytest.raises(StoreError, match="captured with end_of_turn_loss specforge, capture.backend hf wants "
+                                         "ended_answers; rerun"):
+        data.store_data(cfg)
