@@ -62,6 +62,13 @@ from target.hf_model import TargetModel, load_target_from_config
 RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
 
 
+def end_of_turn_rule(backend: str) -> str:
+    """What a store's loss mask does with end-of-turn markers (manifest ``end_of_turn_loss``, checked by training):
+    "ended_answers": loss on the marker only of answers the target ended (``loss_mask``); "specforge": SpecForge's
+    own mask."""
+    return "specforge" if backend == "specforge" else "ended_answers"
+
+
 @dataclass
 class CaptureSummary:
     store_dir: str
@@ -76,6 +83,7 @@ class CaptureSummary:
     captured_tokens_per_s: float = 0.0
     skipped: dict[str, int] = field(default_factory=dict)
     tail_tokens_dropped: int = 0  # specforge: positions after a sample's last loss token (its batch padding)
+    unlocated_ends: int = 0  # cut answers whose text end was not found: their end-of-turn kept in the loss
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,7 +97,10 @@ class CaptureSummary:
                 f"{self.captured_tokens_per_s:.0f} tokens/s\n"
                 f"  skipped: {skipped}"
                 + (f"\n  dropped {self.tail_tokens_dropped} positions after the last loss tokens (SpecForge's "
-                   "padding among them; no loss reads them)" if self.tail_tokens_dropped else ""))
+                   "padding among them; no loss reads them)" if self.tail_tokens_dropped else "")
+                + (f"\n  {self.unlocated_ends} cut answers (finish reason not stop/tool_calls) keep the loss on their "
+                   "end-of-turn marker: the template does not render their text verbatim" if self.unlocated_ends
+                   else ""))
 
 
 # ---------------------------------------------------------------- input: conversations -> samples
@@ -118,20 +129,23 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
                 if not isinstance(m.get("reasoning_content", ""), str) or not isinstance(m.get("tool_calls", []),
                                                                                            list):
                     raise CaptureError(f"{path}:{n}: reasoning_content must be a string and tool_calls a list")
+            reasons = rec.get("finish_reasons", [])
+            if not (isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)):
+                raise CaptureError(f"{path}:{n}: finish_reasons must be a list of strings (one per answer)")
             out.append(rec)
     if not out:
         raise CaptureError(f"{path}: no conversations in it; rerun regenerate")
     return out
 
 
-def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], int, dict[str, Any], int | None]
-                  ) -> list[tuple[list[int], list[int]] | str]:
-    """A worker's share: (ids, mask) per chat, or the LossMaskError reason (exceptions with extra
+def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], list[Any], int, dict[str, Any], int | None]
+                  ) -> list[tuple[list[int], list[int], int] | str]:
+    """A worker's share: (ids, mask, unlocated ends) per chat, or the LossMaskError reason (exceptions with extra
     arguments do not survive pickling)."""
-    tokenizer, chats, tools, max_length, template_kwargs, max_answer_tokens = job
-    return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask)
+    tokenizer, chats, tools, reasons, max_length, template_kwargs, max_answer_tokens = job
+    return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask, r.unlocated_ends)
             for r in render_many(tokenizer, chats, max_length, template_kwargs, tools,
-                                 max_answer_tokens=max_answer_tokens)]
+                                 max_answer_tokens=max_answer_tokens, finish_reasons=reasons)]
 
 
 def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
@@ -139,10 +153,11 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
                max_answer_tokens: int | None = None) -> tuple[list[Sample], Counter]:
     """Samples in conversation order (first of each id), each conversation rendered as the server renders it:
     its tools and the target's chat_template_kwargs (thinking on/off) reach the template; reasoning and tool
-    calls are part of the assistant turns. ``max_answer_tokens`` (train.max_answer_tokens): only each assistant
-    turn's first N tokens carry loss. The one rendering of training samples, for the store (capture) and
-    online training (train.data). Many chats are rendered by a pool of forked workers (``workers``, default:
-    the cores, at most 16): the chat template is Python, one core a chat."""
+    calls are part of the assistant turns. Its ``finish_reasons`` (regenerate's) decide which answers keep their
+    end-of-turn marker in the loss (``loss_mask``: not a cut one's). ``max_answer_tokens`` (train.max_answer_tokens):
+    only each assistant turn's first N tokens carry loss. The one rendering of training samples, for the store
+    (capture) and online training (train.data). Many chats are rendered by a pool of forked workers (``workers``,
+    default: the cores, at most 16): the chat template is Python, one core a chat."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     unique = []
@@ -154,18 +169,19 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
         unique.append(rec)
     chats = [rec["messages"] for rec in unique]
     tools = [rec.get("tools") for rec in unique]
+    reasons = [rec.get("finish_reasons") for rec in unique]
     kwargs = dict(template_kwargs or {})
     workers = workers or min(16, os.cpu_count() or 1)
     if workers > 1 and len(chats) >= RENDER_POOL_MIN:
         import multiprocessing as mp
 
         size = -(-len(chats) // (workers * 4))
-        jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], max_length, kwargs, max_answer_tokens)
-                for a in range(0, len(chats), size)]
+        jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], reasons[a:a + size], max_length, kwargs,
+                 max_answer_tokens) for a in range(0, len(chats), size)]
         with mp.get_context("fork").Pool(workers, initializer=die_with_parent) as pool:  # none outlives us
             rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
     else:
-        rendered = _render_chunk((tokenizer, chats, tools, max_length, kwargs, max_answer_tokens))
+        rendered = _render_chunk((tokenizer, chats, tools, reasons, max_length, kwargs, max_answer_tokens))
     samples = []
     for rec, r in zip(unique, rendered, strict=True):
         if isinstance(r, str):
@@ -173,7 +189,7 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
         elif sum(r[1]) == 0:
             skipped["no_loss_tokens"] += 1
         else:
-            samples.append(Sample(rec["id"], r[0], r[1]))
+            samples.append(Sample(rec["id"], r[0], r[1], r[2]))
     return samples, skipped
 
 
@@ -398,11 +414,13 @@ def run_capture(cfg: Any, target: CaptureTarget | None = None) -> CaptureSummary
     # The loss mask's cap on each answer (train.max_answer_tokens; SpecForge's samples keep SpecForge's mask):
     # training from the store checks it against its config
     answer_cap = cfg.train.max_answer_tokens if cap.backend != "specforge" else None
+    unlocated = sum(s.unlocated_ends for s in samples)
     manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
-                "max_answer_tokens": answer_cap, "skipped": dict(sorted(skipped.items())), "shards": [],
+                "max_answer_tokens": answer_cap, "end_of_turn_loss": end_of_turn_rule(cap.backend),
+                "skipped": dict(sorted(skipped.items())), "unlocated_ends": unlocated, "shards": [],
                 "complete": False}
     summary = CaptureSummary(str(store), skipped=dict(skipped),
-                             tail_tokens_dropped=getattr(backend, "dropped_tail_tokens", 0))
+                             tail_tokens_dropped=getattr(backend, "dropped_tail_tokens", 0), unlocated_ends=unlocated)
     lm_head = target.lm_head_weight().detach()
     total = sum(len(s.input_ids) for s in samples)
     started, computed = time.perf_counter(), 0

@@ -17,3 +17,4 @@ class Sample:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    unlocated_ends: int = 0  # cut answers whose text end was not found: their end-of-turn kept in the loss

@@ -3,7 +3,12 @@
 No per-model regexes: each assistant turn's span is what rendering ``messages[:i+1]`` adds to rendering
 ``messages[:i]`` with the generation prompt, i.e. exactly the text the target produces for that turn.
 Trailing whitespace of that span (ChatML's newline after ``<|im_end|>``) is template glue, not output,
-so it is left out; the end-of-turn marker is kept (the drafter must learn to predict it).
+so it is left out; the end-of-turn marker is kept (the drafter must learn to predict it) when the target
+ended the turn itself: finish reason ``stop`` or ``tool_calls``, or no finish reasons recorded (source data
+never regenerated). An answer regenerate cut (``length``, ``loop``) never produced that marker: its span ends
+where its text does, and the marker stays in the ids as context only (else the drafter learns "after a loop's
+first copy the answer ends"). A cut answer whose text end cannot be found keeps its whole span and is counted;
+a chat whose reasons do not match its answers is refused (``finish_reasons_mismatch``).
 Character spans map to tokens through the whole text's offsets (one tokenization per conversation: a
 prefix tokenization per turn made long chats quadratic); a token straddling a boundary is counted.
 ``max_answer_tokens`` (``train.max_answer_tokens``) keeps the loss on each turn's first N tokens only: the
@@ -19,9 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+ENDED = frozenset({"stop", "tool_calls"})  # finish reasons of an answer that ended in its end-of-turn marker
+# Appended to a cut answer's text to find where the template puts that text's end; no real answer holds it.
+TEXT_END = "\u2063[end-of-answer-text]\u2063"
+
 
 class LossMaskError(ValueError):
-    """The template cannot be split into turns (e.g. it rewrites earlier turns); ``reason`` is a short key."""
+    """A chat that cannot be masked: the template cannot be split into turns (e.g. it rewrites earlier turns), or
+    its finish reasons do not match its answers; ``reason`` is a short key."""
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
@@ -33,6 +43,7 @@ class Rendered:
     input_ids: list[int]
     loss_mask: list[int]
     prefix_fallbacks: int  # turn boundaries that needed the offsets mapping
+    unlocated_ends: int = 0  # cut answers whose text end was not found: loss on their whole span, marker too
 
     @property
     def num_loss_tokens(self) -> int:
@@ -93,16 +104,50 @@ def _boundary(offsets: list[tuple[int, int]], starts: list[int], char_pos: int, 
     return i, True
 
 
-def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None
-                    ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered chat and the character span of each assistant turn after the first message (its reasoning,
-    content and tool calls, as the template renders them, and the end-of-turn marker; trailing template
-    whitespace left out). The messages are rendered as the server renders them (``as_server_renders``);
-    ``template_kwargs``: the target's chat_template_kwargs and the chat's ``tools``."""
+def _turn_ends(messages: list[dict], finish_reasons: Sequence[str] | None) -> list[bool]:
+    """Per trained assistant turn (after the first message), whether the target ended it itself. Regenerate
+    records one reason per answer it wrote, and it never writes an opening assistant turn (not trained on);
+    without reasons (data never regenerated) every turn counts as ended."""
+    turns = sum(m["role"] == "assistant" for m in messages[1:])
+    if finish_reasons is None:
+        return [True] * turns
+    if len(finish_reasons) != turns:
+        raise LossMaskError("finish_reasons_mismatch",
+                            f"{len(finish_reasons)} finish reasons for {turns} assistant turns after the first message")
+    return [r in ENDED for r in finish_reasons]
+
+
+def _text_end(tokenizer: Any, messages: list[dict], i: int, through: str, kwargs: dict) -> int | None:
+    """Where answer i's generated text ends in ``through`` (the chat rendered through it): the end of its content,
+    or of its reasoning when it has no content (where regenerate cuts a loop). Found by rendering the answer with
+    ``TEXT_END`` appended to that text (or to it right-stripped, for templates that trim): the result must be
+    ``through`` with the marker inserted once. None when it is not (the template changes the text) or the answer
+    made tool calls (its text is not the end of what it generated)."""
+    msg = messages[i]
+    part = "content" if msg.get("content") else "reasoning_content"
+    text = msg.get(part) or ""
+    if not text or msg.get("tool_calls"):
+        return None
+    for candidate in dict.fromkeys((text, text.rstrip())):
+        marked = _render(tokenizer, [*messages[:i], {**msg, part: candidate + TEXT_END}], False, kwargs)
+        p = marked.find(TEXT_END)
+        if p >= 0 and marked[:p] + marked[p + len(TEXT_END):] == through:
+            return p
+    return None
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None,
+                    finish_reasons: Sequence[str] | None = None) -> tuple[str, list[tuple[int, int]], int]:
+    """The rendered chat, the character span of each assistant turn after the first message (its reasoning,
+    content and tool calls, as the template renders them, and the end-of-turn marker when the target ended the
+    turn (``finish_reasons``, one per such turn); trailing template whitespace left out), and how many cut
+    answers' text ends were not found (their span kept whole). The messages are rendered as the server renders
+    them (``as_server_renders``); ``template_kwargs``: the target's chat_template_kwargs and the chat's ``tools``."""
     kwargs = template_kwargs or {}
     messages = as_server_renders(messages)
+    ended = iter(_turn_ends(messages, finish_reasons))
     text = _render(tokenizer, messages, False, kwargs)
-    spans = []
+    spans, unlocated = [], 0
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant" or i == 0:  # an opening assistant turn answers nothing: not trained on
             continue
@@ -111,12 +156,17 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
         if not (through.startswith(before) and text.startswith(through)):
             raise LossMaskError("template_not_prefix_stable",
                                 f"rendering turn {i} changes the text of earlier turns; cannot locate it")
-        spans.append((len(before), len(before) + len(through[len(before):].rstrip())))
-    return text, spans
+        end = len(before) + len(through[len(before):].rstrip())
+        if not next(ended):
+            text_end = _text_end(tokenizer, messages, i, through, kwargs)
+            unlocated += text_end is None
+            end = end if text_end is None else min(end, max(text_end, len(before)))
+        spans.append((len(before), end))
+    return text, spans, unlocated
 
 
 def mask_tokens(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
-                max_length: int, max_answer_tokens: int | None = None) -> Rendered:
+                max_length: int, max_answer_tokens: int | None = None, unlocated_ends: int = 0) -> Rendered:
     """Ids and mask (cut at ``max_length``) with 1 on the tokens of each assistant span, only its first
     ``max_answer_tokens`` when given."""
     starts = [a for a, _ in offsets]
@@ -129,15 +179,18 @@ def mask_tokens(ids: list[int], offsets: list[tuple[int, int]], spans: list[tupl
         if max_answer_tokens is not None:
             end = min(end, start + max_answer_tokens)
         mask[start:end] = [1] * (end - start)
-    return Rendered(ids[:max_length], mask[:max_length], fallbacks)
+    return Rendered(ids[:max_length], mask[:max_length], fallbacks, unlocated_ends)
 
 
 def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
-                     template_kwargs: dict | None = None, max_answer_tokens: int | None = None) -> Rendered:
+                     template_kwargs: dict | None = None, max_answer_tokens: int | None = None,
+                     finish_reasons: Sequence[str] | None = None) -> Rendered:
     """Render ``messages`` with the tokenizer's chat template; mask = each assistant turn (its reasoning, content
-    and tool calls, as the template renders them) + end-of-turn, its first ``max_answer_tokens`` when given.
+    and tool calls, as the template renders them) + end-of-turn when ``finish_reasons`` (the record's, one per
+    answer) say the target ended it, its first ``max_answer_tokens`` when given.
     ``template_kwargs``: the target's chat_template_kwargs and the chat's ``tools``."""
-    r = render_many(tokenizer, [messages], max_length, template_kwargs, max_answer_tokens=max_answer_tokens)[0]
+    r = render_many(tokenizer, [messages], max_length, template_kwargs, max_answer_tokens=max_answer_tokens,
+                    finish_reasons=[finish_reasons])[0]
     if isinstance(r, LossMaskError):
         raise r
     return r
@@ -145,19 +198,23 @@ def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,
 
 def render_many(tokenizer: Any, conversations: list[list[dict]], max_length: int,
                 template_kwargs: dict | None = None, tools: Sequence[list[dict] | None] | None = None,
-                chunk: int = 512, max_answer_tokens: int | None = None) -> list[Rendered | LossMaskError]:
+                chunk: int = 512, max_answer_tokens: int | None = None,
+                finish_reasons: Sequence[Sequence[str] | None] | None = None) -> list[Rendered | LossMaskError]:
     """``render_with_mask`` for many chats: the texts are tokenized in batches, which a fast tokenizer spreads
     over every core. A chat that cannot be split into turns comes back as its ``LossMaskError``.
-    ``tools[i]`` (when given): the tools offered to chat i, rendered into its prompt by the template."""
-    if tools is not None and len(tools) != len(conversations):
-        raise ValueError(f"{len(tools)} tool lists for {len(conversations)} conversations")
+    ``tools[i]`` / ``finish_reasons[i]`` (when given): the tools offered to chat i, rendered into its prompt by
+    the template, and the finish reasons of its answers."""
+    for name, per_chat in (("tool lists", tools), ("finish reason lists", finish_reasons)):
+        if per_chat is not None and len(per_chat) != len(conversations):
+            raise ValueError(f"{len(per_chat)} {name} for {len(conversations)} conversations")
     out: list[Rendered | LossMaskError] = []
     for c in range(0, len(conversations), chunk):
-        rendered: list[tuple[str, list[tuple[int, int]]] | LossMaskError] = []
+        rendered: list[tuple[str, list[tuple[int, int]], int] | LossMaskError] = []
         for j, messages in enumerate(conversations[c:c + chunk], start=c):
             kwargs = {**(template_kwargs or {}), **({"tools": tools[j]} if tools is not None else {})}
             try:
-                rendered.append(assistant_spans(tokenizer, messages, kwargs))
+                rendered.append(assistant_spans(tokenizer, messages, kwargs,
+                                                finish_reasons[j] if finish_reasons is not None else None))
             except LossMaskError as e:
                 rendered.append(e)
         texts = [r[0] for r in rendered if not isinstance(r, LossMaskError)]
@@ -168,6 +225,6 @@ def render_many(tokenizer: Any, conversations: list[list[dict]], max_length: int
                 out.append(r)
                 continue
             out.append(mask_tokens(enc["input_ids"][k], enc["offset_mapping"][k], r[1], max_length,
-                                   max_answer_tokens))
+                                   max_answer_tokens, r[2]))
             k += 1
     return out

@@ -35,7 +35,10 @@ def _convs(n: int) -> list[dict]:
                 {"role": "assistant", "content": a}]
         if i % 3 == 0:
             msgs += [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": f"Because {i}."}]
-        out.append({"id": f"conv-{i}", "source": "test", "messages": msgs})
+        # odd ones were cut at a loop (no end-of-turn in the loss); the others were never regenerated
+        answers = sum(m["role"] == "assistant" for m in msgs)
+        out.append({"id": f"conv-{i}", "source": "test", "messages": msgs}
+                   | ({"finish_reasons": ["loop"] * answers} if i % 2 else {}))
     out.append({"id": "no-answer", "source": "test", "messages": [{"role": "user", "content": "hi"}]})
     return out
 
@@ -64,14 +67,17 @@ def test_stored_states_equal_direct_forward(smollm2, tmp_path):
     cfg = _setup(tmp_path, 5, shard_samples=2)
     summary = run_capture(cfg, target=smollm2)
     assert summary.skipped == {"no_loss_tokens": 1} and summary.samples == 5 and summary.shards == 3
+    manifest = read_manifest(cfg.store_dir)
+    assert manifest["end_of_turn_loss"] == "ended_answers" and manifest["unlocated_ends"] == summary.unlocated_ends == 0
     ds = ShardDataset(cfg.store_dir)
     head = load_target_head(cfg.store_dir)
     assert torch.equal(head["lm_head.weight"], smollm2.lm_head_weight())
     for i, conv in enumerate(_convs(5)[:5]):
         item = ds[i]
         assert item["id"] == conv["id"]
-        r = render_with_mask(smollm2.tokenizer, conv["messages"], 40)
+        r = render_with_mask(smollm2.tokenizer, conv["messages"], 40, finish_reasons=conv.get("finish_reasons"))
         assert item["input_ids"].tolist() == r.input_ids and item["loss_mask"].tolist() == r.loss_mask
+        assert (2 in item["input_ids"][item["loss_mask"].bool()].tolist()) == (i % 2 == 0)  # <|im_end|>
         ref = smollm2.forward(torch.tensor([r.input_ids]), AUX)
         # batched with right padding vs alone: equal up to fp32 summation order (aux entries reach ~100)
         torch.testing.assert_close(item["aux"], ref.aux[0], rtol=1e-5, atol=1e-4)

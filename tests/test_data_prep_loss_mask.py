@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 
@@ -80,3 +81,111 @@ def test_template_that_rewrites_history_is_refused(smollm2):
     with pytest.raises(LossMaskError) as e:
         render_with_mask(tok, CONV, max_length=4096)
     assert e.value.reason == "template_not_prefix_stable"
+
+
+# ---------------------------------------------------------------- cut answers: no loss on their end-of-turn
+CUT_CONV = [
+    {"role": "user", "content": "Tell me about rain."},
+    {"role": "assistant", "content": "Rain falls.\nRain falls."},
+    {"role": "user", "content": "And snow?"},
+    {"role": "assistant", "content": "Snow is cold."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from target.hf_model import load_tokenizer, resolve_source
+
+    return load_tokenizer(resolve_source("smollm2-135m-instruct", None), False)
+
+
+@pytest.mark.parametrize("reason", ["loop", "length"])
+def test_a_cut_answer_has_no_loss_on_its_end_of_turn(tok, reason: str) -> None:
+    from data_prep.capture import render_all
+
+    rec = {"id": "c", "messages": CUT_CONV, "finish_reasons": [reason, "stop"]}
+    [s], _ = render_all([rec], tok, 4096, workers=1)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    ends = [i for i, t in enumerate(s.input_ids) if t == im_end]
+    # the template's default system turn, the user, the cut answer, the user, the answer that stopped
+    assert [s.loss_mask[i] for i in ends] == [0, 0, 0, 0, 1]
+    assert _masked_spans(tok, types.SimpleNamespace(input_ids=s.input_ids, loss_mask=s.loss_mask)) == [
+        "Rain falls.\nRain falls.", "Snow is cold.<|im_end|>"]
+
+
+def _eot_loss(tok, r) -> list[int]:
+    """The loss on each <|im_end|> of a rendered chat (SmolLM2 adds a system turn when there is none)."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    return [m for t, m in zip(r.input_ids, r.loss_mask, strict=True) if t == im_end]
+
+
+@pytest.mark.parametrize(("reasons", "answer_eots"), [
+    (["stop", "loop"], [1, 0]), (["length", "stop"], [0, 1]), (["tool_calls", "length"], [1, 0]),
+    (["loop", "loop"], [0, 0]), (["stop", "stop"], [1, 1]), (["abort", "stop"], [0, 1]),  # any other reason: cut
+])
+def test_each_answer_goes_by_its_own_finish_reason(tok, reasons, answer_eots) -> None:
+    r = render_with_mask(tok, CUT_CONV, 4096, finish_reasons=reasons)
+    assert _eot_loss(tok, r) == [0, 0, answer_eots[0], 0, answer_eots[1]]
+    whole = render_with_mask(tok, CUT_CONV, 4096)
+    assert r.input_ids == whole.input_ids and r.unlocated_ends == 0  # the marker stays as context
+    # a cut answer loses exactly its end-of-turn marker, nothing of its text
+    assert sum(whole.loss_mask) - sum(r.loss_mask) == answer_eots.count(0)
+
+
+def test_without_finish_reasons_every_answer_keeps_its_end_of_turn(tok) -> None:
+    """Source data never regenerated: today's mask, the same as answers that all stopped."""
+    r = render_with_mask(tok, CUT_CONV, 4096)
+    assert _eot_loss(tok, r) == [0, 0, 1, 0, 1]
+    assert r.loss_mask == render_with_mask(tok, CUT_CONV, 4096, finish_reasons=["stop", "stop"]).loss_mask
+
+
+def test_an_opening_assistant_turn_has_no_finish_reason(tok) -> None:
+    """Regenerate never writes an opening assistant turn (it answers nothing, no loss): the reasons are those of
+    the answers after it, and a record whose count differs is skipped and counted."""
+    from data_prep.capture import render_all
+
+    chat = [{"role": "assistant", "content": "Hi! Ask me anything."}, *CUT_CONV]
+    r = render_with_mask(tok, chat, 4096, finish_reasons=["loop", "stop"])
+    assert _eot_loss(tok, r) == [0, 0, 0, 0, 0, 1]  # system, opening, user, cut answer, user, stopped answer
+    assert _masked_spans(tok, r) == ["Rain falls.\nRain falls.", "Snow is cold.<|im_end|>"]
+    recs = [{"id": "ok", "messages": chat, "finish_reasons": ["loop", "stop"]},
+            {"id": "bad", "messages": chat, "finish_reasons": ["stop", "loop", "stop"]}]
+    samples, skipped = render_all(recs, tok, 4096, workers=1)
+    assert [s.id for s in samples] == ["ok"] and skipped == {"finish_reasons_mismatch": 1}
+
+
+def test_a_cut_answer_whose_text_the_template_changes_keeps_its_span_and_is_counted(tok) -> None:
+    tok = copy.deepcopy(tok)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + (m['content'] | upper if m['role'] == "
+                         "'assistant' else m['content']) + '<|im_end|>\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    r = render_with_mask(tok, CUT_CONV, 4096, finish_reasons=["loop", "stop"])
+    assert r.unlocated_ends == 1 and _eot_loss(tok, r) == [0, 1, 0, 1]
+
+
+def test_a_trimming_template_ends_a_cut_span_at_the_trimmed_text(tok) -> None:
+    tok = copy.deepcopy(tok)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = LLAMA3
+    chat = [*CONV[:2], {"role": "assistant", "content": "4, of course. \n"}, *CONV[3:]]
+    r = render_with_mask(tok, chat, 4096, finish_reasons=["length", "stop"])
+    assert _masked_spans(tok, r) == ["4, of course.", "It is 6.\nDone!<|eot_id|>"] and r.unlocated_ends == 0
+
+
+def test_training_refuses_a_store_captured_before_cut_answers_lost_their_end_of_turn(tmp_path, monkeypatch) -> None:
+    from common.config import parse_config
+    from data_prep.store import StoreError
+    from train import data
+
+    cfg = parse_config({"run_dir": str(tmp_path), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
+                        "data": {"sources": [{"kind": "lines", "path": "unused"}]},
+                        "eval": {"datasets": [{"name": "x", "kind": "lines"}]}})
+    monkeypatch.setattr(data, "read_manifest", lambda store: {"max_answer_tokens": None})
+    with pytest.raises(StoreError, match=r"captured before cut answers \(finish reason length, loop\) lost the loss "
+                                         r"on their end-of-turn marker, .*; rerun `python -m data_prep capture`"):
+        data.store_data(cfg)
+    monkeypatch.setattr(data, "read_manifest", lambda store: {"max_answer_tokens": None,
+                                                               "end_of_turn_loss": "specforge"})
+    with pytest.raises(StoreError, match="captured with end_of_turn_loss specforge, capture.backend hf wants "
+                                         "ended_answers; rerun"):
+        data.store_data(cfg)

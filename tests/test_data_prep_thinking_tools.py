@@ -291,8 +291,9 @@ AGENTIC_CONVS = [
          "tool_calls": [{"id": "c0", "type": "function",
                          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {"role": "tool", "tool_call_id": "c0", "content": "18 C"},
-        {"role": "assistant", "content": "18 C in Paris.", "reasoning_content": "The tool says 18 C."}]},
-    {"id": "plain", "messages": PLAIN},
+        {"role": "assistant", "content": "18 C in Paris.", "reasoning_content": "The tool says 18 C."}],
+     "finish_reasons": ["tool_calls", "length"]},
+    {"id": "plain", "messages": PLAIN, "finish_reasons": ["loop", "stop"]},
 ]
 
 
@@ -309,7 +310,8 @@ def test_render_all_pool_and_online_training_render_as_capture_does(tmp_path, k2
 
     tok = AutoTokenizer.from_pretrained(k25_style_target)
     kwargs = {"thinking": thinking}
-    direct = [render_with_mask(tok, c["messages"], 512, {**kwargs, "tools": c.get("tools")}) for c in AGENTIC_CONVS]
+    direct = [render_with_mask(tok, c["messages"], 512, {**kwargs, "tools": c.get("tools")},
+                               finish_reasons=c["finish_reasons"]) for c in AGENTIC_CONVS]
     assert ("<think></think>" in tok.decode(direct[0].input_ids)) is not thinking
     alone, _ = capture.render_all(AGENTIC_CONVS, tok, 512, kwargs, workers=1)
     monkeypatch.setattr(capture, "RENDER_POOL_MIN", 1)
@@ -320,7 +322,7 @@ def test_render_all_pool_and_online_training_render_as_capture_does(tmp_path, k2
     cfg = k25_cfg(tmp_path, k25_style_target, thinking, capture={"max_length": 512, "dtype": "float32"},
                   train={"source": "online", "holdout_fraction": 0.0})
     cfg.root.mkdir(parents=True)
-    cfg.conversations_path.write_text("".join(json.dumps(c | {"source": "t", "finish_reasons": [], "backend": "t"})
+    cfg.conversations_path.write_text("".join(json.dumps(c | {"source": "t", "backend": "t"})
                                               + "\n" for c in AGENTIC_CONVS))
     run_capture(cfg)
     stored = ShardDataset(cfg.store_dir)
@@ -329,3 +331,37 @@ def test_render_all_pool_and_online_training_render_as_capture_does(tmp_path, k2
     for i in range(2):
         assert torch.equal(stored[i]["input_ids"], online[i]["input_ids"])
         assert torch.equal(stored[i]["loss_mask"], online[i]["loss_mask"])
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_cut_answer_of_a_reasoning_template_ends_where_its_text_does(k25_style_target, thinking):
+    """The template renders reasoning before the content: a cut answer's loss ends with
+    its content, or with its reasoning when it has none (where regenerate cuts a loop); an answer that stopped
+    keeps its end-of-turn marker. Each answer goes by its own finish reason."""
+    from transformers import AutoTokenizer
+
+    from data_prep.loss_mask import render_with_mask
+
+    tok = AutoTokenizer.from_pretrained(k25_style_target)
+    chat = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Let me think. Let me think."},
+            {"role": "user", "content": "Well?"},
+            {"role": "assistant", "content": "Sunny. Sunny.", "reasoning_content": "Easy."},
+            {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": "You are welcome."}]
+    r = render_with_mask(tok, chat, 512, {"thinking": thinking}, finish_reasons=["loop", "length", "stop"])
+    spans, cur = [], []
+    for t, m in [*zip(r.input_ids, r.loss_mask, strict=True), (None, 0)]:
+        if m:
+            cur.append(t)
+        elif cur:
+            spans.append(tok.decode(cur))
+            cur = []
+    # a span may start inside the token before it ("|><think>"); what matters here is where each one ends
+    if thinking:
+        tails = ["\nLet me think. Let me think.", "</think>Sunny. Sunny.", "</think>You are welcome.<|im_end|>"]
+        unlocated = 0
+    else:  # the template renders no reasoning: the first answer's text is not there to end its span, counted
+        tails, unlocated = ["<|im_end|>", "Sunny. Sunny.", "You are welcome.<|im_end|>"], 1
+    assert len(spans) == 3 and all(sp.endswith(t) for sp, t in zip(spans, tails, strict=True)), spans
+    assert "</think>" not in spans[0] and r.unlocated_ends == unlocated

@@ -31,7 +31,8 @@ def write_run(root: Path, source: str) -> Path:
     with open(root / "conversations.jsonl", "w") as f:
         for i, turns in enumerate(CHATS):
             msgs = [{"role": "user" if j % 2 == 0 else "assistant", "content": t} for j, t in enumerate(turns)]
-            f.write(json.dumps({"id": f"c{i}", "source": "test", "messages": msgs, "finish_reasons": [],
+            f.write(json.dumps({"id": f"c{i}", "source": "test", "messages": msgs,
+                                "finish_reasons": ["stop"] * (len(turns) // 2),
                                 "backend": "test"}) + "\n")
     tree = {
         "run_dir": str(root),

@@ -78,7 +78,7 @@ def make_store(store: Path, n_samples: int = 48, length: int = 24, shard_samples
                 "aux_layer_ids": [0, 1, 2], "teacher": "hidden", "topk": None,
                 "dtypes": {"input_ids": "int32", "loss_mask": "uint8", "aux": "float32", "target_argmax": "int32",
                            "last_hidden": "float32"},
-                "max_length": length, "shards": shards,
+                "max_length": length, "end_of_turn_loss": "ended_answers", "shards": shards,
                 "totals": {"num_samples": n_samples, "num_tokens": n_samples * length}, "complete": True}
     write_json_atomic(store / MANIFEST, manifest)
     return store

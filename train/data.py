@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from data_prep.capture import read_conversations, render_all, teacher_signal
+from data_prep.capture import end_of_turn_rule, read_conversations, render_all, teacher_signal
 from data_prep.dataset import ShardDataset, collate, in_holdout
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
 from drafter.factory import drafter_aux_ids
@@ -103,6 +103,12 @@ def store_data(cfg: Any) -> TrainingData:
                          "whose loss mask changes) or set train.max_answer_tokens back"
                          + (" (capture.backend specforge keeps SpecForge's loss mask: no cap)" if
                             cfg.capture.backend == "specforge" else ""))
+    rule, wanted = manifest.get("end_of_turn_loss"), end_of_turn_rule(cfg.capture.backend)
+    if rule != wanted:  # absent: captured when every answer's end-of-turn marker carried loss, cut ones too
+        was = ("before cut answers (finish reason length, loop) lost the loss on their end-of-turn marker"
+               if rule is None else f"with end_of_turn_loss {rule}")
+        raise StoreError(f"{store}: captured {was}, capture.backend {cfg.capture.backend} wants {wanted}; rerun "
+                         "`python -m data_prep capture` (it rewrites the shards whose loss mask changes)")
     return TrainingData(
         source=f"store {store}", train=ShardDataset(store, "train", frac), holdout=ShardDataset(store, "holdout", frac),
         target=manifest["target"], aux_layer_ids=tuple(manifest["aux_layer_ids"]), teacher=manifest["teacher"],
@@ -139,8 +145,10 @@ def online_data(cfg: Any, device: torch.device) -> TrainingData:
 
     info = {"name": target.name, "fingerprint": target.fingerprint(), "num_layers": target.num_layers,
             "hidden_size": target.hidden_size, "vocab_size": target.vocab_size}
+    unlocated = sum(s.unlocated_ends for s in samples)
+    note = f" ({unlocated} cut answers keep the loss on their end-of-turn marker: text end not found)"
     return TrainingData(
-        source=f"online from {cfg.conversations_path}",
+        source=f"online from {cfg.conversations_path}" + (note if unlocated else ""),
         train=SampleDataset([s for s, h in zip(samples, split, strict=True) if not h]),
         holdout=SampleDataset([s for s, h in zip(samples, split, strict=True) if h]),
         target=info, aux_layer_ids=aux_ids, teacher="hidden", head=head, token_counts=counts, complete=complete)
