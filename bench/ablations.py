@@ -75,8 +75,10 @@ def first_turns(recs: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, An
         msgs = rec["messages"]
         first = next(j for j, m in enumerate(msgs) if m["role"] == "assistant")
         answer = shorten(msgs[first]["content"], tokenizer, keep=SHORT_ANSWER_TOKENS)
-        out.append(rec | {"messages": msgs[:first] + [{**msgs[first], "content": answer}],
-                          "finish_reasons": rec.get("finish_reasons", [])[:1]})
+        reasons = rec.get("finish_reasons", [])[:1]
+        if reasons and answer != msgs[first]["content"]:
+            reasons = ["length"]  # cut here: the target did not end the turn (no loss on an end-of-turn marker)
+        out.append(rec | {"messages": msgs[:first] + [{**msgs[first], "content": answer}], "finish_reasons": reasons})
     return out
 
 
@@ -134,7 +136,8 @@ def worker(args: argparse.Namespace) -> int:
                "steps": last, "tokens_seen": max((r.get("tokens_seen", 0) for r in log), default=0),
                "train_seconds": round(trained, 1),
                "tau": {n: s["tau"] for n, s in stats.items()},
-               "alpha": {n: [round(a, 4) for a in s["alpha_conditional"]] for n, s in stats.items()},
+               "alpha": {n: [round(a, 4) if a == a else None for a in s["alpha_conditional"]]  # NaN: never reached
+                         for n, s in stats.items()},
                "lossless_mismatches": {n: len(s["lossless_mismatches"]) for n, s in stats.items()},
                "holdout": {k.split("/")[1]: v for k, v in holdout_at(run_dir, last).items() if "/" in k},
                "checkpoint": str(run_dir / "checkpoints" / "best")}
