@@ -140,13 +140,17 @@ rows = [json.load(open(p)) for p in glob.glob('runs/bench-ablations/row-*.json')
 best = max(rows, key=lambda r: sum(r['tau'].values()), default=None)
 print(best['checkpoint'] if best else '')")
           [ -n "$best" ] && best=$(readlink -f "$best") && echo "$best" > "$OUT/best-is.txt"
-          cp runs/bench-ablations/row-*.json runs/bench-ablations/worker*.log "$OUT/" 2>/dev/null
+          true
         fi
         if [ -n "$best" ] && [ -f "$best/model.safetensors" ]; then
           cp "$best/config.json" "$OUT/best-config.json"
           split -b 15M "$best/model.safetensors" "$OUT/best-model.part-"
         fi
         tail -n 40 "$LOGS"/*.log > "$OUT/logs-tail.txt" 2>/dev/null
+        for w in runs/bench-ablations/worker*.log; do  # the ablation rows' own logs (progress bars folded)
+          [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 > "$OUT/$(basename "$w")"
+        done
+        cp runs/bench-ablations/row-*.json "$OUT/" 2>/dev/null
       fi ;;
     *) echo "unknown phase $p"; failed+=("$p") ;;
   esac
