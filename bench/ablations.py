@@ -16,9 +16,10 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
 - loop_copies_dropped: the data with each loop answer's kept copies (regenerate.loop_keep_tokens) taken off
   again, i.e. answers cut at the loop's first copy: whether the bounded loop tail teaches decoding;
 - first_turn_short_answers: first turns with answers of at most 256 tokens (what the old data engine made).
-Rows run in --procs-per-gpu processes on every visible GPU (a 135M target and its drafter leave an H200 mostly
-idle: several rows share it). Each row is written when it ends (<out>/row-<name>.json and "ablations" in the
-results file), so a killed run keeps the rows it finished; a rerun skips them.
+Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trains each of its rows with the
+user's own command (``python -m train``, a process of its own: <row>/train.out) and then measures it. Each row
+is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
+rows it finished; a rerun skips them (a row cut mid-training resumes from its checkpoint of every 100 steps).
 
 <out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin, for the
 final run to use ("keep what helps"; data rows are reported, not kept: they change regeneration).
@@ -109,10 +110,9 @@ def write_jsonl(path: Path, recs: list[dict[str, Any]]) -> Path:
 def worker(args: argparse.Namespace) -> int:
     """Train and measure the given rows in this process (on the GPU it was given); rows go to
     <out>/row-<name>.json."""
-    from common.config import load_config
+    from bench.runs import run, train_command
     from eval.batched_eval import acceptance, greedy_references
     from eval.quality import load_drafter, setup
-    from train.loop import train
 
     cfg, target, prompts = setup(args.config, args.limit)
     refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
@@ -121,11 +121,13 @@ def worker(args: argparse.Namespace) -> int:
         overrides = json.loads(args.overrides)[name]
         conv = args.out / f"data-{name if name in DATA_ROWS else 'subset'}.jsonl"
         run_dir = args.out / name
-        common = ["train.source=online", *schedule, "train.save_every=100000", "train.eval_every=100000",
+        common = ["train.source=online", *schedule, "train.save_every=100", "train.eval_every=100000",
                   "tracking.report_to=none"]
         config = make_run(args.config, run_dir, conv, [*common, *overrides])
         start = time.time()
-        train(load_config(config), "never")
+        # The user's command, in its own process: this one has used the GPU (the references), and forking a
+        # process that holds a CUDA context (training's render pool, its data loader) can hang the children.
+        run(train_command(config), log=run_dir / "train.out")
         trained = time.time() - start
         drafter, aux_ids = load_drafter(target, cfg, run_dir / "checkpoints" / "best")
         stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs,
