@@ -144,10 +144,13 @@ class RegenerateConfig(Section):
     retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
     max_consecutive_failures: PositiveInt = Field(
         20, description="Stop, and exit 2, after this many prompts in a row failed (a dead or misconfigured "
-        "server; with several devices, on any one of them); what finished is kept for the rerun.")
+        "server, a broken engine; with several devices, on any one of them); what finished is kept for the "
+        "rerun. Every failure counts (a timeout, a refused connection, an HTTP error, a bad response) except a "
+        "verdict on the prompt itself: a prompt whose first user turn alone fills the target's context "
+        "(prompt_exceeds_context) is counted and reported but neither adds to nor ends a run of failures.")
     max_failure_share: Probability = Field(
         0.05, description="Exit 2 when more than this share of the prompts tried in a run failed (all devices "
-        "together).")
+        "together), every failure counted, prompts too long for the context (prompt_exceeds_context) included.")
     batch_size: PositiveInt = Field(
         16, description="openai: conversations regenerated together, a turn per round (at least `concurrency`). "
         "hf: on a CPU, the rows decoded at once (regenerate.slots); on a GPU unused (one stream over all "

@@ -12,8 +12,11 @@ without a stream (openai) advances rounds of ``regenerate.batch_size`` conversat
 (``_rounds``).
 
 A failed prompt is counted and left for the next run, but failure is not success: the step stops after
-``regenerate.max_consecutive_failures`` prompts in a row failed (a dead server) and exits 2 when more
-than ``regenerate.max_failure_share`` of the prompts it tried failed. With several devices (hf), each
+``regenerate.max_consecutive_failures`` prompts in a row failed (a dead server, a broken engine) and exits 2
+when more than ``regenerate.max_failure_share`` of the prompts it tried failed. A failure that is a verdict
+on the prompt itself (``PROMPT_VERDICTS``: its first user turn alone fills the target's context) says
+nothing about the engine: it is counted and reported like any other, and counts towards the share, but it
+neither counts towards a run of failures in a row nor ends one. With several devices (hf), each
 device's process writes its own part file (merged into ``conversations.jsonl`` at the end, idempotently);
 a device stops its share after the consecutive-failure limit, and the share limit applies to the failures
 of all devices together.
@@ -300,9 +303,31 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
     summary.flagged = flagged
 
 
+# Failure reasons that are a verdict on the prompt, not on the engine or the server: the same prompt fails the
+# same way on any healthy backend, so a run of them (the stream may well report all the too-long prompts
+# first: they are rejected before any decoding) is no sign of a dead server and must not stop the run. They
+# still count towards regenerate.max_failure_share, so a dataset that is mostly too long still fails.
+# Case by case:
+# - prompt_exceeds_context (hf: the first user turn's tokens alone reach the context): a verdict on the prompt.
+# - http_4xx (openai; 429 is retried): NOT one. A too-long prompt does get a 400 from SGLang or vLLM, but so
+#   does every prompt when the request is wrong (model name, chat_template_kwargs, a parameter the server
+#   refuses), and that misconfiguration is what the breaker is for; the status alone cannot tell them apart.
+# - bad_response, timeout, connection, connection_refused, http_5xx: the server's state, not the prompt's.
+# - a conversation cut short by a full context after its first answer, or whose tool calls diverge, is not a
+#   failure at all: it is written (turns_dropped_context_full, tool_calls_diverged).
+PROMPT_VERDICTS = frozenset({"prompt_exceeds_context"})
+# What to change when a failure reason makes the run fail (check_failures): one clause, naming the settings.
+FAILURE_HINTS = {
+    "prompt_exceeds_context": "prompts too long for the target's context: raise regenerate.max_context_tokens (hf; "
+                              "at most the target's max_position_embeddings), or lower data.max_prompt_chars and "
+                              "rerun ingest, or raise regenerate.max_failure_share to leave them out",
+}
+
+
 class _Tally:
     """Where finished conversations go: written at once (one durable line each) or counted as failed; says
-    when ``regenerate.max_consecutive_failures`` in a row means stopping."""
+    when ``regenerate.max_consecutive_failures`` in a row means stopping. A failure in ``PROMPT_VERDICTS``
+    is counted but leaves the run of failures in a row as it was (neither adds to it nor ends it)."""
 
     def __init__(self, summary: RegenerateSummary, f: Any, limit: int, bar: tqdm):
         self.summary, self.f, self.limit, self.bar = summary, f, limit, bar
@@ -313,7 +338,8 @@ class _Tally:
         if conv.error:
             s.failed[conv.error] += 1
             s.failure_examples.setdefault(conv.error, f"{conv.prompt['id']}: {conv.detail}")
-            self.in_a_row += 1
+            if conv.error not in PROMPT_VERDICTS:
+                self.in_a_row += 1
         else:
             append_jsonl(self.f, conv.record(s.backend))
             s.written += 1
@@ -431,10 +457,12 @@ def check_failures(cfg: RunConfig, summary: RegenerateSummary) -> None:
     if not (summary.stopped or failed > cfg.regenerate.max_failure_share * max(tried, 1)):
         return
     reasons = ", ".join(f"{r}: {n}" for r, n in summary.failed.most_common())
-    first = summary.failure_examples.get(summary.failed.most_common(1)[0][0], "") if failed else ""
+    top = summary.failed.most_common(1)[0][0] if failed else ""
+    first = summary.failure_examples.get(top, "")
+    hint = f"; {FAILURE_HINTS[top]}" if top in FAILURE_HINTS and not summary.stopped else ""
     raise StepFailed(f"{failed} of {tried} prompts failed ({reasons}; e.g. {first})"
                      + (f"; stopped early: {summary.stopped}" if summary.stopped else
-                        f"; more than regenerate.max_failure_share={cfg.regenerate.max_failure_share}")
+                        f"; more than regenerate.max_failure_share={cfg.regenerate.max_failure_share}{hint}")
                      + f". Fix the cause and rerun: the {summary.records} finished conversations in {summary.output} "
                      "are kept", summary)
 

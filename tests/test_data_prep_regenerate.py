@@ -692,7 +692,8 @@ def test_a_second_writer_on_the_run_dir_fails_at_once_naming_the_first(tmp_path:
 
 
 class ScriptedBackend:
-    """Answers "a<turn>" for each chat; a chat whose last user turn contains "[full]" gets context_full."""
+    """Answers "a<turn>" for each chat; a chat whose last user turn contains "[full]" gets context_full, one
+    with "[broken]" the error a broken engine or server would give ("engine_error")."""
 
     name, batch_size = "scripted", 4
 
@@ -700,6 +701,7 @@ class ScriptedBackend:
         from data_prep.backends import CONTEXT_FULL, Completion
 
         return [Completion(finish_reason=CONTEXT_FULL) if "[full]" in chat[-1]["content"]
+                else Completion(error="engine_error", detail="scripted") if "[broken]" in chat[-1]["content"]
                 else Completion(text=f"a{len(chat) // 2 + 1}", finish_reason="stop") for chat in batch]
 
 
@@ -761,15 +763,69 @@ def test_the_stream_writes_each_conversation_when_it_ends_while_others_run(tmp_p
     assert [key for key, _ in backend.streams[0].lines_seen[:3]] == [ids[1], ids[2], ids[0]]
 
 
-def test_the_stream_stops_after_consecutive_failures_leaving_the_rest_untried(tmp_path: Path) -> None:
+def _in_processing_order(tagged: list[str], streaming: bool) -> list[list[dict[str, str]]]:
+    """One-turn chats that regenerate takes up in this order: the stream opens the longest prompts first,
+    rounds take the shortest first (``regenerate``'s sort), so the padding grows or shrinks along the list (in
+    steps of 10 characters, more than the tags differ by)."""
+    n = len(tagged)
+    return [[user("x" * 10 * (n - k if streaming else k + 1) + " " + text)] for k, text in enumerate(tagged)]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_real_failures_in_a_row_stop_the_run_leaving_the_rest_untried(tmp_path: Path, streaming: bool) -> None:
+    """Real failures in a row (a broken engine or a dead server) trip the breaker; a prompt that exceeds the
+    context among them neither counts towards the run of failures nor breaks it."""
     from data_prep.regenerate import load_prompt_records, regenerate
 
     cfg = make_cfg(tmp_path, max_consecutive_failures=3)
-    write_prompts(cfg, [[user(f"q{i} [full]")] for i in range(10)] + [[user("fine")]])
-    backend = ScriptedStreamBackend(cfg.conversations_path, rows=2)
+    write_prompts(cfg, _in_processing_order(["[broken]", "[broken]", "[full]"] + ["[broken]"] * 8, streaming))
+    backend = ScriptedStreamBackend(cfg.conversations_path, rows=1) if streaming else ScriptedBackend()
+    backend.batch_size = 1
     summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
-    assert summary.failed == {"prompt_exceeds_context": 3} and summary.tried == 3 and summary.written == 0
-    assert summary.stopped == "3 prompts in a row failed (regenerate.max_consecutive_failures=3); 8 not tried"
+    assert summary.failed == {"engine_error": 3, "prompt_exceeds_context": 1}
+    assert summary.tried == 4 and summary.written == 0
+    assert summary.stopped == "3 prompts in a row failed (regenerate.max_consecutive_failures=3); 7 not tried"
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_prompts_that_exceed_the_context_are_counted_but_do_not_stop_the_run(tmp_path: Path,
+                                                                             streaming: bool) -> None:
+    """A prompt longer than the target's context is a verdict on that prompt, not a sign of a dead engine: 25
+    of them taken up first (more than max_consecutive_failures) leave the run going; each is counted and
+    reported by its reason, and the run passes the failure-share check like any run with a few failed
+    prompts. (On an H200, 39 such ShareGPT prompts reported first stopped a 15,598-prompt run after 7 s.)"""
+    from data_prep.regenerate import check_failures, load_prompt_records, regenerate
+
+    cfg = make_cfg(tmp_path, max_consecutive_failures=20, max_failure_share=0.25)
+    ids = write_prompts(cfg, _in_processing_order(["[full]"] * 25 + ["q"] * 100, streaming))
+    backend = ScriptedStreamBackend(cfg.conversations_path, rows=4) if streaming else ScriptedBackend()
+    backend.batch_size = 5
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
+    if streaming:
+        assert [k for k, _ in backend.streams[0].lines_seen[:25]] == ids[:25], "the long prompts were not first"
+    assert summary.stopped is None
+    assert summary.failed == {"prompt_exceeds_context": 25} and summary.tried == 125 and summary.written == 100
+    assert_each_id_once(cfg, ids[25:])
+    assert "failed prompt_exceeds_context: 25" in summary.to_markdown()
+    check_failures(cfg, summary)  # 20 % of the prompts tried, under the share allowed: no StepFailed
+
+
+def test_mostly_too_long_prompts_end_with_an_error_naming_the_settings(tmp_path: Path) -> None:
+    """Prompts too long for the context do not trip the breaker, but a dataset that is mostly too long still
+    fails the run (max_failure_share) with a message that says which settings to change."""
+    from data_prep.regenerate import check_failures, load_prompt_records, regenerate
+
+    cfg = make_cfg(tmp_path, max_consecutive_failures=5)
+    write_prompts(cfg, [[user(f"{'x' * 100} long {i} [full]")] for i in range(90)]
+                  + [[user(f"q{i}")] for i in range(10)])
+    backend = ScriptedStreamBackend(cfg.conversations_path, rows=4)
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
+    assert summary.stopped is None and summary.tried == 100 and summary.written == 10
+    with pytest.raises(StepFailed, match=r"90 of 100 prompts failed \(prompt_exceeds_context: 90; .*"
+                                         r"max_failure_share=0\.05.*regenerate\.max_context_tokens.*"
+                                         r"data\.max_prompt_chars") as failed:
+        check_failures(cfg, summary)
+    assert "\n" not in str(failed.value)
 
 
 @pytest.mark.parametrize("streaming", [False, True])
