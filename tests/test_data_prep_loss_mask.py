@@ -6,6 +6,7 @@ import copy
 import types
 
 import pytest
+from loss_mask_spans import masked_spans
 
 from data_prep.loss_mask import LossMaskError, render_with_mask
 
@@ -25,24 +26,11 @@ LLAMA3 = (
 )
 
 
-def _masked_spans(tok, r) -> list[str]:
-    spans, cur = [], []
-    for t, m in zip(r.input_ids, r.loss_mask, strict=True):
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(tok.decode(cur))
-            cur = []
-    if cur:
-        spans.append(tok.decode(cur))
-    return spans
-
-
 @pytest.mark.real
 def test_chatml_mask_is_assistant_content_plus_im_end(smollm2):
     tok = smollm2.tokenizer
     r = render_with_mask(tok, CONV, max_length=4096)
-    assert _masked_spans(tok, r) == ["4, of course.<|im_end|>", "It is 6.\nDone!<|im_end|>"]
+    assert masked_spans(tok, r) == ["4, of course.<|im_end|>", "It is 6.\nDone!<|im_end|>"]
     assert r.prefix_fallbacks == 0
     # The newline after <|im_end|> is not in the mask; the token after the last masked one is "\n".
     last = max(i for i, m in enumerate(r.loss_mask) if m)
@@ -56,7 +44,7 @@ def test_llama3_style_template_mask(smollm2):
     tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
     tok.chat_template = LLAMA3
     r = render_with_mask(tok, CONV, max_length=4096)
-    assert _masked_spans(tok, r) == ["4, of course.<|eot_id|>", "It is 6.\nDone!<|eot_id|>"]
+    assert masked_spans(tok, r) == ["4, of course.<|eot_id|>", "It is 6.\nDone!<|eot_id|>"]
     assert r.input_ids[-1] == tok.convert_tokens_to_ids("<|eot_id|>") and r.loss_mask[-1] == 1
 
 
@@ -68,7 +56,7 @@ def test_truncation_and_no_assistant(smollm2):
     assert cut.input_ids == full.input_ids[:20] and cut.loss_mask == full.loss_mask[:20]
     assert render_with_mask(tok, CONV[:2], max_length=4096).num_loss_tokens == 0
     opening = render_with_mask(tok, [{"role": "assistant", "content": "Hi!"}, *CONV[1:3]], max_length=4096)
-    assert _masked_spans(tok, opening) == ["4, of course.<|im_end|>"]
+    assert masked_spans(tok, opening) == ["4, of course.<|im_end|>"]
 
 
 @pytest.mark.real
@@ -109,7 +97,7 @@ def test_a_cut_answer_has_no_loss_on_its_end_of_turn(tok, reason: str) -> None:
     ends = [i for i, t in enumerate(s.input_ids) if t == im_end]
     # the template's default system turn, the user, the cut answer, the user, the answer that stopped
     assert [s.loss_mask[i] for i in ends] == [0, 0, 0, 0, 1]
-    assert _masked_spans(tok, types.SimpleNamespace(input_ids=s.input_ids, loss_mask=s.loss_mask)) == [
+    assert masked_spans(tok, types.SimpleNamespace(input_ids=s.input_ids, loss_mask=s.loss_mask)) == [
         "Rain falls.\nRain falls.", "Snow is cold.<|im_end|>"]
 
 
@@ -147,7 +135,7 @@ def test_an_opening_assistant_turn_has_no_finish_reason(tok) -> None:
     chat = [{"role": "assistant", "content": "Hi! Ask me anything."}, *CUT_CONV]
     r = render_with_mask(tok, chat, 4096, finish_reasons=["loop", "stop"])
     assert _eot_loss(tok, r) == [0, 0, 0, 0, 0, 1]  # system, opening, user, cut answer, user, stopped answer
-    assert _masked_spans(tok, r) == ["Rain falls.\nRain falls.", "Snow is cold.<|im_end|>"]
+    assert masked_spans(tok, r) == ["Rain falls.\nRain falls.", "Snow is cold.<|im_end|>"]
     recs = [{"id": "ok", "messages": chat, "finish_reasons": ["loop", "stop"]},
             {"id": "bad", "messages": chat, "finish_reasons": ["stop", "loop", "stop"]}]
     samples, skipped = render_all(recs, tok, 4096, workers=1)
@@ -169,7 +157,7 @@ def test_a_trimming_template_ends_a_cut_span_at_the_trimmed_text(tok) -> None:
     tok.chat_template = LLAMA3
     chat = [*CONV[:2], {"role": "assistant", "content": "4, of course. \n"}, *CONV[3:]]
     r = render_with_mask(tok, chat, 4096, finish_reasons=["length", "stop"])
-    assert _masked_spans(tok, r) == ["4, of course.", "It is 6.\nDone!<|eot_id|>"] and r.unlocated_ends == 0
+    assert masked_spans(tok, r) == ["4, of course.", "It is 6.\nDone!<|eot_id|>"] and r.unlocated_ends == 0
 
 
 def test_training_refuses_a_store_captured_before_cut_answers_lost_their_end_of_turn(tmp_path, monkeypatch) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from loss_mask_spans import masked_spans
 
 from common.config import parse_config
 from common.wheels import builtin_gguf, converted_gguf_dir
@@ -350,13 +351,7 @@ def test_a_cut_answer_of_a_reasoning_template_ends_where_its_text_does(k25_style
             {"role": "user", "content": "Thanks."},
             {"role": "assistant", "content": "You are welcome."}]
     r = render_with_mask(tok, chat, 512, {"thinking": thinking}, finish_reasons=["loop", "length", "stop"])
-    spans, cur = [], []
-    for t, m in [*zip(r.input_ids, r.loss_mask, strict=True), (None, 0)]:
-        if m:
-            cur.append(t)
-        elif cur:
-            spans.append(tok.decode(cur))
-            cur = []
+    spans = masked_spans(tok, r)
     # a span may start inside the token before it ("|><think>"); what matters here is where each one ends
     if thinking:
         tails = ["\nLet me think. Let me think.", "</think>Sunny. Sunny.", "</think>You are welcome.<|im_end|>"]
