@@ -9,6 +9,10 @@
     # a CPU smoke run (figures not for quoting; BENCH_RESULTS keeps them out of bench/results.json):
     BENCH_RESULTS=/tmp/smoke.json python bench/data_quality.py --config configs/smollm2-135m.yaml \
         --prompts runs/smollm2-135m/prompts.jsonl --regenerate 24 --set regenerate.max_tokens=256
+    # the eval's own greedy answers (label "eval_greedy"): every prompt of the config's eval datasets (their
+    # limits lifted, as eval.quality does), first turn, chat-templated, the target in float32 (the eval's
+    # precision) on the config's device, eval.max_new_tokens each; --limit N per dataset for smoke runs:
+    python bench/data_quality.py --config configs/smollm2-135m-h200.yaml --set target.device=cpu --eval-sets
 
 Per label, under "data_quality" in bench/results.json (a run writing one label keeps the other's figures):
 conversations, answers, answer_tokens (the answers' text under the target's tokenizer), capped_share (finish
@@ -18,6 +22,12 @@ target.loops finds in the answers not already cut, over all answer tokens), afte
 the same answer, over all answer characters), mean_answer_tokens, median_answer_tokens. With --regenerate also
 seconds, answer_tokens_per_s (kept answer tokens a second) and generated_tokens_per_s (plus the tokens a loop
 cut dropped), and the run's loop cuts.
+
+With --eval-sets, per eval dataset under "eval_greedy": answers, answer_tokens (the tokens each greedy answer
+generated, its end-of-turn token not counted), loop_answers (answers ending in a loop tail), loop_tokens and
+loop_token_share (tokens inside those tails by target.loops on the generated tokens themselves, over all
+answer tokens), capped_share (answers that ran to max_new_tokens without ending), mean_answer_tokens,
+median_answer_tokens and seconds (that dataset's greedy pass).
 """
 
 from __future__ import annotations
@@ -36,15 +46,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import command_line, device_name, record, results_path  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
 from data_prep.regenerate import answer_text, load_prompt_records, regenerate  # noqa: E402
-from target.loops import after_first_repeat_chars, retokenized_loop_start  # noqa: E402
+from target.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
 
 NAME = "data_quality"
+LABELS = ("before", "after", "eval_greedy")
 CHAR_WINDOW = 64  # the issue's window
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def token_figures(lengths: list[int], loop_tokens: int) -> dict[str, Any]:
+    """The figures every label shares: answer tokens, the share of them inside loop tails, mean and median."""
+    tokens = sum(lengths)
+    return {"answers": len(lengths), "answer_tokens": tokens,
+            "loop_token_share": round(loop_tokens / max(tokens, 1), 4),
+            "mean_answer_tokens": round(tokens / max(len(lengths), 1), 1),
+            "median_answer_tokens": statistics.median(lengths) if lengths else 0}
 
 
 def measure(records: list[dict[str, Any]], tokenizer: Any, min_repeat_tokens: int = 64,
@@ -63,17 +83,51 @@ def measure(records: list[dict[str, Any]], tokenizer: Any, min_repeat_tokens: in
             if reason != "loop":  # a cut answer ends with its loop's first copy
                 start = retokenized_loop_start(ids, min_repeat_tokens, max_period)
                 loop_tokens += 0 if start is None else len(ids) - start
-    tokens, chars = sum(lengths), sum(map(len, texts))
+    chars = sum(map(len, texts))
     n = max(len(texts), 1)
-    return {"conversations": len(records), "answers": len(texts), "answer_tokens": tokens,
+    return {"conversations": len(records), **token_figures(lengths, loop_tokens),
             "capped_share": round(reasons.count("length") / n, 4),
             "loop_cut_share": round(reasons.count("loop") / n, 4),
-            "loop_token_share": round(loop_tokens / max(tokens, 1), 4),
             "after_first_repeat_char_share": round(sum(after_first_repeat_chars(t, CHAR_WINDOW) for t in texts)
                                                    / max(chars, 1), 4),
-            "mean_answer_tokens": round(tokens / n, 1),
-            "median_answer_tokens": statistics.median(lengths) if lengths else 0,
             "loop_min_repeat_tokens": min_repeat_tokens, "loop_max_period": max_period}
+
+
+def measure_answers(answers: list[list[int]], stops: set[int], max_new: int, min_repeat_tokens: int = 64,
+                    max_period: int = 256) -> dict[str, Any]:
+    """The figures of greedy answers as generated (token ids; one that ended carries its stop token last)."""
+    lengths, loop_answers, loop_tokens, capped = [], 0, 0, 0
+    for ids in answers:
+        ended = bool(ids) and ids[-1] in stops
+        ids = ids[:-1] if ended else ids
+        tail = loop_tail_tokens(ids, min_repeat_tokens, max_period)
+        lengths.append(len(ids))
+        loop_answers += tail > 0
+        loop_tokens += tail
+        capped += not ended and len(ids) >= max_new
+    return {**token_figures(lengths, loop_tokens), "loop_answers": loop_answers, "loop_tokens": loop_tokens,
+            "capped_share": round(capped / max(len(answers), 1), 4)}
+
+
+def eval_greedy(config: str, overrides: list[str], limit: int | None = None) -> dict[str, Any]:
+    """The eval's own greedy answers (eval.quality's prompts and fp32 target), measured per dataset."""
+    from eval.batched_eval import greedy_references
+    from eval.quality import setup
+    from target.hf_model import stop_token_ids
+
+    cfg, target, prompts = setup(config, limit, overrides=overrides)
+    stops, max_new, r = set(stop_token_ids(target.tokenizer)), cfg.eval.max_new_tokens, cfg.regenerate
+    out: dict[str, Any] = {"max_new_tokens": max_new, "dtype": str(target.dtype).removeprefix("torch."),
+                           "limit": limit, "loop_min_repeat_tokens": r.loop_min_repeat_tokens,
+                           "loop_max_period": r.loop_max_period}
+    for name, ps in prompts.items():
+        started = time.perf_counter()
+        refs = greedy_references(target, {name: ps}, max_new)[name]
+        seconds = time.perf_counter() - started
+        out[name] = measure_answers([g.tokens for g in refs], stops, max_new, r.loop_min_repeat_tokens,
+                                    r.loop_max_period) | {"seconds": round(seconds, 1)}
+        print(f"{name}: {json.dumps(out[name])}", flush=True)
+    return out
 
 
 def first_turns(prompts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -116,7 +170,7 @@ def save(measured: dict[str, dict[str, Any]]) -> None:
     path = results_path()
     old = json.loads(path.read_text()).get(NAME, {}) if path.is_file() else {}
     stamp = {"command": command_line(), "device": device_name(), "date": time.strftime("%Y-%m-%d")}
-    labels = {k: v for k, v in old.items() if k in ("before", "after")}
+    labels = {k: v for k, v in old.items() if k in LABELS}
     labels |= {label: stamp | figures for label, figures in measured.items()}
     record(NAME, labels)
 
@@ -135,7 +189,13 @@ def main() -> int:
     ap.add_argument("--first-turns", action="store_true", help="--regenerate: each prompt's first user turn only")
     ap.add_argument("--keep", type=Path, help="--regenerate: keep the conversations in this dir (before.jsonl, "
                     "after.jsonl) instead of a temp dir, e.g. to measure a drafter on the looping ones")
+    ap.add_argument("--eval-sets", action="store_true", help="measure the eval's own greedy answers instead "
+                    "(label eval_greedy): every eval prompt, fp32 target, eval.max_new_tokens")
+    ap.add_argument("--limit", type=int, metavar="N", help="--eval-sets: the first N prompts per dataset (smoke)")
     args = ap.parse_args()
+    if args.eval_sets:
+        save({"eval_greedy": eval_greedy(args.config, args.set, args.limit)})
+        return 0
     cfg = load_config(args.config, args.set)
 
     if args.regenerate is None:

@@ -52,3 +52,32 @@ def test_a_label_is_written_beside_the_other(tmp_path, monkeypatch) -> None:
     assert "command" in data["data_quality"]["before"] and "date" in data["data_quality"]
     data_quality.save({"before": {"answers": 5}})
     assert json.loads(out.read_text())["data_quality"]["after"]["answers"] == 2
+
+
+def test_the_figures_of_greedy_answers_a_loop_a_stop_and_a_cap() -> None:
+    loop = [5, 6] + [1, 2, 3] * 30  # 92 tokens at the cap: 87 copies after the first block
+    stopped = [7, 8, 9, 0]  # 0 is the stop token: not an answer token
+    capped_no_loop = list(range(10, 102))
+    f = data_quality.measure_answers([loop, stopped, capped_no_loop], {0}, max_new=92)
+    assert (f["answers"], f["answer_tokens"], f["loop_answers"], f["loop_tokens"]) == (3, 92 + 3 + 92, 1, 87)
+    assert f["loop_token_share"] == round(87 / 187, 4) and f["capped_share"] == round(2 / 3, 4)
+    assert f["mean_answer_tokens"] == round(187 / 3, 1) and f["median_answer_tokens"] == 92
+
+
+def test_eval_sets_smoke_writes_eval_greedy_beside_the_other_labels(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "results.json"
+    monkeypatch.setenv("BENCH_RESULTS", str(out))
+    data_quality.save({"before": {"answers": 3}})
+    monkeypatch.setattr("sys.argv", ["data_quality.py", "--config", "configs/smollm2-135m.yaml", "--set",
+                                     "eval.max_new_tokens=8", "--set", "target.device=cpu", "--eval-sets",
+                                     "--limit", "2"])
+    assert data_quality.main() == 0
+    dq = json.loads(out.read_text())["data_quality"]
+    assert dq["before"]["answers"] == 3
+    f = dq["eval_greedy"]
+    assert (f["limit"], f["max_new_tokens"], f["dtype"]) == (2, 8, "float32") and "--eval-sets" in f["command"]
+    for name in ("mtbench", "humaneval"):
+        d = f[name]
+        assert d["answers"] == 2 and 0 < d["answer_tokens"] <= 2 * 8
+        assert 0 <= d["loop_tokens"] <= d["answer_tokens"] and d["loop_answers"] <= d["answers"]
+        assert 0 <= d["capped_share"] <= 1 and d["seconds"] >= 0
