@@ -150,6 +150,9 @@ print(best['checkpoint'] if best else '')")
         for w in runs/bench-ablations/worker*.log; do  # the ablation rows' own logs (progress bars folded)
           [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 > "$OUT/$(basename "$w")"
         done
+        for r in runs/bench-regenerate/gpus-*/regenerate.log; do  # regen-bench's child, progress folded
+          [ -f "$r" ] && tr '\r' '\n' < "$r" | tail -n 20 > "$OUT/regen-bench-$(basename "$(dirname "$r")").txt"
+        done
         for t in runs/bench-ablations/*/train.out; do  # each row's training, as `python -m train` printed it
           [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 20 > "$OUT/train-$(basename "$(dirname "$t")").txt"
         done
