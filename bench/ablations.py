@@ -41,9 +41,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
-from bench.runs import REPO, holdout_at, make_run, read_log  # noqa: E402
+from bench.runs import REPO, holdout_at, make_run, read_log, run, train_command  # noqa: E402
 from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
+from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
 DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers")
@@ -55,11 +56,6 @@ def row_overrides(cfg: Any, target_intermediate: int) -> dict[str, list[str]]:
             "ttt_3": ["train.ttt_length=3"], "mlp_x3": [f"drafter.intermediate_size={3 * target_intermediate}"],
             "draft_vocab_32k": ["drafter.draft_vocab_size=32000"], "loop_copies_dropped": [],
             "first_turn_short_answers": []}
-
-
-def conversations_of(path: Path, samples: int) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for i, line in enumerate(f) if line.strip() and (samples <= 0 or i < samples)]
 
 
 def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:
@@ -100,17 +96,9 @@ def loop_copies_dropped(recs: list[dict[str, Any]], tokenizer: Any, copies: int)
     return out
 
 
-def write_jsonl(path: Path, recs: list[dict[str, Any]]) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    tmp.replace(path)
-    return path
-
-
 def worker(args: argparse.Namespace) -> int:
     """Train and measure the given rows in this process (on the GPU it was given); rows go to
     <out>/row-<name>.json."""
-    from bench.runs import run, train_command
     from eval.batched_eval import acceptance, greedy_references
     from eval.quality import load_drafter, setup
 
@@ -143,9 +131,7 @@ def worker(args: argparse.Namespace) -> int:
                "lossless_mismatches": {n: len(s["lossless_mismatches"]) for n, s in stats.items()},
                "holdout": {k.split("/")[1]: v for k, v in holdout_at(run_dir, last).items() if "/" in k},
                "checkpoint": str(run_dir / "checkpoints" / "best")}
-        tmp = args.out / f"row-{name}.json.tmp"
-        tmp.write_text(json.dumps(row))
-        tmp.replace(args.out / f"row-{name}.json")
+        write_json_atomic(args.out / f"row-{name}.json", row)
         print(json.dumps(row), flush=True)
         del drafter
         torch.cuda.empty_cache()
@@ -192,6 +178,7 @@ def main() -> int:
         return worker(args)
 
     from common.config import load_config
+    from data_prep.capture import read_conversations
     from target.hf_model import load_target
 
     cfg = load_config(args.config)
@@ -204,12 +191,14 @@ def main() -> int:
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
         names.remove("loop_copies_dropped")
-    recs = conversations_of(args.conversations, args.samples)
-    write_jsonl(args.out / "data-subset.jsonl", recs)
+    recs = read_conversations(args.conversations)  # validated: a bad line is a one-line error naming it
+    recs = recs[:args.samples] if args.samples > 0 else recs
+    write_jsonl_atomic(args.out / "data-subset.jsonl", recs)
     if "first_turn_short_answers" in names:
-        write_jsonl(args.out / "data-first_turn_short_answers.jsonl", first_turns(recs, tgt.tokenizer))
+        write_jsonl_atomic(args.out / "data-first_turn_short_answers.jsonl", first_turns(recs, tgt.tokenizer))
     if "loop_copies_dropped" in names:
-        write_jsonl(args.out / "data-loop_copies_dropped.jsonl", loop_copies_dropped(recs, tgt.tokenizer, copies))
+        write_jsonl_atomic(args.out / "data-loop_copies_dropped.jsonl",
+                           loop_copies_dropped(recs, tgt.tokenizer, copies))
     todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
     figures = {"conversations": len(recs), "k": 3, "temperature": 0.0,
                **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}
