@@ -15,7 +15,9 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
   this row is its tau cost);
 - loop_copies_dropped: the data with each loop answer's kept copies (regenerate.loop_keep_tokens) taken off
   again, i.e. answers cut at the loop's first copy: whether the bounded loop tail teaches decoding;
-- first_turn_short_answers: first turns with answers of at most 256 tokens (what the old data engine made).
+- first_turn_short_answers: first turns with answers of at most 256 tokens (what the old data engine made);
+- aux_late: the top aux id moved to N-2, the latest layer whose output SGLang can capture (its residual stream
+  is closest to the target's own next-token prediction; the config's is N-3).
 Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trains each of its rows with the
 user's own command (``python -m train``, a process of its own: <row>/train.out) and then measures it. Each row
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
@@ -45,17 +47,19 @@ from bench.runs import REPO, holdout_at, make_run, read_log, run, train_command 
 from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
 from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
+from target.aux_layers import resolve_aux_layer_ids  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
 DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers")
 
 
-def row_overrides(cfg: Any, target_intermediate: int) -> dict[str, list[str]]:
+def row_overrides(cfg: Any, target_intermediate: int, target_layers: int) -> dict[str, list[str]]:
     """Each row's config overrides (data rows: none; their data differs)."""
+    low, mid, _ = resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, target_layers)
     return {"baseline": [], "init_from_target": ["drafter.init=target"], "lr_x3": [f"train.lr={3 * cfg.train.lr:g}"],
             "ttt_3": ["train.ttt_length=3"], "mlp_x3": [f"drafter.intermediate_size={3 * target_intermediate}"],
             "draft_vocab_32k": ["drafter.draft_vocab_size=32000"], "loop_copies_dropped": [],
-            "first_turn_short_answers": []}
+            "first_turn_short_answers": [], "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"]}
 
 
 def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:
@@ -99,6 +103,7 @@ def loop_copies_dropped(recs: list[dict[str, Any]], tokenizer: Any, copies: int)
 def worker(args: argparse.Namespace) -> int:
     """Train and measure the given rows in this process (on the GPU it was given); rows go to
     <out>/row-<name>.json."""
+    from common.config import load_config
     from eval.batched_eval import acceptance, greedy_references
     from eval.quality import load_drafter, setup
 
@@ -117,7 +122,8 @@ def worker(args: argparse.Namespace) -> int:
         # process that holds a CUDA context (training's render pool, its data loader) can hang the children.
         run(train_command(config), log=run_dir / "train.out")
         trained = time.time() - start
-        drafter, aux_ids = load_drafter(target, cfg, run_dir / "checkpoints" / "best")
+        # the row's own config: its aux ids may differ from the base config's (aux_late)
+        drafter, aux_ids = load_drafter(target, load_config(config), run_dir / "checkpoints" / "best")
         stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs,
                            tie_epsilon=cfg.eval.tie_epsilon)
         log = read_log(run_dir)
@@ -183,7 +189,7 @@ def main() -> int:
 
     cfg = load_config(args.config)
     tgt = load_target(cfg.target.name, device="cpu")
-    rows = row_overrides(cfg, tgt.model.config.intermediate_size)
+    rows = row_overrides(cfg, tgt.model.config.intermediate_size, tgt.model.config.num_hidden_layers)
     names = list(rows) if args.rows == "all" else args.rows.split(",")
     if unknown := [n for n in names if n not in rows]:
         ap.error(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(rows)}")
