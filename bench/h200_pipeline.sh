@@ -24,8 +24,8 @@
 #   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
 #   quality      bench/drafter_quality.py eval                      -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
-#   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row) and the
-#                logs' tails into $OUT
+#   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row) and
+#                logs.tar.gz (the logs' tails, the ablation rows) into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -146,17 +146,21 @@ print(best['checkpoint'] if best else '')")
           cp "$best/config.json" "$OUT/best-config.json"
           split -b 15M "$best/model.safetensors" "$OUT/best-model.part-"
         fi
-        tail -n 40 "$LOGS"/*.log > "$OUT/logs-tail.txt" 2>/dev/null
-        for w in runs/bench-ablations/worker*.log; do  # the ablation rows' own logs (progress bars folded)
-          [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 > "$OUT/$(basename "$w")"
+        # the logs in one archive (a call returns at most 8 files): the phases' tails, the ablation workers' and
+        # rows' own output (progress bars folded), regen-bench's child, the rows' figures
+        logs=$(mktemp -d)
+        tail -n 40 "$LOGS"/*.log > "$logs/logs-tail.txt" 2>/dev/null
+        for w in runs/bench-ablations/worker*.log; do
+          [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 > "$logs/$(basename "$w")"
         done
-        for r in runs/bench-regenerate/gpus-*/regenerate.log; do  # regen-bench's child, progress folded
-          [ -f "$r" ] && tr '\r' '\n' < "$r" | tail -n 20 > "$OUT/regen-bench-$(basename "$(dirname "$r")").txt"
+        for r in runs/bench-regenerate/gpus-*/regenerate.log; do
+          [ -f "$r" ] && tr '\r' '\n' < "$r" | tail -n 20 > "$logs/regen-bench-$(basename "$(dirname "$r")").txt"
         done
-        for t in runs/bench-ablations/*/train.out; do  # each row's training, as `python -m train` printed it
-          [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 20 > "$OUT/train-$(basename "$(dirname "$t")").txt"
+        for t in runs/bench-ablations/*/train.out; do
+          [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 20 > "$logs/train-$(basename "$(dirname "$t")").txt"
         done
-        cp runs/bench-ablations/row-*.json "$OUT/" 2>/dev/null
+        cp runs/bench-ablations/row-*.json "$logs/" 2>/dev/null
+        tar -czf "$OUT/logs.tar.gz" -C "$logs" .
       fi ;;
     *) echo "unknown phase $p"; failed+=("$p") ;;
   esac
