@@ -148,6 +148,17 @@ def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], list[Any], int, d
                                  max_answer_tokens=max_answer_tokens, finish_reasons=reasons)]
 
 
+def render_pool_context() -> Any:
+    """How render_all starts its workers: forked (instant) unless this process already holds a CUDA context,
+    then from a fork server (a clean process; the workers only render). A forked child inherits the driver's
+    threads' locks in whatever state they were: the known hazard at the point where trainers started side by
+    side on one H200 (ablation rows; each loads its target on the GPU, then renders) all stopped, at 0 % GPU
+    (bench/RESULTS.md; the cause was not confirmed there)."""
+    import multiprocessing as mp
+
+    return mp.get_context("forkserver" if torch.cuda.is_initialized() else "fork")
+
+
 def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
                template_kwargs: dict[str, Any] | None = None, workers: int | None = None,
                max_answer_tokens: int | None = None) -> tuple[list[Sample], Counter]:
@@ -156,8 +167,9 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
     calls are part of the assistant turns. Its ``finish_reasons`` (regenerate's) decide which answers keep their
     end-of-turn marker in the loss (``loss_mask``: not a cut one's). ``max_answer_tokens`` (train.max_answer_tokens):
     only each assistant turn's first N tokens carry loss. The one rendering of training samples, for the store
-    (capture) and online training (train.data). Many chats are rendered by a pool of forked workers (``workers``,
-    default: the cores, at most 16): the chat template is Python, one core a chat."""
+    (capture) and online training (train.data). Many chats are rendered by a pool of workers (``workers``,
+    default: the cores, at most 16; started as ``render_pool_context`` says): the chat template is Python, one
+    core a chat."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     unique = []
@@ -173,12 +185,10 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
     kwargs = dict(template_kwargs or {})
     workers = workers or min(16, os.cpu_count() or 1)
     if workers > 1 and len(chats) >= RENDER_POOL_MIN:
-        import multiprocessing as mp
-
         size = -(-len(chats) // (workers * 4))
         jobs = [(tokenizer, chats[a:a + size], tools[a:a + size], reasons[a:a + size], max_length, kwargs,
                  max_answer_tokens) for a in range(0, len(chats), size)]
-        with mp.get_context("fork").Pool(workers, initializer=die_with_parent) as pool:  # none outlives us
+        with render_pool_context().Pool(workers, initializer=die_with_parent) as pool:  # none outlives us
             rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
     else:
         rendered = _render_chunk((tokenizer, chats, tools, reasons, max_length, kwargs, max_answer_tokens))
