@@ -7,7 +7,8 @@ Every row trains online from scratch on the first --samples regenerated conversa
 split is theirs) for --epochs epochs (or --steps steps), then is measured like the shipped drafter (k=3, T=0,
 every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--rows picks some):
 - baseline: the config's recipe and data;
-- init_from_target: the drafter starts from the target's last layer, final norm and head;
+- init_from_target: the drafter starts from the target's last layer, final norm and head (left out where the
+  config's drafter.init is target already);
 - lr_x3: three times train.lr;
 - ttt_3: TTT length 3 instead of the config's;
 - mlp_x3: an MLP three times the target's width (drafter.intermediate_size; capacity, at a size cost);
@@ -193,6 +194,9 @@ def main() -> int:
     names = list(rows) if args.rows == "all" else args.rows.split(",")
     if unknown := [n for n in names if n not in rows]:
         ap.error(f"--rows: unknown {', '.join(unknown)}; rows are {', '.join(rows)}")
+    if "init_from_target" in names and cfg.drafter.init == "target":
+        print("init_from_target: left out, the config's drafter already starts from the target", file=sys.stderr)
+        names.remove("init_from_target")
     copies = cfg.regenerate.loop_keep_tokens
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
