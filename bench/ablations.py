@@ -23,6 +23,8 @@ Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trai
 user's own command (``python -m train``, a process of its own: <row>/train.out) and then measures it. Each row
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
 rows it finished; a rerun skips them (a row cut mid-training resumes from its checkpoint of every 100 steps).
+A row whose training prints nothing for --stall-seconds is killed and listed under "rows_failed" with the reason
+(side by side on one H200, trainers have stopped right after loading the target; a rerun retries the row).
 
 <out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin, for the
 final run to use ("keep what helps"; data rows are reported, not kept: they change regeneration).
@@ -121,7 +123,14 @@ def worker(args: argparse.Namespace) -> int:
         start = time.time()
         # The user's command, in its own process: this one has used the GPU (the references), and forking a
         # process that holds a CUDA context (training's render pool, its data loader) can hang the children.
-        run(train_command(config), log=run_dir / "train.out")
+        failed = args.out / f"failed-{name}.json"
+        try:
+            run(train_command(config), log=run_dir / "train.out", silent_limit_s=args.stall_seconds)
+        except RuntimeError as e:  # this row is reported as failed; the worker's other rows still run
+            write_json_atomic(failed, {"name": name, "reason": str(e).splitlines()[0]})
+            print(f"{name}: {str(e).splitlines()[0]}", flush=True)
+            continue
+        failed.unlink(missing_ok=True)
         trained = time.time() - start
         # the row's own config: its aux ids may differ from the base config's (aux_late)
         drafter, aux_ids = load_drafter(target, load_config(config), run_dir / "checkpoints" / "best")
@@ -158,8 +167,10 @@ def summarize(out: Path, names: list[str], margin: float, figures: dict[str, Any
                 keep += r["overrides"]
     (out / "keep.json").write_text(json.dumps(keep))
     missing = [n for n in names if n not in {r["name"] for r in rows}]
-    record("ablations", figures | {"rows": rows, "rows_missing": missing, "kept_overrides": keep,
-                                   "keep_margin": margin})
+    failed = {n: json.loads((out / f"failed-{n}.json").read_text())["reason"] for n in missing
+              if (out / f"failed-{n}.json").is_file()}
+    record("ablations", figures | {"rows": rows, "rows_missing": missing, "rows_failed": failed,
+                                   "kept_overrides": keep, "keep_margin": margin})
     return keep
 
 
@@ -175,6 +186,8 @@ def main() -> int:
     ap.add_argument("--rows", default="all", help="comma-separated row names (default: all)")
     ap.add_argument("--procs-per-gpu", type=int, default=1)
     ap.add_argument("--margin", type=float, default=0.02)
+    ap.add_argument("--stall-seconds", type=float, default=240.0,
+                    help="a row's training that prints nothing for this long is killed and reported as failed")
     ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
     ap.add_argument("--worker-rows", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
@@ -217,10 +230,13 @@ def main() -> int:
     for s in range(min(slots, len(todo))):
         cmd = [sys.executable, __file__, "--config", args.config, "--conversations", str(args.conversations),
                "--out", str(args.out), "--worker-rows", ",".join(todo[s::slots]), "--overrides", json.dumps(rows),
+               "--stall-seconds", str(args.stall_seconds),
                *(["--steps", str(args.steps)] if args.steps is not None else ["--epochs", str(args.epochs)])]
         cmd += ["--limit", str(args.limit)] if args.limit else []
         gpu = s % max(1, torch.cuda.device_count())
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if torch.cuda.is_available() else dict(os.environ)
+        # rows side by side share the cores: each trainer's compiler gets its share of worker processes
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // slots)))
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(args.out / f"worker{s}.log", "w"),
                                       stderr=subprocess.STDOUT, **parent_death.stage_kwargs()))  # die with us
     seen = {n for n in names if (args.out / f"row-{n}.json").is_file()}

@@ -159,7 +159,7 @@ print(best['checkpoint'] if best else '')")
         for t in runs/bench-ablations/*/train.out; do
           [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 20 > "$logs/train-$(basename "$(dirname "$t")").txt"
         done
-        cp runs/bench-ablations/row-*.json "$logs/" 2>/dev/null
+        cp runs/bench-ablations/row-*.json runs/bench-ablations/failed-*.json "$logs/" 2>/dev/null
         tar -czf "$OUT/logs.tar.gz" -C "$logs" .
       fi ;;
     *) echo "unknown phase $p"; failed+=("$p") ;;

@@ -9,6 +9,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,34 @@ def train_command(config: Path, gpus: int = 1, precision: str | None = None) -> 
     return [*launch, "-m", "train", "--config", str(config)]
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None) -> None:
+class Stalled(RuntimeError):
+    """A run that printed nothing for longer than its silence limit, killed."""
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None,
+        silent_limit_s: float | None = None) -> None:
+    """Run ``cmd`` from the repo root (its output to ``log``); a failure raises with the log's tail.
+    ``silent_limit_s`` (with ``log``): kill it once the log has not grown for that long, so one hung run cannot
+    hold its GPU slot until the device call ends (training prints every step)."""
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     with open(log, "w") if log else open(os.devnull, "w") as sink:
-        proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=sink if log else None,
-                              stderr=subprocess.STDOUT if log else None, **parent_death.stage_kwargs())  # dies with us
+        proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})}, stdout=sink if log else None,
+                                stderr=subprocess.STDOUT if log else None,
+                                **parent_death.stage_kwargs())  # dies with us
+        size, quiet_since = -1, time.monotonic()
+        while True:
+            try:
+                proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                if log is None or silent_limit_s is None:
+                    continue
+            if (now_size := log.stat().st_size) != size:
+                size, quiet_since = now_size, time.monotonic()
+            elif time.monotonic() - quiet_since > silent_limit_s:
+                proc.kill()
+                proc.wait()
+                raise Stalled(f"no output for {silent_limit_s:g} s, killed: {' '.join(cmd)} (log: {log})")
     if proc.returncode != 0:
         tail = log.read_text()[-3000:] if log else ""
         raise RuntimeError(f"{exit_reason(proc.returncode)}: {' '.join(cmd)}\n{tail}")
