@@ -255,6 +255,10 @@ class TrainConfig(Section):
     max_grad_norm: PositiveFloat = 0.5
     ttt_length: PositiveInt = 7
     loss_decay: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 0.8
+    teacher_temperature: Annotated[float, Field(gt=0.0, description=(
+        "The target distribution the drafter is trained toward, at this temperature: below 1 it sharpens toward "
+        "the target's argmax, the one token greedy verification accepts (a small drafter spends less of itself "
+        "on the tail)")), NotBool] = 1.0
     holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0), NotBool] = 0.05
     eval_every: PositiveInt = 200
     save_every: PositiveInt = 200

@@ -183,8 +183,8 @@ def setup(cfg: Any, resume: str) -> Run:
         how += "; " + scale_aux_inputs(drafter, data, accelerator.device)
     compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     rows = teacher_rows(data, drafter) if data.teacher == "hidden" else None
-    model = TTTModel(drafter, rows, train_cfg.ttt_length, train_cfg.loss_decay).to_device(accelerator.device,
-                                                                                          compute_dtype)
+    model = TTTModel(drafter, rows, train_cfg.ttt_length, train_cfg.loss_decay,
+                     train_cfg.teacher_temperature).to_device(accelerator.device, compute_dtype)
     n_train = sum(p.numel() for p in trainable(model))
     accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; {accelerator.num_processes} "
                       f"process{'es' if accelerator.num_processes > 1 else ''}; "
