@@ -17,6 +17,10 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
 - loop_copies_dropped: the data with each loop answer's kept copies (regenerate.loop_keep_tokens) taken off
   again, i.e. answers cut at the loop's first copy: whether the bounded loop tail teaches decoding;
 - first_turn_short_answers: first turns with answers of at most 256 tokens (what the old data engine made);
+- aux_scaled: fc reads each aux state scaled to rows of RMS about 1 while training (drafter.aux_scale=per_state;
+  folded into fc at save, so the checkpoint is served as is);
+- sharp_teacher: trained toward the target's distribution at temperature 0.5 (train.teacher_temperature), nearer
+  its argmax, the token greedy verification accepts;
 - aux_late: the top aux id moved to N-2, the latest layer whose output SGLang can capture (its residual stream
   is closest to the target's own next-token prediction; the config's is N-3).
 Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trains each of its rows with the
@@ -62,7 +66,9 @@ def row_overrides(cfg: Any, target_intermediate: int, target_layers: int) -> dic
     return {"baseline": [], "init_from_target": ["drafter.init=target"], "lr_x3": [f"train.lr={3 * cfg.train.lr:g}"],
             "ttt_3": ["train.ttt_length=3"], "mlp_x3": [f"drafter.intermediate_size={3 * target_intermediate}"],
             "draft_vocab_32k": ["drafter.draft_vocab_size=32000"], "loop_copies_dropped": [],
-            "first_turn_short_answers": [], "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"]}
+            "first_turn_short_answers": [], "aux_scaled": ["drafter.aux_scale=per_state"],
+            "sharp_teacher": ["train.teacher_temperature=0.5"],
+            "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"]}
 
 
 def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:

@@ -56,7 +56,7 @@ def main() -> int:
     hidden = target.hidden_size
     per_layer: list[list[torch.Tensor]] = [[] for _ in ids]
     with torch.no_grad():
-        for name, sets in prompts.items():
+        for sets in prompts.values():
             for prompt in sets:
                 aux = target.forward(torch.tensor([prompt]), ids, logits=False).aux[0].float().cpu()
                 for j in range(len(ids)):

@@ -85,6 +85,10 @@ class DrafterConfig(Section):
     init: Literal["random", "target"] = Field(
         "random", description="A fresh drafter's weights: random, or copied from the target where the shapes "
         "allow (lm_head rows, final norm, last layer, fc passing the top aux layer through).")
+    aux_scale: Literal["none", "per_state"] = Field(
+        "none", description="per_state: while training, fc reads each aux state scaled to rows of RMS about 1 "
+        "(sqrt(H) / its median row norm over the first training samples; deeper states are several times larger, "
+        "bench/aux_scales.py); every saved checkpoint has the scale folded into fc, so SGLang serves it as is.")
     draft_vocab_size: PositiveInt = 32000
     intermediate_size: PositiveInt | None = None
     num_attention_heads: PositiveInt | None = None
@@ -251,6 +255,10 @@ class TrainConfig(Section):
     max_grad_norm: PositiveFloat = 0.5
     ttt_length: PositiveInt = 7
     loss_decay: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 0.8
+    teacher_temperature: Annotated[float, Field(gt=0.0, description=(
+        "The target distribution the drafter is trained toward, at this temperature: below 1 it sharpens toward "
+        "the target's argmax, the one token greedy verification accepts (a small drafter spends less of itself "
+        "on the tail)")), NotBool] = 1.0
     holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0), NotBool] = 0.05
     eval_every: PositiveInt = 200
     save_every: PositiveInt = 200

@@ -193,6 +193,8 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d)
         inv_freq, self.rope_scaling_factor = rope_inv_freq(shape)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # fc reads aux * aux_scale while training (drafter.aux_scale); a saved checkpoint has it folded into fc
+        self.register_buffer("aux_scale", torch.ones(3 * shape.hidden_size), persistent=False)
 
     # -- pieces ------------------------------------------------------------------------------
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
@@ -210,11 +212,13 @@ class Eagle3Drafter(nn.Module):
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (torch's own signature)
         """Casts (eval's ``.to(target.dtype)``, DeepSpeed's bf16 engine) move ``inv_freq`` but never round it:
         a bf16 frequency is off by up to 2^-9 relative, a rotation error that grows with position (radians at a
-        few thousand tokens). SGLang computes the frequencies in fp32 whatever the weights' dtype."""
-        before = self.inv_freq
+        few thousand tokens). SGLang computes the frequencies in fp32 whatever the weights' dtype. ``aux_scale``
+        stays fp32 too: it is folded into fc at every save."""
+        before = {name: getattr(self, name) for name in ("inv_freq", "aux_scale")}
         super()._apply(fn, recurse)
-        if self.inv_freq.dtype != before.dtype:
-            self.inv_freq = before.to(self.inv_freq.device)
+        for name, old in before.items():
+            if getattr(self, name).dtype != old.dtype:
+                setattr(self, name, old.to(getattr(self, name).device))
         return self
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -226,7 +230,20 @@ class Eagle3Drafter(nn.Module):
 
     def project_aux(self, aux: Tensor) -> Tensor:
         """(B, T, 3H) target aux states -> (B, T, H) first-step hidden."""
-        return self.fc(aux)
+        return self.fc(aux * self.aux_scale.to(aux.dtype))
+
+    @torch.no_grad()
+    def set_aux_scale(self, scale: Tensor) -> None:
+        """Let fc read ``aux * scale`` (3H,), its weight divided to match, so the drafter computes the same function
+        and only the optimizer sees standardized inputs (each weight's step moves the output alike whatever its
+        input's scale). SGLang reads fc alone: ``servable_fc_weight`` folds the scale back in."""
+        scale = scale.to(self.aux_scale.device, torch.float32)
+        self.fc.weight.copy_((self.fc.weight.float() * (self.aux_scale.float() / scale)).to(self.fc.weight.dtype))
+        self.aux_scale.copy_(scale)
+
+    def servable_fc_weight(self) -> Tensor:
+        """fc's weight as SGLang applies it to the raw aux states: the scale folded in."""
+        return (self.fc.weight.detach().float() * self.aux_scale.float()).to(self.fc.weight.dtype)
 
     def step(self, input_ids: Tensor, hidden: Tensor, positions: Tensor,
              past: tuple[Tensor, Tensor] | None = None, mask: Tensor | None = None,

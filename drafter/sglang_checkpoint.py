@@ -207,7 +207,8 @@ def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
     with torch.device("meta"):
         model = Eagle3Drafter(shape)
     model = model.to_empty(device="cpu")
-    model.inv_freq.copy_(rope_inv_freq(shape)[0])  # a non-persistent buffer: not in the file
+    model.inv_freq.copy_(rope_inv_freq(shape)[0])  # non-persistent buffers: not in the file
+    model.aux_scale.fill_(1.0)  # the file's fc has any training-time scale folded in
     torch.nn.init.zeros_(model.embed_tokens.weight)  # placeholder until set_embeddings(target's)
     model.hf_config_extra = cfg
     state = load_tensors(ckpt_dir, list(wanted))
@@ -226,7 +227,7 @@ def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfl
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = fresh_tmp_dir(out_dir)
     float_dtype = torch_dtype(dtype)
-    state, own = {}, model.state_dict()
+    state, own = {}, {**model.state_dict(), "fc.weight": model.servable_fc_weight()}
     for name, (_, kind) in expected_tensors(model.shape).items():
         t = own[name].detach().cpu()
         state[name] = t.to(float_dtype) if kind == "float" else t.to(torch.int64 if kind == "int64" else torch.bool)

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from train_fixtures import make_config, make_store
 
 ENV = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
@@ -25,14 +26,16 @@ def _losses(root: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if "loss" in r]
 
 
-def test_kill9_then_resume_matches_uninterrupted(tmp_path):
+@pytest.mark.parametrize("aux_scale", ["none", "per_state"])
+def test_kill9_then_resume_matches_uninterrupted(tmp_path, aux_scale: str):
     # A 2-window accumulation and more steps than one epoch: the resume must restore the epoch,
-    # the batch position, the optimizer, the schedule and every RNG.
+    # the batch position, the optimizer, the schedule and every RNG (and, with per_state, fc's input scale).
     train = dict(max_steps=14, epochs=10, save_every=4, grad_accum=2, batch_tokens=60, log_every=2)
     a, b = tmp_path / "a", tmp_path / "b"
     for root in (a, b):
         make_store(root / "run" / "store", n_samples=20, length=16)
-    cfg_a, cfg_b = make_config(a, **train), make_config(b, **train)
+    drafter = {"aux_scale": aux_scale}
+    cfg_a, cfg_b = make_config(a, drafter=drafter, **train), make_config(b, drafter=drafter, **train)
     proc = _run(cfg_a)
     assert proc.communicate(timeout=120) and proc.returncode == 0
     want = _losses(a)
@@ -51,5 +54,6 @@ def test_kill9_then_resume_matches_uninterrupted(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert "drafter: resume from" in out and "step-0000" in out, out  # it continued, not restarted
+    assert ("fc reads the aux states scaled by" in out) is (aux_scale == "per_state"), out
     got = _losses(b)
     assert got == want  # exact float equality, step by step

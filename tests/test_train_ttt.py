@@ -10,7 +10,8 @@ import torch
 from drafter.model import attention, causal_mask
 from drafter.vocab_map import build_vocab_map
 from train.attention import ttt_flex_attention
-from train.ttt import supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
+from train.module import TTTModel
+from train.ttt import sharpen, supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
 
 B, T, N, DECAY = 2, 7, 3, 0.7
 
@@ -281,3 +282,23 @@ def test_the_ttt_step_compiles_its_soft_ce_a_few_times_for_every_batch_shape(map
         for name, grad in results["eager"][1].items():
             torch.testing.assert_close(results["compiled"][1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     assert compiled <= 4
+
+
+def test_a_sharper_teacher_is_the_target_distribution_at_that_temperature(mapped):
+    """train.teacher_temperature: the TTT step trains toward softmax(target logits / T) over the draft vocab; its
+    accuracy still counts the target's argmax, which sharpening keeps."""
+    m = mapped
+    ids, aux, last, lm_head, mask = _batch(m.shape)
+    argmax = (last @ lm_head.t()).argmax(-1)
+    rows = lm_head[m.to_target_ids(torch.arange(m.shape.draft_vocab_size))]
+    logp = teacher_from_hidden(last, rows)
+    assert sharpen(logp, 1.0) is logp
+    sharp = sharpen(logp, 0.5)
+    torch.testing.assert_close(sharp, torch.log_softmax((last @ rows.t()) / 0.5, dim=-1))
+    assert torch.equal(sharp.argmax(-1), logp.argmax(-1)) and bool((sharp.max(-1).values > logp.max(-1).values).all())
+    res = {t: TTTModel(m, rows, N, DECAY, teacher_temperature=t)(ids, mask, aux, argmax, last_hidden=last)
+           for t in (1.0, 0.5)}
+    want = ttt_forward(m, ids, aux, supervision(sharp, argmax, mask, m.t2d), N, DECAY)
+    assert float(res[0.5].loss) == pytest.approx(float(want.loss), rel=1e-6)
+    assert float(res[0.5].loss) != pytest.approx(float(res[1.0].loss), rel=1e-3)
+    assert torch.equal(res[0.5].correct, res[1.0].correct)  # the same drafter: the same hits

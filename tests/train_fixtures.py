@@ -84,13 +84,13 @@ def make_store(store: Path, n_samples: int = 48, length: int = 24, shard_samples
     return store
 
 
-def make_config(root: Path, tracking: dict | None = None, **train: object) -> Path:
+def make_config(root: Path, tracking: dict | None = None, drafter: dict | None = None, **train: object) -> Path:
     """A run config over a tiny store in root/run/store and a tiny target config in root/target; ``train``
-    keys go to the train section."""
+    keys go to the train section, ``drafter`` keys to the drafter section."""
     tree = {
         "run_dir": str(root / "run"),
         "target": {"name": str(make_target(root)), "aux_layer_ids": [0, 1, 2]},
-        "drafter": {"draft_vocab_size": DRAFT_V, "intermediate_size": 64},
+        "drafter": {"draft_vocab_size": DRAFT_V, "intermediate_size": 64, **(drafter or {})},
         "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
         "train": {"epochs": 1, "batch_tokens": 192, "lr": 3e-3, "warmup_ratio": 0.05, "ttt_length": 3,
                   "holdout_fraction": 0.15, "eval_every": 1000, "save_every": 1000, "log_every": 5,

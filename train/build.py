@@ -17,7 +17,7 @@ from drafter.target_init import init_from_target
 from drafter.vocab_map import build_vocab_map
 from target.hf_index import last_layer_names, target_tensors
 from target.hf_model import resolve_source, target_text_config
-from train.data import TrainingData
+from train.data import TrainingData, to_device
 
 
 def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
@@ -47,6 +47,35 @@ def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
     set_ = init_from_target(model, target_tensors(resolve_source(cfg.target.name, cfg.target.gguf_file),
                                                   last_layer_names(n)), data.head["lm_head.weight"], n)
     return model, f"from scratch, initialised from the target ({len(set_)} tensors: {', '.join(set_)})"
+
+
+AUX_SCALE_SAMPLES = 64
+
+
+@torch.no_grad()
+def aux_state_scales(data: TrainingData, device: torch.device, samples: int = AUX_SCALE_SAMPLES) -> Tensor:
+    """(3H,) fp32 for ``drafter.aux_scale: per_state``: per aux state, sqrt(H) / its median row norm over every
+    token of the first ``samples`` training samples, repeated over the state's H columns. The median, not the
+    mean: a few rows carry massive activations (bench/aux_scales.py). The same samples on every process and at
+    every resume, so all of them scale alike."""
+    ds = data.train.head(samples)
+    norms: list[list[Tensor]] = [[], [], []]
+    for raw in data.loader(ds, [[i] for i in range(len(ds))], device, 1):
+        aux = data.complete(to_device(raw, device))["aux"].float()[0]  # (T, 3H): one sample, no padding
+        for j, state in enumerate(aux.chunk(3, dim=-1)):
+            norms[j].append(state.norm(dim=-1))
+    hidden = data.target["hidden_size"]
+    medians = torch.stack([torch.cat(n).median() for n in norms]).clamp_min(1e-6)
+    return (hidden ** 0.5 / medians).repeat_interleave(hidden).cpu()
+
+
+def scale_aux_inputs(model: Eagle3Drafter, data: TrainingData, device: torch.device) -> str:
+    """``drafter.aux_scale: per_state``: the drafter's fc reads standardized aux states from here on (its function
+    unchanged, ``Eagle3Drafter.set_aux_scale``); returns what was done, for the run's first line."""
+    scale = aux_state_scales(data, device)
+    model.set_aux_scale(scale)
+    hidden = data.target["hidden_size"]
+    return "fc reads the aux states scaled by " + " / ".join(f"{float(x):.3g}" for x in scale[::hidden])
 
 
 def teacher_rows(data: TrainingData, model: Eagle3Drafter) -> Tensor:

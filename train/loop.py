@@ -32,7 +32,7 @@ from common.tracking import flat_config, make_trackers
 from common.wheels import MissingWheelError
 from data_prep.dataset import TokenBudgetSampler
 from train import run_checkpoints
-from train.build import build_drafter, teacher_rows
+from train.build import build_drafter, scale_aux_inputs, teacher_rows
 from train.data import TrainingData, to_device, training_data
 from train.module import TTTModel
 from train.optim import make_optimizer, make_scheduler, trainable
@@ -179,10 +179,12 @@ def setup(cfg: Any, resume: str) -> Run:
         cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_from": str(resume_from)})})
     drafter, how = build_drafter(cfg, data)
     how = f"resume from {resume_from}" if resume_from else how
+    if cfg.drafter.aux_scale == "per_state":  # before DDP wraps it: every process computes the same scale
+        how += "; " + scale_aux_inputs(drafter, data, accelerator.device)
     compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     rows = teacher_rows(data, drafter) if data.teacher == "hidden" else None
-    model = TTTModel(drafter, rows, train_cfg.ttt_length, train_cfg.loss_decay).to_device(accelerator.device,
-                                                                                          compute_dtype)
+    model = TTTModel(drafter, rows, train_cfg.ttt_length, train_cfg.loss_decay,
+                     train_cfg.teacher_temperature).to_device(accelerator.device, compute_dtype)
     n_train = sum(p.numel() for p in trainable(model))
     accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; {accelerator.num_processes} "
                       f"process{'es' if accelerator.num_processes > 1 else ''}; "

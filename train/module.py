@@ -11,15 +11,16 @@ import torch
 from torch import Tensor, nn
 
 from drafter.model import Eagle3Drafter, attention
-from train.ttt import TTTResult, supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
+from train.ttt import TTTResult, sharpen, supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
 
 
 class TTTModel(nn.Module):
-    def __init__(self, drafter: Eagle3Drafter, head_rows: Tensor | None, ttt_length: int, decay: float):
+    def __init__(self, drafter: Eagle3Drafter, head_rows: Tensor | None, ttt_length: int, decay: float,
+                 teacher_temperature: float = 1.0):
         super().__init__()
         self.drafter = drafter
         self.head_rows = head_rows
-        self.ttt_length, self.decay = ttt_length, decay
+        self.ttt_length, self.decay, self.teacher_temperature = ttt_length, decay, teacher_temperature
 
     def to_device(self, device: torch.device, dtype: torch.dtype) -> TTTModel:
         """Teacher rows in the compute dtype; the frozen embedding likewise (lookups only)."""
@@ -45,6 +46,6 @@ class TTTModel(nn.Module):
                 teacher = teacher_from_hidden(last_hidden, self.head_rows)
             else:
                 teacher = teacher_from_topk(topk_ids, topk_logprobs, d.t2d)
-            sup = supervision(teacher, target_argmax, loss_mask, d.t2d)
+            sup = supervision(sharpen(teacher, self.teacher_temperature), target_argmax, loss_mask, d.t2d)
         return ttt_forward(d, input_ids, aux.to(dtype), sup, self.ttt_length, self.decay,
                            attn_fn=self.attn_fn(input_ids.device))

@@ -73,6 +73,14 @@ def teacher_from_topk(topk_ids: Tensor, topk_logprobs: Tensor, t2d: Tensor) -> T
     return torch.where(torch.isfinite(logp).any(-1, keepdim=True), logp, torch.full_like(logp, -math.log(vd)))
 
 
+def sharpen(teacher_logp: Tensor, temperature: float) -> Tensor:
+    """The teacher's log-probs at ``temperature`` (train.teacher_temperature), renormalised: below 1 the mass moves
+    toward its argmax, which is what greedy verification accepts; 1 returns them unchanged."""
+    if temperature == 1.0:
+        return teacher_logp
+    return torch.log_softmax(teacher_logp / temperature, dim=-1)
+
+
 def supervision(teacher_logp: Tensor, target_argmax: Tensor, loss_mask: Tensor, t2d: Tensor) -> Supervision:
     argmax = target_argmax.long()
     label = F.pad(loss_mask.bool()[:, 1:], (0, 1), value=False)
