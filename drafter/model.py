@@ -193,8 +193,9 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", t2d)
         inv_freq, self.rope_scaling_factor = rope_inv_freq(shape)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        # fc reads aux * aux_scale while training (drafter.aux_scale); a saved checkpoint has it folded into fc
+        # fc reads aux * aux_scale once set_aux_scale ran (drafter.aux_scale); a save folds it into fc
         self.register_buffer("aux_scale", torch.ones(3 * shape.hidden_size), persistent=False)
+        self.aux_scaled = False  # until then fc reads the aux states as they are (no pass over them per call)
 
     # -- pieces ------------------------------------------------------------------------------
     def set_vocab_map(self, d2t: Tensor, t2d: Tensor) -> None:
@@ -230,7 +231,7 @@ class Eagle3Drafter(nn.Module):
 
     def project_aux(self, aux: Tensor) -> Tensor:
         """(B, T, 3H) target aux states -> (B, T, H) first-step hidden."""
-        return self.fc(aux * self.aux_scale.to(aux.dtype))
+        return self.fc(aux * self.aux_scale.to(aux.dtype)) if self.aux_scaled else self.fc(aux)
 
     @torch.no_grad()
     def set_aux_scale(self, scale: Tensor) -> None:
@@ -240,6 +241,7 @@ class Eagle3Drafter(nn.Module):
         scale = scale.to(self.aux_scale.device, torch.float32)
         self.fc.weight.copy_((self.fc.weight.float() * (self.aux_scale.float() / scale)).to(self.fc.weight.dtype))
         self.aux_scale.copy_(scale)
+        self.aux_scaled = True
 
     def servable_fc_weight(self) -> Tensor:
         """fc's weight as SGLang applies it to the raw aux states: the scale folded in."""
