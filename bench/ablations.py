@@ -133,8 +133,9 @@ def worker(args: argparse.Namespace) -> int:
         try:
             run(train_command(config), log=run_dir / "train.out", silent_limit_s=args.stall_seconds)
         except RuntimeError as e:  # this row is reported as failed; the worker's other rows still run
-            write_json_atomic(failed, {"name": name, "reason": str(e).splitlines()[0]})
-            print(f"{name}: {str(e).splitlines()[0]}", flush=True)
+            reason = str(e).splitlines()[0]
+            write_json_atomic(failed, {"name": name, "reason": reason})
+            print(f"{name}: {reason}", flush=True)
             continue
         failed.unlink(missing_ok=True)
         trained = time.time() - start

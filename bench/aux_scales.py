@@ -53,14 +53,13 @@ def main() -> int:
     args = ap.parse_args()
     cfg, target, prompts = setup(args.config, args.limit, overrides=args.set)
     ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, target.num_layers)
-    hidden = target.hidden_size
     per_layer: list[list[torch.Tensor]] = [[] for _ in ids]
     with torch.no_grad():
         for sets in prompts.values():
             for prompt in sets:
                 aux = target.forward(torch.tensor([prompt]), ids, logits=False).aux[0].float().cpu()
-                for j in range(len(ids)):
-                    per_layer[j].append(aux[:, j * hidden:(j + 1) * hidden])
+                for rows, state in zip(per_layer, aux.chunk(len(ids), dim=-1), strict=True):
+                    rows.append(state)
     layers = {str(i): layer_figures(torch.cat(rows)) for i, rows in zip(ids, per_layer, strict=True)}
     first, last = layers[str(ids[0])], layers[str(ids[-1])]
     record("aux_scales", {"target": cfg.target.name, "aux_layer_ids": list(ids),
