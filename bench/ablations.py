@@ -9,7 +9,8 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
 - baseline: the config's recipe and data;
 - init_from_target: the drafter starts from the target's last layer, final norm and head (left out where the
   config's drafter.init is target already);
-- lr_x3: three times train.lr;
+- lr_x3, lr_x10: three and ten times train.lr (at 400 steps the drafter was learning-rate bound: 1e-3 -> 3e-3 gave
+  +0.12 tau; the two rows bracket the next step);
 - ttt_3: TTT length 3 instead of the config's;
 - mlp_x3: an MLP three times the target's width (drafter.intermediate_size; capacity, at a size cost);
 - draft_vocab_32k: a 32k draft vocab (the config's 16k is what fits the 32 MB the shipped drafter may weigh:
@@ -64,6 +65,7 @@ def row_overrides(cfg: Any, target_intermediate: int, target_layers: int) -> dic
     """Each row's config overrides (data rows: none; their data differs)."""
     low, mid, _ = resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, target_layers)
     return {"baseline": [], "init_from_target": ["drafter.init=target"], "lr_x3": [f"train.lr={3 * cfg.train.lr:g}"],
+            "lr_x10": [f"train.lr={10 * cfg.train.lr:g}"],
             "ttt_3": ["train.ttt_length=3"], "mlp_x3": [f"drafter.intermediate_size={3 * target_intermediate}"],
             "draft_vocab_32k": ["drafter.draft_vocab_size=32000"], "loop_copies_dropped": [],
             "first_turn_short_answers": [], "aux_scaled": ["drafter.aux_scale=per_state"],
@@ -130,6 +132,7 @@ def worker(args: argparse.Namespace) -> int:
         # The user's command, in its own process: this one has used the GPU (the references), and forking a
         # process that holds a CUDA context (training's render pool, its data loader) can hang the children.
         failed = args.out / f"failed-{name}.json"
+        failed.unlink(missing_ok=True)  # a retry: an earlier call's failure no longer describes this row
         try:
             run(train_command(config), log=run_dir / "train.out", silent_limit_s=args.stall_seconds)
         except RuntimeError as e:  # this row is reported as failed; the worker's other rows still run
@@ -137,7 +140,6 @@ def worker(args: argparse.Namespace) -> int:
             write_json_atomic(failed, {"name": name, "reason": reason})
             print(f"{name}: {reason}", flush=True)
             continue
-        failed.unlink(missing_ok=True)
         trained = time.time() - start
         # the row's own config: its aux ids may differ from the base config's (aux_late)
         drafter, aux_ids = load_drafter(target, load_config(config), run_dir / "checkpoints" / "best")

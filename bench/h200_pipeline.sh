@@ -15,7 +15,10 @@
 #   regen-bench  bench/regenerate_throughput.py: the regenerate command end to end (REGEN_CONVERSATIONS, default
 #                4000; REGEN_PROMPTS, default the multi-turn prompts when unpacked, else $RUN's; REGEN_BENCH_ARGS
 #                adds options)                                      -> "regenerate", with 2 GPUs "ddp_scaling"
-#   regenerate   python -m data_prep regenerate (one process per GPU, resumable)
+#   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when a previous session's
+#                conversations are carried (.gpu/conversations/conversations.jsonl.gz, which `out` returns with
+#                OUT_CONVERSATIONS=1) they are unpacked instead: regeneration at T=0 gave the same answer tokens (3,597,901)
+#                and finish reasons on three machines, so this saves its ~2.5 minutes; delete the folder when the regenerate settings change
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
 #   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
@@ -24,8 +27,9 @@
 #   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
 #   quality      bench/drafter_quality.py eval                      -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
-#   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row) and
-#                logs.tar.gz (the logs' tails, the ablation rows) into $OUT
+#   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),
+#                logs.tar.gz (the logs' tails, the ablation rows; a stalled row's stacks) and, with
+#                OUT_CONVERSATIONS=1, $RUN's conversations.jsonl.gz for the next session to carry, into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -97,7 +101,13 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file "$prompts" \
         --conversations ${REGEN_CONVERSATIONS:-4000} --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
-      if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before"; else
+      carried=.gpu/conversations/conversations.jsonl.gz
+      if [ ! -f $RUN/.regenerated ] && [ -f $carried ]; then
+        phase regenerate bash -c "gunzip -c $carried > $RUN/conversations.jsonl.part && \
+          mv $RUN/conversations.jsonl.part $RUN/conversations.jsonl && wc -l $RUN/conversations.jsonl" \
+          && touch $RUN/.regenerated
+      fi
+      if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
         phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
@@ -156,11 +166,14 @@ print(best['checkpoint'] if best else '')")
         for r in runs/bench-regenerate/gpus-*/regenerate.log; do
           [ -f "$r" ] && tr '\r' '\n' < "$r" | tail -n 20 > "$logs/regen-bench-$(basename "$(dirname "$r")").txt"
         done
-        for t in runs/bench-ablations/*/train.out; do
-          [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 20 > "$logs/train-$(basename "$(dirname "$t")").txt"
+        for t in runs/bench-ablations/*/train.out; do  # long enough for a stalled row's stacks and process table
+          [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 400 > "$logs/train-$(basename "$(dirname "$t")").txt"
         done
         cp runs/bench-ablations/row-*.json runs/bench-ablations/failed-*.json "$logs/" 2>/dev/null
         tar -czf "$OUT/logs.tar.gz" -C "$logs" .
+        if [ -n "${OUT_CONVERSATIONS:-}" ] && [ -f $RUN/conversations.jsonl ]; then
+          gzip -c $RUN/conversations.jsonl > "$OUT/conversations.jsonl.gz"
+        fi
       fi ;;
     *) echo "unknown phase $p"; failed+=("$p") ;;
   esac

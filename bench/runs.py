@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,29 @@ class Stalled(RuntimeError):
     """A run that printed nothing for longer than its silence limit, killed."""
 
 
+STACK_WAIT_S = 3.0  # for a stalled run's stack dump to reach its log before the kill
+
+
+def process_table() -> str:
+    """Every process's state, CPU share, memory and command: whether a stalled run's helpers (its render pool,
+    compile workers) were busy or all asleep, which tells a slow start from a deadlock."""
+    try:
+        return subprocess.run(["ps", "-eo", "pid,ppid,stat,pcpu,rss,etime,args", "--sort=ppid"], capture_output=True,
+                              text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"(ps failed: {e})\n"
+
+
+def record_stall(proc: subprocess.Popen, log: Path) -> None:
+    """Before a stalled run is killed: its Python stacks (entry points register ``common.cli.stacks_on_signal``
+    for SIGUSR1) and the process table, appended to its log, so the next look at a stall starts from where it
+    stood instead of from a guess."""
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(STACK_WAIT_S)
+    with open(log, "a") as f:
+        f.write("\n--- stalled: process table ---\n" + process_table())
+
+
 def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = None,
         silent_limit_s: float | None = None) -> None:
     """Run ``cmd`` from the repo root (its output to ``log``); a failure raises with the log's tail.
@@ -68,9 +92,11 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
             if (now_size := log.stat().st_size) != size:
                 size, quiet_since = now_size, time.monotonic()
             elif time.monotonic() - quiet_since > silent_limit_s:
+                record_stall(proc, log)
                 proc.kill()
                 proc.wait()
-                raise Stalled(f"no output for {silent_limit_s:g} s, killed: {' '.join(cmd)} (log: {log})")
+                raise Stalled(f"no output for {silent_limit_s:g} s, killed: {' '.join(cmd)} (log: {log}, with its "
+                              "stacks and the process table at the kill)")
     if proc.returncode != 0:
         tail = log.read_text()[-3000:] if log else ""
         raise RuntimeError(f"{exit_reason(proc.returncode)}: {' '.join(cmd)}\n{tail}")

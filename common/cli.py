@@ -10,6 +10,7 @@ traceback is printed, then the same one-line error, exit 2.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import functools
 import signal
 import sys
@@ -70,6 +71,12 @@ def os_error_line(e: OSError) -> str:
     if e.filename2 is not None:
         where = f"{where} -> {e.filename2}"
     return f"{where}: {_OS_HINTS.get(e.errno or 0, e.strerror or str(e))}"
+
+
+def stacks_on_signal(signum: int = signal.SIGUSR1) -> None:
+    """Print every thread's Python stack to stderr when ``signum`` arrives, and go on: what a watchdog
+    (``bench.runs.run``'s silence limit) sends a run it is about to kill, so a hang leaves its location."""
+    faulthandler.register(signum, file=sys.stderr, all_threads=True)
 
 
 def error_line(e: BaseException) -> str:

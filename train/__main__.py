@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.cli import stacks_on_signal
 from train.loop import run
 
 
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", choices=("auto", "never"), default="auto",
                     help="auto: continue from the newest complete checkpoint in run_dir/checkpoints")
     args = ap.parse_args(argv)
+    stacks_on_signal()  # a watchdog about to kill a hung run asks where it stands
     return run(args.config, args.set, args.resume)
 
 
