@@ -28,7 +28,10 @@ def tiny(kind: str = "llama") -> torch.nn.Module:
 
 
 def plain_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> tuple[list[int], str]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=STOPS,
+    """HF greedy ``generate`` on one prompt. The mask is explicit: without it ``generate`` masks every token equal
+    to ``pad_token_id``, and a prompt that feeds an answer back may hold token 0."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, eos_token_id=STOPS,
                          pad_token_id=0)[0, len(prompt):].tolist()
     end = next((i for i, t in enumerate(out) if t in STOPS), None)
     return (out, "length") if end is None else (out[:end], "stop")
