@@ -16,6 +16,10 @@ row at ``max_len``. A request is admitted only while pages stay free for the liv
 (``GROWTH_RESERVE``); when a row needs a page and none is free, the request admitted last is preempted: its
 pages are freed and it goes back to the head of the queue to start again, so its answer is still the greedy
 one (``Stream.preempted`` counts them).
+
+``Stream.stats`` splits the run's seconds into prefill forwards, decode forwards, the engine's own host work
+and the caller's time between polls (one device synchronisation per forward, where ``.tolist()`` waits anyway),
+and counts decode steps by live rows.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,6 +50,7 @@ CPU_PREFILL_TOKENS = 4096
 CPU_START_POSITIONS = 512  # a CPU pool starts with this many positions per row and grows as rows need more
 GROWTH_RESERVE = 0.25  # pages per live row kept free when admitting (rows grow a page every PAGE tokens)
 DECODE_ROW_BUCKETS = 4  # flex decodes a batch padded to rows, rows/2, rows/4 or rows/8: one compile each
+LIVE_ROW_BUCKETS = (8, 64, 512)  # stats: decode steps by live rows, <= each and above the last
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,38 @@ class _Request:
     key: Hashable
     prompt: Sequence[int]
     max_new: int
+
+
+@dataclass
+class _Timing:
+    """Where the run's seconds go: forwards timed to their device's end (one synchronisation where the
+    engine waits for their tokens anyway), ``poll`` wall time, and decode steps by live rows."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_launch_s: float = 0.0  # host time issuing the decode forwards (~decode_s: the host is the bound)
+    decode_first_shape_s: float = 0.0  # flex: the first decode step at each padded batch size (its compile)
+    poll_s: float = 0.0
+    live_steps: list[int] = field(default_factory=lambda: [0] * (len(LIVE_ROW_BUCKETS) + 1))
+    live_decode_s: list[float] = field(default_factory=lambda: [0.0] * (len(LIVE_ROW_BUCKETS) + 1))
+
+    def step(self, live: int, launch: float, seconds: float, first_shape: bool) -> None:
+        """One decode forward of ``live`` rows: ``launch`` seconds to issue, ``seconds`` in all."""
+        self.decode_s += seconds
+        self.decode_launch_s += launch
+        self.decode_first_shape_s += seconds if first_shape else 0.0
+        i = next((i for i, edge in enumerate(LIVE_ROW_BUCKETS) if live <= edge), len(LIVE_ROW_BUCKETS))
+        self.live_steps[i] += 1
+        self.live_decode_s[i] += seconds
+
+    def stats(self, seconds: float) -> dict[str, Any]:
+        names = [f"<={edge}" for edge in LIVE_ROW_BUCKETS] + [f">{LIVE_ROW_BUCKETS[-1]}"]
+        return {"prefill_s": round(self.prefill_s, 2), "decode_s": round(self.decode_s, 2),
+                "engine_host_s": round(self.poll_s - self.prefill_s - self.decode_s, 2),
+                "caller_s": round(seconds - self.poll_s, 2), "decode_launch_s": round(self.decode_launch_s, 2),
+                "decode_first_shape_s": round(self.decode_first_shape_s, 2),
+                "steps_by_live_rows": dict(zip(names, self.live_steps, strict=True)),
+                "decode_s_by_live_rows": {n: round(x, 2) for n, x in zip(names, self.live_decode_s, strict=True)}}
 
 
 def plan_rows(target: BatchedTarget, wanted: int, cpu_rows: int, rows: int | None = None) -> int:
@@ -188,6 +226,8 @@ class Stream:
         self.owed = 0  # pages the live rows may still take (their whole budgets), for admission's reserve
         self.done: deque[tuple[Hashable, Generated]] = deque()
         self.produced = self.steps = self.preempted = self.discarded = self.prefilled = self._order = 0
+        self.timing = _Timing()
+        self.shapes: set[int] = set()  # padded batch sizes decoded so far (flex compiles one kernel each)
         self.started = time.perf_counter()
 
     @property
@@ -213,6 +253,7 @@ class Stream:
 
     def poll(self) -> list[tuple[Hashable, Generated]]:
         """One round of work (admit into free rows, one decode step); the answers that finished in it."""
+        start = time.perf_counter()
         if self.queue and (len(self.free) >= self.refill_at or self.live == 0):
             self._admit()
         if self.live == 0:
@@ -225,14 +266,16 @@ class Stream:
             self.step()
         done = list(self.done)
         self.done.clear()
+        self.timing.poll_s += time.perf_counter() - start
         return done
 
-    def stats(self) -> dict[str, int | float | str]:
-        """What the run did, for summaries and benchmarks."""
+    def stats(self) -> dict[str, Any]:
+        """What the run did, for summaries and benchmarks, and where the seconds went (``_Timing.stats``)."""
+        seconds = time.perf_counter() - self.started
         return {"rows": self.rows, "pages": self.cache.pages, "page_positions": self.cache.page,
                 "attention": self.cache.attention, "steps": self.steps, "decoded_tokens": self.produced,
                 "prefill_tokens": self.prefilled, "preempted": self.preempted, "discarded_tokens": self.discarded,
-                "seconds": round(time.perf_counter() - self.started, 2)}
+                "seconds": round(seconds, 2), **self.timing.stats(seconds)}
 
     def tokens_per_s(self) -> float:
         return self.produced / max(time.perf_counter() - self.started, 1e-9)
@@ -289,9 +332,12 @@ class Stream:
         ids = ids.to(dev)
         positions = torch.arange(width, device=dev)[None].expand(len(group), width)
         index = torch.tensor(rows, device=dev)
-        out = self.t.forward(self.cache, index, ids, positions, fresh=True,
-                             logits_at=torch.tensor(lens, device=dev) - 1)
+        at = torch.tensor(lens, device=dev) - 1
+        t0 = time.perf_counter()
+        out = self.t.forward(self.cache, index, ids, positions, fresh=True, logits_at=at)
         first = self.pick(out.logits)
+        self._sync()
+        self.timing.prefill_s += time.perf_counter() - t0
         margins = self._margins(out.logits, len(group))
         self.pos[index] = torch.tensor(lens, device=dev)
         self.last[index] = first
@@ -304,6 +350,11 @@ class Stream:
             self.admitted[row] = self._order
             self.live += 1
             self._take(row, tok, m)
+
+    def _sync(self) -> None:
+        """Wait for the device (CUDA) so a forward's time is its own; the caller reads its tokens next anyway."""
+        if self.t.device.type == "cuda":
+            torch.cuda.synchronize(self.t.device)
 
     def _pages_for_step(self) -> None:
         """Give every row about to write its first position of a page that page, preempting the requests
@@ -388,9 +439,15 @@ class Stream:
             return 0
         hi = self.last_live() + 1
         b = decode_rows(hi, self.rows, self.buckets)
+        t0 = time.perf_counter()
         out = self.t.forward(self.cache, slice(0, b), self.last[:b, None], self.pos[:b, None], fresh=False,
                              logits_at=torch.zeros(b, dtype=torch.long, device=self.t.device))
         nxt = self.pick(out.logits)
+        t1 = time.perf_counter()
+        self._sync()
+        first_shape = self.buckets > 0 and b not in self.shapes
+        self.shapes.add(b)
+        self.timing.step(self.live, t1 - t0, time.perf_counter() - t0, first_shape)
         margins = self._margins(out.logits[:hi], hi)
         self.last[:b] = nxt
         self.pos[:b] += self.alive[:b]

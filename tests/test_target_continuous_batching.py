@@ -6,6 +6,8 @@ loop's first copy; an architecture it cannot run is refused in one line."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -131,6 +133,26 @@ def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch) -> None:
     outs = dict(stream.run())
     for i, p in enumerate(ps):
         assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 30)
+
+
+def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
+    """``stats`` says where a run's seconds went: prefill and decode forwards, the engine's host work and the
+    caller's time between polls, which add up to its seconds; and how many decode steps ran how many live rows
+    (and their forwards' seconds), which add up to its steps."""
+    stream = Stream(BatchedTarget(tiny()), STOPS, max_len=80, cpu_rows=12)
+    for i, p in enumerate(prompts(12, 3, 30, seed=12)):
+        stream.submit(i, p, 2 + 3 * i)
+    for _ in stream.run():
+        time.sleep(0.01)  # the caller's work between polls
+    s = stream.stats()
+    parts = s["prefill_s"] + s["decode_s"] + s["engine_host_s"] + s["caller_s"]
+    assert abs(parts - s["seconds"]) < 0.05 and s["caller_s"] >= 0.1
+    assert stream.timing.prefill_s > 0 and stream.timing.decode_s > 0  # (the stats round to 10 ms)
+    assert 0 < s["decode_launch_s"] <= s["decode_s"] and s["decode_first_shape_s"] == 0  # gather: nothing compiles
+    steps, seconds = s["steps_by_live_rows"], s["decode_s_by_live_rows"]
+    assert list(steps) == list(seconds) == ["<=8", "<=64", "<=512", ">512"]
+    assert sum(steps.values()) == s["steps"] and steps["<=8"] > 0 and steps["<=64"] > 0  # 12 rows, then fewer
+    assert steps["<=512"] == steps[">512"] == 0 and abs(sum(seconds.values()) - s["decode_s"]) < 0.05
 
 
 def test_per_prompt_budgets_and_stop_tokens() -> None:
