@@ -258,6 +258,7 @@ class Stream:
         self.last = torch.zeros(n, dtype=torch.long, device=dev)
         self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a row serving a request
         self.live = 0
+        self.top = 0  # no live row above it (last_live walks down from it: rows go live only in _prefill)
         self.refill_at = max(1, n // 8)
         self.needs_page: list[int] = []  # rows whose next position starts a page they do not hold
         self.owed = 0  # pages the live rows may still take (their whole budgets), for admission's reserve
@@ -477,6 +478,7 @@ class Stream:
             self._order += 1
             self.admitted[row] = self._order
             self.live += 1
+            self.top = max(self.top, row)
             self._take(row, tok, m)
 
     def _sync(self) -> None:
@@ -621,8 +623,11 @@ class Stream:
         return produced
 
     def last_live(self) -> int:
-        """The highest row serving a request (a step decodes every row up to it)."""
-        return max(s for s, r in enumerate(self.request) if r is not None)
+        """The highest row serving a request (a step decodes every row up to it); with none, 0. Walks down from
+        ``top`` (amortised O(1) a step, where a scan of every row cost ~1 ms per call at 4,096 rows)."""
+        while self.top > 0 and self.request[self.top] is None:
+            self.top -= 1
+        return self.top
 
     def compact(self) -> None:
         """Move live rows to the lowest rows (the tail of a run, when most rows are free); only page tables
@@ -643,6 +648,7 @@ class Stream:
             self.length[d], self.admitted[d] = self.length[s], self.admitted[s]
             self.request[s], self.tokens[s], self.margins[s], self.length[s] = None, [], [], 0
         self.needs_page = [dict(moves).get(r, r) for r in self.needs_page]
+        self.top = len(live) - 1
         freed = torch.arange(len(live), self.rows, device=dev)
         self.pos[freed], self.alive[freed] = 0, 0
         self.free = [s for s in range(self.rows) if self.request[s] is None]

@@ -302,13 +302,15 @@ def next_turn(prompt: list[int], answer: cb.Generated, user: list[int]) -> list[
 
 
 def pages_accounted(stream: Stream) -> None:
-    """Every page is free or held by a row, and every row is free, live or held (parked or continuing)."""
+    """Every page is free or held by a row, every row is free, live or held (parked or continuing), and
+    ``last_live`` is the highest live row."""
     c = stream.cache
     assert sum(map(len, c.row_pages)) + len(c.free) == c.pages - 1
     held = [row for row, _ in stream.parked.values()] + [x.row for x in stream.continuing]
     live = [s for s, r in enumerate(stream.request) if r is not None]
     assert sorted(stream.free + held + live) == list(range(stream.rows))
     assert all(not c.row_pages[s] for s in stream.free)
+    assert not live or stream.last_live() == max(live)
 
 
 def converse(stream: Stream, openers: list[list[int]], turns: int, budget, follow=next_turn, reuse: bool = True,
