@@ -19,11 +19,12 @@ Figures, bench/results.json:
   ``answer_tokens``) / the wall time of the command, start to exit (model load, compile and the tail of the
   last conversations included: not a best window), for the first --gpus entry; gen_tokens, seconds,
   conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens,
-  preemptions); exact_matches of --exact-prompts first turns answered in fp32 by the engine against
-  ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``: the engine alone (in this
-  process) on N first turns with each paged-attention kernel (flex: each row reads its own pages; gather: a
-  rectangle up to the furthest row), generated tokens/s each; with --baseline-prompts N, plain
-  ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
+  preemptions, and where its seconds went: prefill and decode forwards, its host work, the caller's, decode
+  steps by live rows; printed as one line per device); exact_matches of --exact-prompts first turns answered
+  in fp32 by the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``: the
+  engine alone (in this process) on N first turns with each paged-attention kernel (flex: each row reads its
+  own pages; gather: a rectangle up to the furthest row), generated tokens/s each; with --baseline-prompts N,
+  plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
 - "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
   regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
 """
@@ -85,10 +86,25 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     s = json.loads((run_dir / "data_prep_summary.json").read_text())["regenerate"]
     print(f"regenerate on {gpus} device(s): {s['written']} conversations, {s['answer_tokens']} answer tokens in "
           f"{seconds:.1f} s = {s['answer_tokens'] / seconds:.0f} tokens/s", flush=True)
+    engines = s["engine"] if len(devices) > 1 else {devices[0]: s["engine"]}
+    for device, e in engines.items():
+        print(f"  {device}: {engine_line(e)}", flush=True)
     return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
             "seconds": round(seconds, 2), "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
             "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype}
+
+
+def engine_line(e: dict[str, Any]) -> str:
+    """Where one engine's seconds went (``Stream.stats``), in one line."""
+    if "prefill_s" not in e:
+        return str(e)
+    per_step = {k: f"{n} ({1000 * e['decode_s_by_live_rows'][k] / n:.0f} ms)"
+                for k, n in e["steps_by_live_rows"].items() if n}
+    return (f"{e['seconds']} s: prefill {e['prefill_s']} s ({e['prefill_tokens']} tokens, "
+            f"{e.get('reused_prefix_tokens', 0)} reused), decode {e['decode_s']} s over {e['steps']} steps "
+            f"(issuing {e['decode_launch_s']} s, first shapes {e['decode_first_shape_s']} s), engine host "
+            f"{e['engine_host_s']} s, caller {e['caller_s']} s; steps by live rows {per_step}")
 
 
 def main() -> int:

@@ -148,10 +148,12 @@ class HFChatStream:
     def wants(self) -> int:
         """How many more chats to queue: enough for every free row and the next refill."""
         e = self.engine
-        return len(e.free) + e.refill_at - e.waiting - len(self.ready)
+        return e.free_rows + e.refill_at - e.waiting - len(self.ready)
 
     def submit(self, items: list[tuple[Hashable, Chat, Tools]]) -> None:
-        """Queue (key, chat, tools) items; rendered and tokenized together."""
+        """Queue (key, chat, tools) items; rendered and tokenized together. A conversation's turns share its
+        key, so a chat submitted under the key of an answer just handed out continues in that answer's row:
+        the engine prefills only what follows the ids it holds (``Stream.submit``'s ``continue_from``)."""
         texts = [prompt_text(self.b.tok, chat, self.b.template_kwargs, tools or None) for _, chat, tools in items]
         if not texts:
             return
@@ -159,7 +161,7 @@ class HFChatStream:
         for (key, _, _), x in zip(items, ids, strict=True):
             budget = min(self.b.cfg.max_tokens, self.max_len - len(x))
             if budget > 0:
-                self.engine.submit(key, x, budget)
+                self.engine.submit(key, x, budget, continue_from=key)
             else:  # no room left for another answer
                 self.ready.append((key, Completion(finish_reason=CONTEXT_FULL)))
 

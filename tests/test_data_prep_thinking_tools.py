@@ -231,9 +231,9 @@ def test_hf_backend_renders_tools_and_template_kwargs_and_its_plain_text_ends_a_
     fed: list[list[int]] = []
     real = cb.Stream.submit
 
-    def spy(stream, key, prompt, max_new):  # what the engine is asked to answer
+    def spy(stream, key, prompt, max_new, continue_from=None):  # what the engine is asked to answer
         fed.append(list(prompt))
-        return real(stream, key, prompt, max_new)
+        return real(stream, key, prompt, max_new, continue_from)
 
     monkeypatch.setattr(cb.Stream, "submit", spy)
     cfg = k25_cfg(tmp_path, k25_style_target, thinking,

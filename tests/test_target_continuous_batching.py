@@ -6,6 +6,8 @@ loop's first copy; an architecture it cannot run is refused in one line."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -28,7 +30,10 @@ def tiny(kind: str = "llama") -> torch.nn.Module:
 
 
 def plain_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> tuple[list[int], str]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=STOPS,
+    """HF greedy ``generate`` on one prompt. The mask is explicit: without it ``generate`` masks every token equal
+    to ``pad_token_id``, and a prompt that feeds an answer back may hold token 0."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new, do_sample=False, eos_token_id=STOPS,
                          pad_token_id=0)[0, len(prompt):].tolist()
     end = next((i for i, t in enumerate(out) if t in STOPS), None)
     return (out, "length") if end is None else (out[:end], "stop")
@@ -117,17 +122,37 @@ def test_requests_submitted_while_the_stream_runs_join_it_and_stay_exact() -> No
 def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch) -> None:
     """CUDA's kernel: flex attention compiled over a block mask of each row's pages (one decode shape: the CPU
     compile takes tens of seconds). Inductor's CPU kernel skips the blocks the mask leaves out as the GPU's
-    does, so a wrong block list would show here."""
+    does, so a wrong block list would show here. Two turns each: the second decodes over a row whose pages were
+    cut to the reused prefix and extended (its suffix prefilled by gathering, then flex reads them)."""
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
     ps = prompts(10, 3, 150, seed=5)
-    stream = Stream(BatchedTarget(model), STOPS, max_len=200, cpu_rows=4, attention="flex")
+    stream = Stream(BatchedTarget(model), STOPS, max_len=260, cpu_rows=4, attention="flex")
     assert stream.cache.attention == "flex" and stream.buckets == 1
-    for i, p in enumerate(ps):
-        stream.submit(i, p, 30)
-    outs = dict(stream.run())
-    for i, p in enumerate(ps):
-        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 30)
+    seen = converse(stream, ps, 2, lambda i: 30)
+    assert stream.stats()["attention"] == "flex" and stream.stats()["continued"] == 10 and all_free(stream)
+    for prompt, answer in seen.values():
+        assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, 30)
+
+
+def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
+    """``stats`` says where a run's seconds went: prefill and decode forwards, the engine's host work and the
+    caller's time between polls, which add up to its seconds; and how many decode steps ran how many live rows
+    (and their forwards' seconds), which add up to its steps."""
+    stream = Stream(BatchedTarget(tiny()), STOPS, max_len=80, cpu_rows=12)
+    for i, p in enumerate(prompts(12, 3, 30, seed=12)):
+        stream.submit(i, p, 2 + 3 * i)
+    for _ in stream.run():
+        time.sleep(0.01)  # the caller's work between polls
+    s = stream.stats()
+    parts = s["prefill_s"] + s["decode_s"] + s["engine_host_s"] + s["caller_s"]
+    assert abs(parts - s["seconds"]) < 0.05 and s["caller_s"] >= 0.1
+    assert stream.timing.prefill_s > 0 and stream.timing.decode_s > 0  # (the stats round to 10 ms)
+    assert 0 < s["decode_launch_s"] <= s["decode_s"] and s["decode_first_shape_s"] == 0  # gather: nothing compiles
+    steps, seconds = s["steps_by_live_rows"], s["decode_s_by_live_rows"]
+    assert list(steps) == list(seconds) == ["<=8", "<=64", "<=512", ">512"]
+    assert sum(steps.values()) == s["steps"] and steps["<=8"] > 0 and steps["<=64"] > 0  # 12 rows, then fewer
+    assert steps["<=512"] == steps[">512"] == 0 and abs(sum(seconds.values()) - s["decode_s"]) < 0.05
 
 
 def test_per_prompt_budgets_and_stop_tokens() -> None:
@@ -263,3 +288,185 @@ def test_real_smollm2_64_prompts_equal_plain_generate(smollm2) -> None:
                 assert o.tokens == (row if end is None else row[:end])
     finally:
         tok.padding_side = "right"
+
+
+# Multi-turn: a follow-up continues in the row of the answer it follows (prefix reuse).
+
+END = 2  # the end-of-turn marker a chat template writes after an answer: a stop token, as the real ones are
+
+
+def next_turn(prompt: list[int], answer: cb.Generated, user: list[int]) -> list[int]:
+    """The next turn's prompt as a chat template renders it: the history, the answer, its end-of-turn marker
+    (written whether or not the target produced it) and the new user turn."""
+    return list(prompt) + answer.tokens + [END] + user
+
+
+def pages_accounted(stream: Stream) -> None:
+    """Every page is free or held by a row, every row is free, live or held (parked or continuing), and
+    ``last_live`` is the highest live row."""
+    c = stream.cache
+    assert sum(map(len, c.row_pages)) + len(c.free) == c.pages - 1
+    held = [row for row, _ in stream.parked.values()] + [x.row for x in stream.continuing]
+    live = [s for s, r in enumerate(stream.request) if r is not None]
+    assert sorted(stream.free + held + live) == list(range(stream.rows))
+    assert all(not c.row_pages[s] for s in stream.free)
+    assert not live or stream.last_live() == max(live)
+
+
+def converse(stream: Stream, openers: list[list[int]], turns: int, budget, follow=next_turn, reuse: bool = True,
+             late: frozenset[int] = frozenset()) -> dict[tuple[int, int], tuple[list[int], cb.Generated]]:
+    """Conversation i opens with ``openers[i]``; each answer's follow-up (``follow``) is submitted as the answer
+    comes out, continuing in its row when ``reuse``, except for the conversations in ``late``, which submit
+    theirs after the next poll (by then their rows are freed). Returns {(i, turn): (prompt, answer)}."""
+    users = prompts(len(openers) * turns, 2, 9, seed=11)
+    prompt_of = {(i, 0): p for i, p in enumerate(openers)}
+    for i, p in enumerate(openers):
+        stream.submit((i, 0), p, budget(i))
+    seen: dict[tuple[int, int], tuple[list[int], cb.Generated]] = {}
+    deferred: list[tuple[int, int]] = []
+    while stream.busy or deferred:
+        done = stream.poll()
+        pages_accounted(stream)
+        for i, turn in deferred:
+            stream.submit((i, turn), prompt_of[(i, turn)], budget(i), continue_from=(i, turn - 1))
+        deferred = []
+        for (i, turn), answer in done:
+            seen[(i, turn)] = (prompt_of[(i, turn)], answer)
+            if turn + 1 == turns:
+                continue
+            prompt_of[(i, turn + 1)] = follow(prompt_of[(i, turn)], answer, users[i * turns + turn])
+            if i in late:
+                deferred.append((i, turn + 1))
+            else:
+                stream.submit((i, turn + 1), prompt_of[(i, turn + 1)], budget(i),
+                              continue_from=(i, turn) if reuse else None)
+    assert len(seen) == len(openers) * turns
+    return seen
+
+
+def all_free(stream: Stream) -> bool:
+    return (len(stream.cache.free) == stream.cache.pages - 1 and sorted(stream.free) == list(range(stream.rows))
+            and not stream.parked and not stream.continuing and stream.live == 0)
+
+
+def test_a_follow_up_continues_in_its_rows_cache_and_every_turn_stays_greedy() -> None:
+    """Eight conversations of three turns through five rows: each follow-up prefills only what its row does not
+    hold (the end-of-turn marker and the new user turn, and for an answer cut at its budget the last token,
+    which was never fed back), so prefill_tokens drops by exactly that, and every answer is plain greedy
+    ``generate``'s for the turn's whole prompt, and the same as with no reuse. Afterwards every page and row is
+    free."""
+    model = tiny()
+    with torch.no_grad():  # token 2 (a stop) likelier after token 7: answers end by a stop as well as by budget
+        model.lm_head.weight[2] = model.model.embed_tokens.weight[7] * 5
+    engine = BatchedTarget(model)
+    openers = prompts(8, 3, 40, seed=7)
+
+    def budget(i: int) -> int:
+        return 4 + 3 * i
+
+    runs = {}
+    for reuse in (True, False):
+        stream = Stream(engine, STOPS, max_len=400, cpu_rows=5, margins=True)
+        runs[reuse] = converse(stream, openers, 3, budget, reuse=reuse), stream.stats()
+        assert all_free(stream)
+    (seen, stats), (plain, plain_stats) = runs[True], runs[False]
+    assert {k: (p, a.tokens, a.finish_reason) for k, (p, a) in seen.items()} == \
+        {k: (p, a.tokens, a.finish_reason) for k, (p, a) in plain.items()}
+    for key, (_, answer) in seen.items():  # the same logits, up to the attention kernels' summation order
+        assert answer.margins == pytest.approx(plain[key][1].margins, abs=1e-4)
+    assert {a.finish_reason for _, a in seen.values()} == {"stop", "length"}
+    for (i, _), (prompt, answer) in seen.items():
+        assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, budget(i))
+        assert len(answer.margins) == len(answer.tokens) + (answer.finish_reason == "stop")  # the stop token's too
+    # what each row held when its follow-up came: the prompt and the answer, less a budget-cut answer's last token
+    held = sum(len(p) + len(a.tokens) - (a.finish_reason == "length") for (_, t), (p, a) in seen.items() if t < 2)
+    assert stats["reused_prefix_tokens"] == held and stats["continued"] == 16 and stats["preempted"] == 0
+    prompted = sum(len(p) for p, _ in seen.values())
+    assert stats["prefill_tokens"] == plain_stats["prefill_tokens"] - held == prompted - held
+    assert plain_stats["reused_prefix_tokens"] == plain_stats["continued"] == 0
+
+
+def test_a_follow_up_that_diverges_inside_the_answer_reuses_only_the_common_prefix() -> None:
+    """The text of an answer tokenized again need not give the ids generated, and a loop-cut answer keeps fewer
+    tokens than its row holds: a follow-up whose ids differ from the row's at some position inside the previous
+    answer reuses exactly the positions before it, and every answer is still greedy's (up to its loop's first
+    copy, for an answer stopped at a loop)."""
+    model = tiny()
+    engine = BatchedTarget(model)
+    openers = prompts(8, 3, 30, seed=8)
+    loops = LoopStop(min_repeat_tokens=16, max_period=32, every=8)
+
+    def retokenized(prompt: list[int], answer: cb.Generated, user: list[int]) -> list[int]:
+        """Even turns' answers come back with their middle token changed (another id, never a stop token)."""
+        k = len(answer.tokens) // 2
+        if answer.tokens and len(prompt) % 2 == 0:
+            return list(prompt) + answer.tokens[:k] + [3 + (answer.tokens[k] - 2) % (V - 3)] + answer.tokens[k + 1:] \
+                + [END] + user
+        return next_turn(prompt, answer, user)
+
+    stream = Stream(engine, STOPS, max_len=400, cpu_rows=4, loops=loops)
+    seen = converse(stream, openers, 3, lambda i: 90, follow=retokenized)
+    assert all_free(stream)
+    reasons = {a.finish_reason for _, a in seen.values()}
+    assert "loop" in reasons, "no answer looped: the loop-cut case goes untested"
+    expected = 0
+    for (i, turn), (prompt, answer) in seen.items():
+        ref, reason = plain_greedy(model, prompt, 90)
+        if answer.finish_reason == "loop":
+            assert answer.tokens == ref[: len(answer.tokens)] and len(answer.tokens) < answer.generated
+        else:
+            assert (answer.tokens, answer.finish_reason) == (ref, reason)
+        if turn < 2:  # the row holds the answer's tokens fed back: all but the last one generated (not a stop)
+            fed = {"stop": len(answer.tokens), "length": len(answer.tokens) - 1, "loop": answer.generated - 1}
+            expected += common_prefix_of(prompt + ref[: fed[answer.finish_reason]], seen[(i, turn + 1)][0])
+    assert stream.stats()["reused_prefix_tokens"] == expected
+    assert any(len(p) % 2 == 0 for (_, t), (p, _) in seen.items() if t < 2), "no follow-up diverged"
+
+
+def common_prefix_of(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def test_follow_ups_that_come_late_or_never_leave_no_page_held() -> None:
+    """A finished row waits for its follow-up until the next poll only: conversations that submit theirs a poll
+    late start again from scratch (still greedy), the last turns' rows are freed, and every page comes back."""
+    model = tiny()
+    openers = prompts(6, 3, 30, seed=9)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=300, cpu_rows=4)
+    seen = converse(stream, openers, 3, lambda i: 6 + i, late=frozenset({1, 4}))
+    assert all_free(stream)
+    for (i, _), (prompt, answer) in seen.items():
+        assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, 6 + i)
+    assert stream.stats()["continued"] == 2 * 4  # second and third turns of the four conversations on time
+
+
+@pytest.mark.parametrize("waiting", [False, True])
+def test_a_full_pool_preempts_continuations_and_answers_stay_exact(waiting: bool, monkeypatch) -> None:
+    """Five pages (one scratch) for three rows whose turns need one to three pages each: continuations that find
+    no pages start again from scratch, continued rows are preempted, and (with continuations waiting to be
+    prefilled together) a waiting one gives its pages up to a live row; yet every turn's answer is greedy's,
+    turns still reuse their rows, and every page comes back."""
+    dropped = {"held": 0}
+    original = cb.Stream._drop_held
+
+    def counting(self: cb.Stream) -> bool:
+        freed = original(self)
+        dropped["held"] += freed
+        return freed
+
+    monkeypatch.setattr(cb.Stream, "_drop_held", counting)
+    if waiting:
+        monkeypatch.setattr(cb, "CONTINUE_SHARE", 0)
+        monkeypatch.setattr(cb, "CONTINUE_WAIT", 10)
+    model = tiny()
+    lo, budget = (100, 40) if waiting else (60, 60)
+    openers = prompts(5, lo, 120, seed=10)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=400, cpu_rows=3, pages=5)
+    seen = converse(stream, openers, 3, lambda i: budget)
+    assert all_free(stream)
+    stats = stream.stats()
+    assert stats["preempted"] > 0 and stats["reused_prefix_tokens"] > 0
+    assert dropped["held"] > 0 if waiting else stats["continued"] < 10  # some continuations started again
+    for prompt, answer in seen.values():
+        assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, budget)

@@ -15,6 +15,7 @@ from target.loops import (
     loop_start,
     loop_tail_tokens,
     loop_token_share,
+    may_loop,
     retokenized_loop_start,
     trailing_runs,
 )
@@ -111,6 +112,26 @@ def test_the_engines_window_gives_the_whole_answers_cut() -> None:
                 break
         else:
             raise AssertionError("the loop was never found")
+
+
+def test_may_loop_never_rules_out_a_loop_and_rules_out_text_that_does_not_loop() -> None:
+    """The engine asks ``may_loop`` before ``loop_start``: it must say True wherever ``loop_start`` finds a
+    loop (any period, on the engine's windows and whole answers alike, small ``min_repeat_tokens`` too), and
+    it is there to say False on text that does not loop."""
+    rng = random.Random(3)
+    found = 0
+    for _ in range(60):
+        m, p_max = rng.choice([(64, 256), (16, 32), (4, 8), (1, 4)])
+        prefix = [rng.randrange(100, 400) for _ in range(rng.randrange(0, 300))]
+        block = [rng.randrange(100, 400) for _ in range(rng.randrange(1, p_max + 1))]
+        tokens = prefix + block * (1 + 3 * max(m, len(block)) // len(block)) + [rng.randrange(100, 400)]
+        for n in range(1, len(tokens) + 1):
+            for off in (0, max(0, n - check_window(m, p_max, 16))):
+                if loop_start(tokens[off:n], m, p_max) is not None:
+                    found += 1
+                    assert may_loop(tokens[off:n], m, p_max) and may_loop(tokens[:n], m, p_max)
+    assert found > 1000
+    assert not any(may_loop(PROSE[:n]) for n in range(len(PROSE) + 1))
 
 
 def test_runs_are_vectorised_over_periods_and_match_a_plain_loop() -> None:
