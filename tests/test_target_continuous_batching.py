@@ -418,14 +418,9 @@ def test_a_follow_up_that_diverges_inside_the_answer_reuses_only_the_common_pref
             assert (answer.tokens, answer.finish_reason) == (ref, reason)
         if turn < 2:  # the row holds the answer's tokens fed back: all but the last one generated (not a stop)
             fed = {"stop": len(answer.tokens), "length": len(answer.tokens) - 1, "loop": answer.generated - 1}
-            expected += common_prefix_of(prompt + ref[: fed[answer.finish_reason]], seen[(i, turn + 1)][0])
+            expected += cb.common_prefix(prompt + ref[: fed[answer.finish_reason]], seen[(i, turn + 1)][0])
     assert stream.stats()["reused_prefix_tokens"] == expected
     assert any(len(p) % 2 == 0 for (_, t), (p, _) in seen.items() if t < 2), "no follow-up diverged"
-
-
-def common_prefix_of(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def test_follow_ups_that_come_late_or_never_leave_no_page_held() -> None:
