@@ -9,7 +9,8 @@ setting; the target in fp32), recorded as "quality".
 
 curve: the same tau (k=3, T=0) for each checkpoint a training run kept (train.save_at), against the real
 tokens it had trained on, with the held-out acc_0..acc_n logged at that step; learning_curve.png beside
-the results file (bench/) and "learning_curve".
+the results file (bench/) and "learning_curve", both rewritten as each point lands; a rerun measures only
+the checkpoints not measured yet (points are kept in <run-dir>/learning_curve/).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record, results_path  # noqa: E402
 from bench.runs import holdout_at  # noqa: E402
+from common.files import sha256_file, write_json_atomic  # noqa: E402
 from eval.batched_eval import acceptance, greedy_references  # noqa: E402
 from eval.quality import DEFAULT_SETTINGS, load_drafter, parse_settings, quality, setup  # noqa: E402
-from train.run_checkpoints import read_trainer_state  # noqa: E402
+from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints, read_trainer_state  # noqa: E402
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -42,27 +46,48 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_curve(args: argparse.Namespace) -> int:
     cfg, target, prompts = setup(args.config, args.limit)
     run_dir = Path(args.run_dir)
-    ckpts = sorted((run_dir / "checkpoints").glob("step-*"))
-    max_new = cfg.eval.max_new_tokens
-    refs = greedy_references(target, prompts, max_new)
-    points = []
-    for ckpt in ckpts:
-        trainer = read_trainer_state(ckpt)
-        step = trainer["position"]["step"]
-        drafter, aux_ids = load_drafter(target, cfg, ckpt)
-        stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, max_new, refs, tie_epsilon=cfg.eval.tie_epsilon)
-        held = holdout_at(run_dir, step)
-        points.append({"step": step, "tokens": trainer["position"].get("tokens_seen"),
-                       "tau": {n: s["tau"] for n, s in stats.items()},
-                       "lossless_mismatches": {n: len(s["lossless_mismatches"]) for n, s in stats.items()},
-                       "holdout": {k.split("/")[1]: v for k, v in held.items() if k.startswith("holdout/")}})
-        print(json.dumps(points[-1]))
+    ckpts = complete_checkpoints(run_dir / "checkpoints")
+    if not ckpts:
+        print(f"error: {run_dir / 'checkpoints'}: no complete checkpoint to measure (train first)", file=sys.stderr)
+        return 2
     png = results_path().with_name("learning_curve.png")
-    plot(points, png)
-    record("learning_curve", {"run_dir": str(run_dir), "k": 3, "temperature": 0.0, "max_new_tokens": max_new,
-                              "points": points, "plot": "bench/learning_curve.png"})
+    head = {"run_dir": str(run_dir), "k": 3, "temperature": 0.0, "max_new_tokens": cfg.eval.max_new_tokens,
+            "plot": "bench/learning_curve.png", "checkpoints": len(ckpts)}
+    points: list[dict] = []
+    for point in curve_points(cfg, target, prompts, run_dir, [d for _, d in ckpts]):
+        points.append(point)
+        print(json.dumps(point))
+        plot(points, png)  # the object and the plot grow with each point: a cut run keeps what it measured
+        record("learning_curve", {**head, "points": points})
     print(f"plot: {png}")
     return 0
+
+
+def curve_points(cfg: Any, target: Any, prompts: dict[str, list[list[int]]], run_dir: Path,
+                 ckpts: list[Path]) -> Iterator[dict[str, Any]]:
+    """Each checkpoint's point: tau (k=3, T=0) on every eval prompt, the held-out metrics of its step and the
+    tokens it had trained on. A point is kept in run_dir/learning_curve/ under its checkpoint's trainer state
+    digest, so a rerun after a kill measures only the checkpoints not done (and a retrained step again)."""
+    cache, refs = run_dir / "learning_curve", None
+    for ckpt in ckpts:
+        key = sha256_file(ckpt / STATE_DIR / TRAINER_FILE)
+        kept = cache / f"{ckpt.name}.json"
+        if kept.is_file() and (old := json.loads(kept.read_text())).pop("trainer_sha256", None) == key:
+            yield old
+            continue
+        if refs is None:  # the target's greedy answers, once, and only when a point is measured
+            refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
+        position = read_trainer_state(ckpt)["position"]
+        drafter, aux_ids = load_drafter(target, cfg, ckpt)
+        stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs,
+                           tie_epsilon=cfg.eval.tie_epsilon)
+        held = holdout_at(run_dir, position["step"])
+        point = {"step": position["step"], "tokens": position.get("tokens_seen"),
+                 "tau": {n: st["tau"] for n, st in stats.items()},
+                 "lossless_mismatches": {n: len(st["lossless_mismatches"]) for n, st in stats.items()},
+                 "holdout": {k.split("/")[1]: v for k, v in held.items() if k.startswith("holdout/")}}
+        write_json_atomic(kept, {**point, "trainer_sha256": key})
+        yield point
 
 
 def plot(points: list[dict], path: Path) -> None:

@@ -23,8 +23,10 @@
 #   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
 #   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
 #                200 steps)                                         -> "ablations"
-#   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable)
+#   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable; the deadline's
+#                SIGTERM ends it after its current step, which it saves: a cut call loses no steps)
 #   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
+#                (each point kept as it lands: a cut call's rerun measures only the checkpoints left)
 #   quality      bench/drafter_quality.py eval                      -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),

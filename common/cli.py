@@ -15,7 +15,8 @@ import functools
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import ParamSpec
 
 EXIT_OK, EXIT_REJECTED, EXIT_ERROR = 0, 1, 2
@@ -77,6 +78,33 @@ def stacks_on_signal(signum: int = signal.SIGUSR1) -> None:
     """Print every thread's Python stack to stderr when ``signum`` arrives, and go on: what a watchdog
     (``bench.runs.run``'s silence limit) sends a run it is about to kill, so a hang leaves its location."""
     faulthandler.register(signum, file=sys.stderr, all_threads=True)
+
+
+class StopRequest:
+    """Whether SIGTERM arrived. A long loop reads it at a point where stopping loses nothing (after a step,
+    before the next), saves and returns, instead of dying mid-step: a cut call (``timeout``, a scheduler's
+    preemption) then costs no work, where a kill costs everything since the last periodic save."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+    def set(self, signum: int, _frame: object = None) -> None:
+        self.signum = signum
+
+
+@contextmanager
+def stop_on_sigterm() -> Iterator[StopRequest]:
+    """SIGTERM sets the yielded request instead of ending the process; the old handler is back on exit.
+    Must run in the main thread (Python only delivers signals there)."""
+    request = StopRequest()
+    old = signal.signal(signal.SIGTERM, request.set)
+    try:
+        yield request
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def error_line(e: BaseException) -> str:

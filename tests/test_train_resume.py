@@ -57,3 +57,37 @@ def test_kill9_then_resume_matches_uninterrupted(tmp_path, aux_scale: str):
     assert ("fc reads the aux states scaled by" in out) is (aux_scale == "per_state"), out
     got = _losses(b)
     assert got == want  # exact float equality, step by step
+
+
+def test_sigterm_saves_the_step_it_ends_and_the_resume_matches_uninterrupted(tmp_path):
+    # A cut device call (`timeout` sends SIGTERM) must cost no steps: the run finishes its step, saves it
+    # (between the periodic saves, which are off here), exits 143, and the rerun continues from that step.
+    train = dict(max_steps=200, epochs=1000, save_every=1000, grad_accum=1, batch_tokens=60, log_every=1)
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        make_store(root / "run" / "store", n_samples=20, length=16)
+    cfg_a, cfg_b = make_config(a, **train), make_config(b, **train)
+    proc = _run(cfg_a)
+    assert proc.communicate(timeout=120) and proc.returncode == 0
+    want = _losses(a)
+    assert len(want) == 200
+
+    proc = _run(cfg_b)
+    log = b / "run" / "train_log.jsonl"
+    deadline = time.time() + 120
+    while proc.poll() is None and time.time() < deadline and len(_losses(b) if log.is_file() else []) < 3:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    done = _losses(b)
+    assert proc.returncode == 143, err
+    assert 3 <= len(done) < 200, f"stopped after {len(done)} steps"
+    step = done[-1][0]
+    assert f"stopped on SIGTERM at step {step} of 200" in out, out
+    assert (b / "run" / "checkpoints" / f"step-{step:06d}" / "training_state" / "trainer.json").is_file()
+
+    proc = _run(cfg_b)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert f"drafter: resume from {b / 'run' / 'checkpoints' / f'step-{step:06d}'}" in out, out
+    assert _losses(b) == want

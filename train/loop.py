@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -24,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm import tqdm
 
-from common.cli import one_line_errors
+from common.cli import StopRequest, one_line_errors, stop_on_sigterm
 from common.config import dump_config, load_config
 from common.files import remove_temps, write_text_atomic
 from common.locking import run_lock
@@ -109,11 +110,22 @@ def run(config: str | Path, overrides: Sequence[str] = (), resume: str = "auto")
         return train(cfg, resume)
 
 
+# A run stopped on SIGTERM exits as the signal would have (128 + 15): not done, but nothing lost.
+EXIT_STOPPED = 128 + signal.SIGTERM
+
+
 def train(cfg: Any, resume: str) -> int:
     """``resume``: "auto" continues from the newest complete checkpoint in run_dir/checkpoints, "never"
-    starts over."""
+    starts over. SIGTERM ends the run after its current step, with a checkpoint of that step."""
     run = setup(cfg, resume)
-    train_steps(run, cfg.train)
+    with stop_on_sigterm() as stop:
+        train_steps(run, cfg.train, stop)
+    if stop and run.state["step"] < run.total_steps:
+        run.accelerator.print(f"stopped on SIGTERM at step {run.state['step']} of {int(run.total_steps)}: saved "
+                              f"{run_checkpoints.step_dir(run.ckpt_root, run.state['step'])}; the same "
+                              "command resumes from it")
+        run.accelerator.end_training()
+        return EXIT_STOPPED
     run.accelerator.print(f"done: {run.state['step']} steps, {run.state['nonfinite_total']} skipped as non-finite; "
                           f"checkpoints in {run.ckpt_root} (best: {run.ckpt_root / 'best'})")
     run.accelerator.end_training()
@@ -225,9 +237,10 @@ def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float]) -> None:
     accelerator.wait_for_everyone()
 
 
-def train_steps(run: Run, train_cfg: Any) -> None:
+def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> None:
     """The step loop: accumulate, backward, clip, step, log, held-out eval, save; from ``run.state`` to
-    ``run.total_steps``."""
+    ``run.total_steps``, or to the first step that ends after ``stop`` was set in any process (all of them
+    learn it in the step's token count reduction, so they stop at the same step; it is evaluated and saved)."""
     accelerator, data, model, optimizer, scheduler = run.accelerator, run.data, run.model, run.optimizer, run.scheduler
     state, log, sampler, total_steps, ckpt_root = run.state, run.log, run.sampler, run.total_steps, run.ckpt_root
     train_ds, holdout_ds = data.train, data.holdout
@@ -239,7 +252,8 @@ def train_steps(run: Run, train_cfg: Any) -> None:
     bar = tqdm(total=int(total_steps), initial=state["step"], desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
     model.train()
-    while state["step"] < total_steps:
+    stopped = False
+    while state["step"] < total_steps and not stopped:
         sampler.set_epoch(state["epoch"])
         batches = sampler.batches()[: run.windows_per_epoch * train_cfg.grad_accum]
         loader = data.loader(train_ds, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
@@ -271,8 +285,8 @@ def train_steps(run: Run, train_cfg: Any) -> None:
             state["batch"] = k + 1
             state["nonfinite_total"] += int(window_bad)
             state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
-            padded, real = accelerator.reduce(torch.tensor([float(window_tokens), float(window_real)],
-                                                           device=accelerator.device)).tolist()
+            padded, real, stopping = accelerator.reduce(torch.tensor(
+                [float(window_tokens), float(window_real), float(bool(stop))], device=accelerator.device)).tolist()
             state["tokens_seen"] += int(real)
             record = {"step": state["step"], "epoch": state["epoch"],
                       "loss": float(accelerator.reduce(window_loss, reduction="mean")) if not window_bad else None,
@@ -293,7 +307,8 @@ def train_steps(run: Run, train_cfg: Any) -> None:
                 log.write({"step": state["step"], **summary})
                 bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
                 counts = Counts.zeros(n, accelerator.device)
-            at_end = state["step"] >= total_steps
+            stopped = stopping > 0
+            at_end = state["step"] >= total_steps or stopped
             milestone = state["step"] in run.milestones
             if len(holdout_ds) and (state["step"] % train_cfg.eval_every == 0
                                     or state["step"] % train_cfg.save_every == 0 or milestone or at_end):
