@@ -83,15 +83,20 @@ def stacks_on_signal(signum: int = signal.SIGUSR1) -> None:
 class StopRequest:
     """Whether SIGTERM arrived. A long loop reads it at a point where stopping loses nothing (after a step,
     before the next), saves and returns, instead of dying mid-step: a cut call (``timeout``, a scheduler's
-    preemption) then costs no work, where a kill costs everything since the last periodic save."""
+    preemption) then costs no work, where a kill costs everything since the last periodic save. If the process
+    is still alive ``stacks_after`` seconds later (stuck on the way out), every thread's stack goes to stderr:
+    ``timeout``'s SIGKILL follows, and the log then says where it was."""
 
-    def __init__(self) -> None:
+    def __init__(self, stacks_after: float = 10.0) -> None:
         self.signum: int | None = None
+        self.stacks_after = stacks_after
 
     def __bool__(self) -> bool:
         return self.signum is not None
 
     def set(self, signum: int, _frame: object = None) -> None:
+        if self.signum is None:
+            faulthandler.dump_traceback_later(self.stacks_after, exit=False, file=sys.stderr)
         self.signum = signum
 
 
@@ -105,6 +110,14 @@ def stop_on_sigterm() -> Iterator[StopRequest]:
         yield request
     finally:
         signal.signal(signal.SIGTERM, old)
+        faulthandler.cancel_dump_traceback_later()
+
+
+def ignore_stop_signals(*_: object) -> None:
+    """For helper processes (data loader workers): ``timeout`` signals the whole process group, and a helper
+    that died of it would break its parent's orderly stop; the parent ends its helpers itself."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def error_line(e: BaseException) -> str:

@@ -71,3 +71,26 @@ def test_every_command_runs_under_one_line_errors():
                 *(getattr(eval.commands, n) for n in dir(eval.commands) if n.endswith("_command"))]
     assert len(commands) == 10
     assert [c.__qualname__ for c in commands if c.__code__ is not wrapped] == []
+
+
+def test_sigterm_sets_the_stop_request_and_a_stuck_exit_prints_its_stacks():
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from common import cli
+        cli.StopRequest.__init__.__defaults__ = (0.3,)
+        with cli.stop_on_sigterm() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            print("stop" if stop else "no stop", flush=True)
+            time.sleep(1.0)  # stuck on the way out: the stacks come after 0.3 s
+        print("handler restored:", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, flush=True)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["stop", "handler restored: True"]
+    assert r.stderr.splitlines()[0] == "Timeout (0:00:00.300000)!", r.stderr
+    assert 'File "<string>", line 9 in <module>' in r.stderr, r.stderr  # the sleep it was stuck in

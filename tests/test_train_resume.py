@@ -17,8 +17,9 @@ ENV = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
 
 
 def _run(cfg: Path, *extra: str) -> subprocess.Popen:
+    # a session of its own: a test may signal the whole process group, as `timeout` does
     return subprocess.Popen([sys.executable, "-m", "train", "--config", str(cfg), *extra], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
 def _losses(root: Path) -> list[tuple[int, float]]:
@@ -60,8 +61,9 @@ def test_kill9_then_resume_matches_uninterrupted(tmp_path, aux_scale: str):
 
 
 def test_sigterm_saves_the_step_it_ends_and_the_resume_matches_uninterrupted(tmp_path):
-    # A cut device call (`timeout` sends SIGTERM) must cost no steps: the run finishes its step, saves it
-    # (between the periodic saves, which are off here), exits 143, and the rerun continues from that step.
+    # A cut device call (`timeout` sends SIGTERM to the process group) must cost no steps: the run finishes its
+    # step, saves it (between the periodic saves, which are off here; not as best: it had no held-out pass),
+    # exits 143, and the rerun continues from that step.
     train = dict(max_steps=200, epochs=1000, save_every=1000, grad_accum=1, batch_tokens=60, log_every=1)
     a, b = tmp_path / "a", tmp_path / "b"
     for root in (a, b):
@@ -77,7 +79,7 @@ def test_sigterm_saves_the_step_it_ends_and_the_resume_matches_uninterrupted(tmp
     deadline = time.time() + 120
     while proc.poll() is None and time.time() < deadline and len(_losses(b) if log.is_file() else []) < 3:
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)  # the process group, as `timeout` signals it
     out, err = proc.communicate(timeout=120)
     done = _losses(b)
     assert proc.returncode == 143, err
@@ -85,6 +87,7 @@ def test_sigterm_saves_the_step_it_ends_and_the_resume_matches_uninterrupted(tmp
     step = done[-1][0]
     assert f"stopped on SIGTERM at step {step} of 200" in out, out
     assert (b / "run" / "checkpoints" / f"step-{step:06d}" / "training_state" / "trainer.json").is_file()
+    assert not (b / "run" / "checkpoints" / "best").exists()  # saved without a held-out pass: no candidate
 
     proc = _run(cfg_b)
     out, err = proc.communicate(timeout=120)

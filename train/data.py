@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from common.cli import ignore_stop_signals
 from data_prep.capture import end_of_turn_rule, read_conversations, render_all, teacher_signal
 from data_prep.dataset import ShardDataset, collate, in_holdout
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
@@ -68,10 +69,12 @@ class TrainingData:
 
     def loader(self, ds: Dataset, batches: list[list[int]], device: torch.device, pad_to_multiple: int) -> DataLoader:
         """Collated batches in ``batches`` order, prepared ahead in worker processes and pinned on a GPU, so
-        reading and padding overlap the step."""
+        reading and padding overlap the step. The workers outlive a SIGTERM to the process group (``timeout``'s)
+        so that the trainer can finish its step and save."""
         cuda = device.type == "cuda"
         return DataLoader(ds, batch_sampler=batches, num_workers=2 if cuda else 0, pin_memory=cuda,
-                          prefetch_factor=4 if cuda else None, collate_fn=_Collate(pad_to_multiple))
+                          prefetch_factor=4 if cuda else None, collate_fn=_Collate(pad_to_multiple),
+                          worker_init_fn=ignore_stop_signals if cuda else None)
 
 
 class _Collate:

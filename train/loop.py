@@ -222,17 +222,18 @@ def setup(cfg: Any, resume: str) -> Run:
                optimizer, scheduler, state, log, ckpt_root, run_config, serve_dtype)
 
 
-def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float]) -> None:
-    """A checkpoint of the current step (every process takes part), then, on rank 0, best and pruning."""
+def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float] | None) -> None:
+    """A checkpoint of the current step (every process takes part), then, on rank 0, best and pruning.
+    ``last_eval`` None: a stop's save, made without a held-out pass, so it is no candidate for best."""
     accelerator, state, ckpt_root = run.accelerator, run.state, run.ckpt_root
-    metric = last_eval.get("holdout/accept_length")
-    trainer = {"position": dict(state), "metrics": last_eval, "store": run.data.target["fingerprint"]}
+    trainer = {"position": dict(state), "metrics": last_eval or {}, "store": run.data.target["fingerprint"]}
     ckpt = run_checkpoints.save(accelerator, accelerator.unwrap_model(run.model).drafter, ckpt_root, state["step"],
                                 trainer, run.run_config, run.serve_dtype)
     if accelerator.is_main_process:
-        run_checkpoints.update_best(ckpt_root, ckpt, state["step"],
-                                    "holdout/accept_length" if metric is not None else "latest (no held-out split)",
-                                    metric)
+        if last_eval is not None:
+            metric = last_eval.get("holdout/accept_length")
+            run_checkpoints.update_best(ckpt_root, ckpt, state["step"], "holdout/accept_length" if metric is not None
+                                        else "latest (no held-out split)", metric)
         run_checkpoints.prune(ckpt_root, train_cfg.keep_last, run.milestones)
     accelerator.wait_for_everyone()
 
@@ -240,7 +241,7 @@ def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float]) -> None:
 def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> None:
     """The step loop: accumulate, backward, clip, step, log, held-out eval, save; from ``run.state`` to
     ``run.total_steps``, or to the first step that ends after ``stop`` was set in any process (all of them
-    learn it in the step's token count reduction, so they stop at the same step; it is evaluated and saved)."""
+    learn it in the step's token count reduction, so they stop at the same step, and save it)."""
     accelerator, data, model, optimizer, scheduler = run.accelerator, run.data, run.model, run.optimizer, run.scheduler
     state, log, sampler, total_steps, ckpt_root = run.state, run.log, run.sampler, run.total_steps, run.ckpt_root
     train_ds, holdout_ds = data.train, data.holdout
@@ -307,21 +308,22 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> No
                 log.write({"step": state["step"], **summary})
                 bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
                 counts = Counts.zeros(n, accelerator.device)
-            stopped = stopping > 0
-            at_end = state["step"] >= total_steps or stopped
-            milestone = state["step"] in run.milestones
-            if len(holdout_ds) and (state["step"] % train_cfg.eval_every == 0
-                                    or state["step"] % train_cfg.save_every == 0 or milestone or at_end):
+            at_end = state["step"] >= total_steps
+            stopped = stopping > 0 and not at_end
+            due = state["step"] % train_cfg.save_every == 0 or state["step"] in run.milestones or at_end
+            if len(holdout_ds) and (state["step"] % train_cfg.eval_every == 0 or due):
                 last_eval = holdout_metrics(accelerator, model, data, run.holdout_sampler, n)
                 accelerator.log(last_eval, step=state["step"])
                 log.write({"step": state["step"], **last_eval})
                 accelerator.print(f"step {state['step']}: " + ", ".join(
                     f"{k2.split('/')[1]} {v:.3f}" for k2, v in last_eval.items() if "loss_" not in k2))
-            if state["step"] % train_cfg.save_every == 0 or milestone or at_end:
+            if due:
                 save_step(run, train_cfg, last_eval)
+            elif stopped:  # saved at once, without a held-out pass: done well before timeout's SIGKILL
+                save_step(run, train_cfg, None)
             window_loss.zero_()
             window_bad, window_tokens, window_real, t0 = False, 0, 0, time.perf_counter()
-            if at_end:
+            if at_end or stopped:
                 break
         else:
             state["epoch"] += 1
