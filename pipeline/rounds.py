@@ -2,11 +2,12 @@
 
     python -m pipeline --config configs/smollm2-135m.yaml        # what `make demo` runs; calls run_round
 
-Round 1 trains a drafter from scratch and gates it against the break-even τ* measured on this machine.
-Every later round warm-starts from the promoted drafter, regenerates *fresh* prompts (the next slice of
-the ingested pool) and gates against the promoted drafter as the incumbent: the mission's loop in
-miniature. Each stage runs as the same CLI a user would type, in a subprocess, so a kill at any point
-resumes where it stopped when the command is run again.
+Every round fine-tunes the incumbent (``pick_incumbent``: the promoted drafter; before any promotion the
+config's ``drafter.init_from``, which for the embedded default is the shipped SmolLM2 drafter under
+drafters/; without one, round 1 trains from scratch) on *fresh* prompts (the next slice of the ingested
+pool), and gates the result against the break-even τ* measured on this machine and against the incumbent:
+the mission's loop in miniature. Each stage runs as the same CLI a user would type, in a subprocess, so a
+kill at any point resumes where it stopped when the command is run again.
 
 Exit codes: 0 the round finished (the gate promoted or rejected: the verdict says which), 2 an error; a
 round is marked done only after its gate exited 0 or 1 and recorded its decision. The pipeline holds the
@@ -119,6 +120,21 @@ def verdict(history: Path, round_no: int, eval_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def pick_incumbent(cfg: RunConfig, round_no: int) -> Path | None:
+    """What ships, which a round warm-starts from and must beat: the promoted drafter (its immutable copy);
+    before anything was promoted, the drafter the config starts from (``drafter.init_from``: the one serving
+    now, e.g. the embedded default's shipped drafter); without one, the previous round's best, so every
+    later round must improve on the last one."""
+    promoted = Path(cfg.gate.promoted_dir)
+    configured = Path(cfg.drafter.init_from) if cfg.drafter.init_from else None
+    if configured is not None and not (configured / "config.json").is_file():
+        raise PipelineError(f"drafter.init_from: {configured} is no drafter dir (no config.json in it); point it at "
+                            "an SGLang-layout drafter, or set it to null to train from scratch")
+    previous_best = cfg.root / f"round-{round_no - 1}" / "checkpoints" / "best"
+    found = (p for p in (promoted, configured, previous_best) if p is not None and (p / "config.json").is_file())
+    return next((p.resolve() for p in found), None)
+
+
 @one_line_errors(MissingWheelError)
 def run_round(config: str | Path, overrides: Sequence[str] = ()) -> int:
     """The next round of the run in ``config`` (``overrides``: ``key.sub=value``); a problem the user can
@@ -137,12 +153,7 @@ def _round(config: str | Path, overrides: Sequence[str], base: RunConfig, round_
            env: dict[str, str]) -> int:
     t0 = time.time()
     root, py = base.root, sys.executable
-    # The incumbent is what ships (the promoted drafter, by its immutable copy); before anything was
-    # promoted, the previous round's best, so every later round must improve on the last one. Training
-    # warm-starts from it.
-    promoted = Path(base.gate.promoted_dir)
-    previous_best = root / f"round-{round_no - 1}" / "checkpoints" / "best"
-    incumbent = next((p.resolve() for p in (promoted, previous_best) if (p / "config.json").is_file()), None)
+    incumbent = pick_incumbent(base, round_no)
     init_from = incumbent
     tree = dump_config(base)
     tree["run_dir"] = str(round_dir)

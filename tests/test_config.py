@@ -29,7 +29,7 @@ def test_every_shipped_config_loads(path: Path) -> None:
 
 def test_shipped_values() -> None:
     smol = load_config(SMOL)
-    assert smol.target.aux_layer_ids == [2, 15, 27] and smol.drafter.init_from is None
+    assert smol.target.aux_layer_ids == [2, 15, 27] and smol.drafter.init_from == "drafters/smollm2-135m-eagle3"
     k2 = load_config(REPO / "configs" / "kimi-k25-from-k2.yaml")
     assert k2.target.aux_layer_ids == [2, 30, 58] and k2.target.trust_remote_code
     # the 1T target is captured by SpecForge under tp/ep 8 and imported: no HF model load, the exact teacher
@@ -43,9 +43,11 @@ def test_shipped_values() -> None:
 @pytest.mark.parametrize(("edit", "words"), [
     ({"capture": {"backend": "sglang", "teacher": "hidden"}, "drafter": {"init_from": "d"}},
      ["capture.backend 'sglang'", "capture.teacher 'hidden'"]),
-    ({"capture": {"backend": "sglang", "teacher": "topk"}}, ["capture.backend 'sglang'", "drafter.init_from"]),
+    ({"capture": {"backend": "sglang", "teacher": "topk"}, "drafter": {"init_from": None}},
+     ["capture.backend 'sglang'", "drafter.init_from"]),
     ({"capture": {"backend": "specforge"}}, ["capture.backend 'specforge'", "capture.specforge_dir"]),
-    ({"capture": {"backend": "specforge", "specforge_dir": "x"}, "target": {"aux_layer_ids": None}},
+    ({"capture": {"backend": "specforge", "specforge_dir": "x"}, "target": {"aux_layer_ids": None},
+      "drafter": {"init_from": None}},
      ["capture.backend 'specforge'", "target.aux_layer_ids", "drafter.init_from"]),
     ({"eval": {"timings": {"decode_ms": 12.1, "cycle_ms": {5: 35.0}}}}, ["eval.timings.cycle_ms", "eval.num_steps 3"]),
 ])
@@ -165,3 +167,14 @@ def test_overrides_are_validated(override: str, key: str, words: str) -> None:
 def test_malformed_overrides(override: str, words: str) -> None:
     (line,) = error_lines(SMOL, (override,))
     assert line.startswith(f"{SMOL}: override") and words in line
+
+
+def test_the_demo_starts_from_a_shipped_drafter_sglang_serves() -> None:
+    """The embedded default's incumbent (issue #18: at most 32 MB, passes the strict checker, the demo's aux ids)."""
+    from drafter.sglang_checkpoint import check_checkpoint, read_config
+
+    shipped = REPO / load_config(SMOL).drafter.init_from
+    assert check_checkpoint(shipped) == []
+    assert sum(f.stat().st_size for f in shipped.iterdir()) <= 32 * 2**20
+    aux = read_config(shipped)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert aux == load_config(SMOL).target.aux_layer_ids

@@ -284,3 +284,31 @@ def test_pipeline_unusable_run_dir_and_full_disk_are_one_line(tmp_path, monkeypa
     assert err[-1] == (f"error: {tmp_path / 'run' / 'round-1' / 'config.yaml'}: no space left on the device: free "
                        "some, or point run_dir at a bigger disk (--set run_dir=/big/disk/run), then rerun (stages "
                        "resume)"), err
+
+
+def test_the_incumbent_is_the_promoted_then_the_configured_then_the_last_rounds_best(tmp_path):
+    def drafter_dir(path: Path) -> Path:
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+        return path
+
+    cfg = load_config(DEMO, [f"run_dir={tmp_path / 'run'}", f"gate.promoted_dir={tmp_path / 'promoted'}",
+                             "drafter.init_from=null"])
+    assert rounds.pick_incumbent(cfg, 1) is None  # from scratch
+    last_best = drafter_dir(tmp_path / "run" / "round-1" / "checkpoints" / "best")
+    assert rounds.pick_incumbent(cfg, 2) == last_best.resolve()
+    shipped = drafter_dir(tmp_path / "shipped")
+    cfg = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_from": str(shipped)})})
+    assert rounds.pick_incumbent(cfg, 1) == shipped.resolve()  # what serves now, before any promotion
+    assert rounds.pick_incumbent(cfg, 2) == shipped.resolve()  # a rejected round's best does not replace it
+    promoted = drafter_dir(tmp_path / "promoted")
+    assert rounds.pick_incumbent(cfg, 2) == promoted.resolve()
+    missing = cfg.model_copy(update={"drafter": cfg.drafter.model_copy(update={"init_from": str(tmp_path / "no")})})
+    with pytest.raises(rounds.PipelineError, match=r"drafter.init_from: .*/no is no drafter dir"):
+        rounds.pick_incumbent(missing, 1)
+
+
+def test_the_demo_config_starts_from_the_shipped_drafter(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the config's paths are relative to where `make demo` runs
+    cfg = load_config(DEMO, ["gate.promoted_dir=/nonexistent/promoted", "run_dir=/nonexistent/run"])
+    assert rounds.pick_incumbent(cfg, 1) == (ROOT / "drafters" / "smollm2-135m-eagle3").resolve()
