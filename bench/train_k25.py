@@ -53,7 +53,8 @@ def check_peer(script: Path) -> None:
     """Before any GPU work: both halves of the comparison must be able to run."""
     if not script.is_file():
         raise MissingPeer(f"SpecForge's benchmark {script} not found: pass --specforge-bench PATH to "
-                          "peer-bench/bench_specforge.py (on the GPU machine, a copy carried in .gpu/)")
+                          "peer-bench/bench_specforge.py (on the GPU machine, a copy carried in .gpu/peer/), "
+                          f"with the {WHEEL} wheel installed --no-deps")
     if importlib.util.find_spec("specforge") is None:
         raise MissingPeer(f"no module named specforge for {script}: install the wheel with "
                           f"`python -m pip install --no-deps {WHEEL}` (on the GPU machine: .whl/ and "
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("runs/bench-k25"), help="SpecForge's rows and logs")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     script = args.specforge_bench.resolve()  # the child runs from the repo root
     try:
         check_peer(script)

@@ -23,7 +23,7 @@ def test_a_missing_benchmark_is_one_line_naming_the_flag(tmp_path, capsys) -> No
     missing = tmp_path / "bench_specforge.py"
     assert train_k25.main(["--specforge-bench", str(missing)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(missing) in err and "--specforge-bench" in err
+    assert err.count("\n") == 1 and str(missing) in err and "--specforge-bench" in err and "specforge==0.2.0" in err
 
 
 def test_a_missing_specforge_module_is_one_line_naming_the_wheel(tmp_path, capsys, monkeypatch) -> None:
