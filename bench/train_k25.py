@@ -6,7 +6,7 @@
 Both steps run on the same GPU in the same call, so the speed-up does not depend on which machine a session
 got: ours (bench/train_throughput.py's ``bench``, eager and with the drafter's step compiled) in this process,
 SpecForge's (its own draft model, TTT wrapper, Triton loss and BF16Optimizer, timed by
-/work/shared/peer-bench/bench_specforge.py, flex attention) in a child process, so neither holds the other's
+../shared/peer-bench/bench_specforge.py, flex attention) in a child process, so neither holds the other's
 GPU memory or compiled kernels. With --rounds 2 the second round runs them in the other order.
 speedup = SpecForge's median step / our faster median step (issue #20's bar: 1.5). B=1, T=2048, TTT 7, bf16,
 synthetic inputs, CUDA events on both sides.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Stands in for /work/shared/peer-bench/bench_specforge.py in CPU tests: the same arguments, the same
+"""Stands in for ../shared/peer-bench/bench_specforge.py in CPU tests: the same arguments, the same
 ``--out/results.jsonl`` rows (an ``env`` row, then a ``train_step`` row per shape with every field the real
 ``run_one`` writes, or an ``error`` row) appended as it appends them, and the same stdout (timestamped log
 lines, then a SUMMARY table). No torch, no GPU: the step time comes from FAKE_STEP_S.
