@@ -111,15 +111,16 @@ class DecodeGraphs:
         """Warm the step up eagerly on a side stream, then capture it there (PyTorch's recipe). The warm-up's
         cache writes are harmless: the same ids at the same positions write the same keys and values, and every
         replay writes each layer's before its attention reads them."""
+        dev = self.t.device  # named everywhere: a regeneration process on cuda:1 never sets the current device
         if self.pool is None:
-            self.pool, self.side = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.t.device)
+            self.pool, self.side = torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)
         graph = torch.cuda.CUDAGraph()
-        self.side.wait_stream(torch.cuda.current_stream())
+        self.side.wait_stream(torch.cuda.current_stream(dev))  # the warm-up reads this step's ids and positions
         # This context restores the caller's stream even when a failed capture_end skips torch.cuda.graph's own.
         with torch.cuda.stream(self.side):
             for _ in range(WARMUP_RUNS):
                 self._eager(b)
             with torch.cuda.graph(graph, pool=self.pool, stream=self.side):
                 logits = self._eager(b)
-        torch.cuda.current_stream().wait_stream(self.side)
+        torch.cuda.current_stream(dev).wait_stream(self.side)
         return graph, logits
