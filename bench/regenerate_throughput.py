@@ -23,7 +23,10 @@ Figures, bench/results.json:
   steps by live rows; printed as one line per device); exact_matches of --exact-prompts first turns answered
   in fp32 by the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``: the
   engine alone (in this process) on N first turns with each paged-attention kernel (flex: each row reads its
-  own pages; gather: a rectangle up to the furthest row), generated tokens/s each; with --baseline-prompts N,
+  own pages; gather: a rectangle up to the furthest row), flex both with its decode step replayed from CUDA
+  graphs (``flex_graphs``, the engine's default on CUDA) and run eagerly (``flex_eager``,
+  $EAGLE3_DECODE_GRAPHS=0): generated tokens/s, decode steps and those replayed from graphs each, and how many
+  answers agree with ``flex_graphs``'; with --baseline-prompts N,
   plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
 - "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
   regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
@@ -52,6 +55,7 @@ from common.config import dump_config, load_config  # noqa: E402
 from eval.prompts import render  # noqa: E402
 from target.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
 from target.continuous_batching import generate  # noqa: E402
+from target.decode_graphs import GRAPHS_ENV  # noqa: E402
 from target.hf_model import TargetModel, load_target, stop_token_ids  # noqa: E402
 
 
@@ -99,12 +103,15 @@ def engine_line(e: dict[str, Any]) -> str:
     """Where one engine's seconds went (``Stream.stats``), in one line."""
     if "prefill_s" not in e:
         return str(e)
+    failed = f", graphs failed: {e['graph_fallback']}" if e.get("graph_fallback") else ""
     per_step = {k: f"{n} ({1000 * e['decode_s_by_live_rows'][k] / n:.0f} ms)"
                 for k, n in e["steps_by_live_rows"].items() if n}
     return (f"{e['seconds']} s: prefill {e['prefill_s']} s ({e['prefill_tokens']} tokens, "
             f"{e.get('reused_prefix_tokens', 0)} reused), decode {e['decode_s']} s over {e['steps']} steps "
-            f"(issuing {e['decode_launch_s']} s, first shapes {e['decode_first_shape_s']} s), engine host "
-            f"{e['engine_host_s']} s, caller {e['caller_s']} s; steps by live rows {per_step}")
+            f"(issuing {e['decode_launch_s']} s, first shapes {e['decode_first_shape_s']} s; "
+            f"{e.get('graph_steps', 0)} replayed from CUDA graphs, {e.get('graph_captures', 0)} captures in "
+            f"{e.get('graph_capture_s', 0)} s{failed}), engine host {e['engine_host_s']} s, caller {e['caller_s']} s; "
+            f"steps by live rows {per_step}")
 
 
 def main() -> int:
@@ -117,7 +124,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/bench-regenerate"))
     ap.add_argument("--exact-prompts", type=int, default=64)
     ap.add_argument("--exact-max-tokens", type=int, default=256)
-    ap.add_argument("--ab-prompts", type=int, default=0, help="first turns for the attention kernels' A/B")
+    ap.add_argument("--ab-prompts", type=int, default=0, help="first turns for the A/B: flex (graphs, eager), gather")
     ap.add_argument("--ab-max-tokens", type=int, default=512)
     ap.add_argument("--baseline-prompts", type=int, default=0, help="first turns for plain generate (0: skip)")
     ap.add_argument("--baseline-batch", type=int, default=128)
@@ -188,22 +195,35 @@ def timed(fn, device: torch.device):
     return result, time.perf_counter() - t
 
 
+AB_VARIANTS = {"flex_graphs": {ATTENTION_ENV: "flex", GRAPHS_ENV: "1"},
+               "flex_eager": {ATTENTION_ENV: "flex", GRAPHS_ENV: "0"},
+               "gather": {ATTENTION_ENV: "gather"}}  # the environment each variant runs under
+
+
 def attention_ab(target: TargetModel, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
-    """The engine on the same first turns with each paged-attention kernel (warmed up first, so a compile is
-    not timed): generated tokens/s, and whether the answers agree."""
+    """The engine on the same first turns in each of ``AB_VARIANTS`` (warmed up first, so a compile or a
+    capture is not timed): generated tokens/s, decode steps replayed from graphs (0 where graphs are off or
+    their capture failed: ``*_graph_fallback``), and how many answers agree with ``flex_graphs``'."""
     engine, stops = BatchedTarget(target.model), stop_token_ids(target.tokenizer)
     out: dict[str, Any] = {"prompts": len(prompts), "max_tokens": max_new}
     answers = {}
-    for kernel in ("flex", "gather"):
-        os.environ[ATTENTION_ENV] = kernel
+    for name, env in AB_VARIANTS.items():
+        os.environ.update(env)
+        stats: dict[str, Any] = {}
         try:
-            generate(engine, prompts[:8], 8, stops, desc=f"warm-up {kernel}")
-            got, seconds = timed(lambda k=kernel: generate(engine, prompts, max_new, stops, desc=k), target.device)
+            generate(engine, prompts[:8], 8, stops, desc=f"warm-up {name}")
+            got, seconds = timed(lambda n=name, s=stats: generate(engine, prompts, max_new, stops, desc=n, stats=s),
+                                 target.device)
         finally:
-            del os.environ[ATTENTION_ENV]
-        answers[kernel] = [g.tokens for g in got]
-        out[f"{kernel}_tokens_per_s"] = round(sum(len(g.tokens) for g in got) / seconds, 1)
-    out["same_answers"] = sum(a == b for a, b in zip(answers["flex"], answers["gather"], strict=True))
+            for key in env:
+                del os.environ[key]
+        answers[name] = [g.tokens for g in got]
+        out[f"{name}_tokens_per_s"] = round(sum(len(g.tokens) for g in got) / seconds, 1)
+        out[f"{name}_decode_steps"], out[f"{name}_graph_steps"] = stats["steps"], stats["graph_steps"]
+        if stats["graph_fallback"]:
+            out[f"{name}_graph_fallback"] = stats["graph_fallback"]
+    for name in ("flex_eager", "gather"):
+        out[f"same_answers_{name}"] = sum(a == b for a, b in zip(answers["flex_graphs"], answers[name], strict=True))
     return out
 
 

@@ -192,6 +192,10 @@ class PagedKVCache:
         """Copy the page lists that changed to the device tables."""
         if not (self._dirty or self._freed):
             return
+        if self.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Pageable host-to-device copies cannot be captured: a CUDA graph's owner flushes before capturing
+            # (target.decode_graphs), so a capture that gets here is a bug, named rather than a corrupt graph.
+            raise RuntimeError("PagedKVCache.flush inside a CUDA graph capture: flush before capturing")
         dev = self.page_table.device
         if self._freed:
             self.owner[torch.tensor(self._freed, device=dev)] = -1
@@ -261,6 +265,11 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
 
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
+
+
+def error_line(e: BaseException) -> str:
+    """An exception in one line of at most 200 characters, for a fallback's warning and the run's stats."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
 def uses_flex(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, fresh: bool) -> bool:
@@ -348,7 +357,7 @@ class BatchedTarget:
             except Exception as e:  # noqa: BLE001 (a kernel that does not build must not stop a regeneration)
                 # The first flex step failed (this torch has no such kernel, or it did not compile): gather
                 # instead, for the rest of this cache's life. Rewriting this step's keys is harmless.
-                cache.attention = f"gather (flex failed: {type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                cache.attention = f"gather (flex failed: {error_line(e)})"
                 print(f"warning: paged attention falls back to gather: {cache.attention}", file=sys.stderr)
         return self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at, all_logits=all_logits,
                              aux=aux)

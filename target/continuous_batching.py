@@ -29,7 +29,8 @@ and positions before them, so a reused prefix is what a prefill would write, up 
 
 ``Stream.stats`` splits the run's seconds into prefill forwards, decode forwards, the engine's own host work
 and the caller's time between polls (one device synchronisation per forward, where ``.tolist()`` waits anyway),
-and counts decode steps by live rows.
+and counts decode steps by live rows. On CUDA a flex decode step replays a CUDA graph of its padded batch size
+(``target.decode_graphs``); ``stats`` counts those steps and the captures.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from tqdm import tqdm
 
 from common.batching import length_batches
 from target.batched import PAGE, BatchedTarget
+from target.decode_graphs import DecodeGraphs
 from target.loops import check_window, loop_start, may_loop
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
@@ -257,6 +259,8 @@ class Stream:
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.last = torch.zeros(n, dtype=torch.long, device=dev)
         self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a row serving a request
+        # last and pos are updated in place, never rebound: a decode graph reads them where it was captured
+        self.decode = DecodeGraphs(target, self.cache, self.last, self.pos)
         self.live = 0
         self.top = 0  # no live row above it (last_live walks down from it: rows go live only in _prefill)
         self.refill_at = max(1, n // 8)
@@ -335,14 +339,14 @@ class Stream:
 
     def stats(self) -> dict[str, Any]:
         """What the run did, for summaries and benchmarks: tokens (``prefill_tokens`` prefilled,
-        ``reused_prefix_tokens`` taken from a row's cache instead, in ``continued`` requests), and where the
-        seconds went (``_Timing.stats``)."""
+        ``reused_prefix_tokens`` taken from a row's cache instead, in ``continued`` requests), where the
+        seconds went (``_Timing.stats``), and the decode steps replayed from CUDA graphs (``DecodeGraphs.stats``)."""
         seconds = time.perf_counter() - self.started
         return {"rows": self.rows, "pages": self.cache.pages, "page_positions": self.cache.page,
                 "attention": self.cache.attention, "steps": self.steps, "decoded_tokens": self.produced,
                 "prefill_tokens": self.prefilled, "reused_prefix_tokens": self.reused, "continued": self.continued,
                 "preempted": self.preempted, "discarded_tokens": self.discarded, "seconds": round(seconds, 2),
-                **self.timing.stats(seconds)}
+                **self.timing.stats(seconds), **self.decode.stats()}
 
     def tokens_per_s(self) -> float:
         return self.produced / max(time.perf_counter() - self.started, 1e-9)
@@ -601,15 +605,14 @@ class Stream:
         hi = self.last_live() + 1
         b = decode_rows(hi, self.rows, self.buckets)
         t0 = time.perf_counter()
-        out = self.t.forward(self.cache, slice(0, b), self.last[:b, None], self.pos[:b, None], fresh=False,
-                             logits_at=torch.zeros(b, dtype=torch.long, device=self.t.device))
-        nxt = self.pick(out.logits)
+        logits = self.decode.logits(b)  # a graph's own buffer on CUDA: read here, before the next step overwrites it
+        nxt = self.pick(logits)
         t1 = time.perf_counter()
         self._sync()
         first_shape = self.buckets > 0 and b not in self.shapes
         self.shapes.add(b)
         self.timing.step(self.live, t1 - t0, time.perf_counter() - t0, first_shape)
-        margins = self._margins(out.logits[:hi], hi)
+        margins = self._margins(logits[:hi], hi)
         self.last[:b] = nxt
         self.pos[:b] += self.alive[:b]
         produced = 0
@@ -664,11 +667,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop_ids: Sequence[int], sampling: Sampling = Sampling(), slots: int | None = None,
              cpu_slots: int = 16, desc: str = "generate", margins: bool = False,
-             loops: LoopStop | None = None, pages: int | None = None) -> list[Generated]:
+             loops: LoopStop | None = None, pages: int | None = None,
+             stats: dict[str, Any] | None = None) -> list[Generated]:
     """Answer every prompt (token ids, already chat-templated; ``max_new_tokens`` one budget for all or one
     per prompt); results in prompt order. ``margins``: also the top-1/top-2 logit margin behind each token.
     ``loops``: end an answer that falls into a loop there (finish reason "loop"); an answer that never loops
-    is the same with or without it. ``slots``: rows decoded at once (default ``plan_rows``)."""
+    is the same with or without it. ``slots``: rows decoded at once (default ``plan_rows``). ``stats``: filled
+    with the run's ``Stream.stats`` (what a benchmark checks ran)."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     out: list[Generated | None] = [None] * len(prompts)
     if not prompts:
@@ -683,4 +688,6 @@ def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_to
             bar.update(1)
             if stream.steps % 64 == 0:
                 bar.set_postfix(tok_s=round(stream.tokens_per_s()), rows=stream.rows, refresh=False)
+    if stats is not None:
+        stats.update(stream.stats())
     return out  # type: ignore[return-value]

@@ -32,7 +32,9 @@ def tiny(kind: str = "llama") -> torch.nn.Module:
 def plain_greedy(model: torch.nn.Module, prompt: list[int], max_new: int) -> tuple[list[int], str]:
     """HF greedy ``generate`` on one prompt. The mask is explicit: without it ``generate`` masks every token equal
     to ``pad_token_id``, and a prompt that feeds an answer back may hold token 0."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    dev = model.device
+    out = model.generate(torch.tensor([prompt], device=dev),
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=dev),
                          max_new_tokens=max_new, do_sample=False, eos_token_id=STOPS,
                          pad_token_id=0)[0, len(prompt):].tolist()
     end = next((i for i, t in enumerate(out) if t in STOPS), None)
@@ -149,6 +151,7 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     assert abs(parts - s["seconds"]) < 0.05 and s["caller_s"] >= 0.1
     assert stream.timing.prefill_s > 0 and stream.timing.decode_s > 0  # (the stats round to 10 ms)
     assert 0 < s["decode_launch_s"] <= s["decode_s"] and s["decode_first_shape_s"] == 0  # gather: nothing compiles
+    assert (s["graph_steps"], s["graph_captures"], s["graph_fallback"]) == (0, 0, None)  # CUDA graphs: CUDA only
     steps, seconds = s["steps_by_live_rows"], s["decode_s_by_live_rows"]
     assert list(steps) == list(seconds) == ["<=8", "<=64", "<=512", ">512"]
     assert sum(steps.values()) == s["steps"] and steps["<=8"] > 0 and steps["<=64"] > 0  # 12 rows, then fewer

@@ -1,0 +1,234 @@
+"""CUDA graphs of the stream's flex decode step (``target.decode_graphs``).
+
+On a CPU: graphs are never taken there, nor over gather; the storage key moves only when the cache reallocates;
+and the bookkeeping (one capture per padded batch size and storage, every step after the first flex one
+replayed, a failed capture falling back to eager with one warning) runs with a stand-in graph whose replay runs
+the step eagerly into its one logits buffer. On CUDA (skipped here): with real graphs a stream's answers are the
+eager stream's and plain greedy ``generate``'s, token for token, as rows finish and the padded batch shrinks,
+as turns continue in their rows, and after the cache's storage moves; a capture that syncs with the host falls
+back to eager and the answers stay exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from test_target_continuous_batching import STOPS, all_free, converse, plain_greedy, prompts, tiny
+from torch import Tensor
+from torch.nn.attention.flex_attention import flex_attention
+
+import target.batched as bt
+from target.batched import BatchedTarget, PagedKVCache
+from target.continuous_batching import Stream
+from target.decode_graphs import GRAPHS_ENV, DecodeGraphs, graphs_wanted, storage_key
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def eager_flex(q: Tensor, k: Tensor, v: Tensor, block_mask, scale: float) -> Tensor:
+    """``flex_decode`` uncompiled: the same mask, exact for any key (``PagedKVCache._mask_mod``), with no compile
+    (the CPU compile takes tens of seconds)."""
+    return flex_attention(q, k[None], v[None], block_mask=block_mask, scale=scale)
+
+
+class StandInGraph:
+    """A CUDA graph's contract on a CPU: a replay runs the captured step and writes its logits into one buffer."""
+
+    def __init__(self, step: Callable[[], Tensor]):
+        self.step = step
+        self.logits = step().clone()
+
+    def replay(self) -> None:
+        self.logits.copy_(self.step())
+
+
+@pytest.fixture
+def captured(monkeypatch) -> list[tuple[tuple[int, ...], int]]:
+    """CPU flex decode steps whose graphs are stand-ins, graphs on as on CUDA: the (storage key, rows) of each
+    capture."""
+    seen: list[tuple[tuple[int, ...], int]] = []
+
+    def capture(self: DecodeGraphs, b: int) -> tuple[StandInGraph, Tensor]:
+        seen.append((self.key, b))
+        graph = StandInGraph(lambda: self._eager(b))
+        return graph, graph.logits
+
+    monkeypatch.setattr(bt, "flex_decode", eager_flex)
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    return seen
+
+
+def graphed(stream: Stream) -> Stream:
+    stream.decode.on = True  # what graphs_wanted says on CUDA
+    return stream
+
+
+def test_graphs_are_wanted_on_cuda_unless_the_env_var_says_0(monkeypatch) -> None:
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    assert graphs_wanted(torch.device("cuda")) and not graphs_wanted(torch.device("cpu"))
+    monkeypatch.setenv(GRAPHS_ENV, "0")
+    assert not graphs_wanted(torch.device("cuda"))
+    monkeypatch.setenv(GRAPHS_ENV, "yes")
+    with pytest.raises(ValueError, match="EAGLE3_DECODE_GRAPHS='yes': use 1"):
+        Stream(BatchedTarget(tiny()), STOPS, max_len=64, cpu_rows=2)
+
+
+def test_the_storage_key_moves_only_when_the_cache_reallocates() -> None:
+    """Pages taken and returned are written to the device tables in place (a graph reads them there); growing
+    the pool reallocates keys, values and page owners, which every captured graph would still point at."""
+    cache = BatchedTarget(tiny()).new_paged_cache(rows=2, pages=5, max_len=512, attention="flex")
+    key = storage_key(cache)
+    assert cache.ensure(0, 300) and cache.ensure(1, 10)
+    cache.flush()
+    cache.move_rows([1], [0])
+    cache.flush()
+    assert storage_key(cache) == key
+    cache.grow(2)
+    assert storage_key(cache) != key
+
+
+def test_a_cpu_stream_never_replays_and_gather_never_captures(captured) -> None:
+    """Graphs are off on a CPU (flex or not); over gather they stay off even when wanted (no fixed-shape kernel
+    to capture): every step runs eagerly."""
+    model = tiny()
+    for stream in (Stream(BatchedTarget(model), STOPS, max_len=80, cpu_rows=3, attention="flex"),
+                   graphed(Stream(BatchedTarget(model), STOPS, max_len=80, cpu_rows=3, attention="gather"))):
+        for i, p in enumerate(prompts(4, 3, 30, seed=6)):
+            stream.submit(i, p, 6)
+        dict(stream.run())
+        s = stream.stats()
+        assert s["steps"] > 0 and (s["graph_steps"], s["graph_captures"], s["graph_fallback"]) == (0, 0, None)
+    assert captured == []
+
+
+def test_every_flex_step_after_the_first_replays_one_graph_per_size_and_storage(captured) -> None:
+    """Three turns of short and long conversations through 4 rows: the padded batch shrinks as rows finish
+    (sizes 4, 2, 1), and the long prompts grow the CPU pool mid-run, which drops the graphs (new storage) and
+    captures again. The first flex step runs eagerly (flex's own fallback is decided there); every later one
+    replays; every answer is greedy's."""
+    model = tiny()
+    openers = prompts(5, 2, 12) + prompts(3, 600, 700, seed=2)
+    stream = graphed(Stream(BatchedTarget(model), STOPS, max_len=800, cpu_rows=4, attention="flex"))
+    start = stream.cache.pages
+    seen = converse(stream, openers, 3, lambda i: 6 + i)
+    assert all_free(stream) and stream.cache.pages > start
+    for (i, _), (prompt, answer) in seen.items():
+        assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, 6 + i)
+    s = stream.stats()
+    assert s["attention"] == "flex" and s["continued"] > 0 and s["graph_fallback"] is None
+    assert s["graph_steps"] == s["steps"] - 1 and s["graph_captures"] == len(captured) == len(set(captured))
+    assert len({b for _, b in captured}) > 1 and len({key for key, _ in captured}) > 1
+    assert captured[-1][0] == storage_key(stream.cache)
+
+
+def test_a_capture_that_fails_falls_back_to_eager_with_one_warning(captured, monkeypatch, capsys) -> None:
+    def broken(self: DecodeGraphs, b: int) -> None:
+        try:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", broken)
+    model = tiny()
+    ps = prompts(5, 3, 40, seed=6)
+    stream = graphed(Stream(BatchedTarget(model), STOPS, max_len=80, cpu_rows=3, attention="flex"))
+    for i, p in enumerate(ps):
+        stream.submit(i, p, 12)
+    outs = dict(stream.run())
+    for i, p in enumerate(ps):
+        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 12)
+    s = stream.stats()
+    assert s["graph_fallback"] == ("RuntimeError: CUDA error: operation failed due to a previous error during "
+                                   "capture (raised over RuntimeError: CUDA error: operation not permitted when "
+                                   "stream is capturing)")
+    assert (s["graph_steps"], s["graph_captures"], s["attention"]) == (0, 0, "flex") and not stream.decode.on
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "CUDA graph" in line]
+    assert warnings == [f"warning: decode steps run eagerly, CUDA graph capture failed: {s['graph_fallback']}"]
+
+
+# On CUDA: real graphs, real compiled flex attention.
+
+def recorded_captures(monkeypatch) -> list[tuple[tuple[int, ...], int]]:
+    """The (storage key, rows) of every real capture."""
+    seen: list[tuple[tuple[int, ...], int]] = []
+    original = DecodeGraphs._capture
+
+    def capture(self: DecodeGraphs, b: int):
+        seen.append((self.key, b))
+        return original(self, b)
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", capture)
+    return seen
+
+
+def grow_once_at(step: int, monkeypatch) -> None:
+    """Grow the stream's pool once its ``step``-th decode step has run (a GPU's pool is sized once; this moves
+    the cache's storage under the captured graphs)."""
+    original = Stream.poll
+
+    def poll(self: Stream):
+        if self.steps >= step and not getattr(self, "grown", False):
+            self.cache.grow(4)
+            self.grown = True
+        return original(self)
+
+    monkeypatch.setattr(Stream, "poll", poll)
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_graphs_answer_as_eager_and_plain_generate_cuda(kind: str, monkeypatch) -> None:
+    """Twelve conversations of three turns through 16 rows (padded to 16, 8, 4 or 2), fp32: with graphs every
+    answer is the eager stream's and plain greedy ``generate``'s, token for token, across bucket changes, turns
+    continued in their rows, and a pool grown mid-run (every graph captured again)."""
+    model = tiny(kind).cuda()
+    openers = prompts(12, 3, 150, seed=5)
+
+    def budget(i: int) -> int:
+        return 10 + 4 * i
+
+    captures = recorded_captures(monkeypatch)
+    grow_once_at(25, monkeypatch)
+    runs = {}
+    for graphs in ("1", "0"):
+        monkeypatch.setenv(GRAPHS_ENV, graphs)
+        stream = Stream(BatchedTarget(model), STOPS, max_len=400, rows=16, attention="flex", margins=True)
+        runs[graphs] = converse(stream, openers, 3, budget), stream.stats()
+        assert all_free(stream)
+    (seen, s), (eager, eager_s) = runs["1"], runs["0"]
+    assert s["attention"] == eager_s["attention"] == "flex" and s["graph_fallback"] is None
+    assert s["graph_steps"] == s["steps"] - 1 and eager_s["graph_steps"] == eager_s["graph_captures"] == 0
+    assert s["graph_captures"] == len(captures) == len(set(captures)) and s["continued"] > 0
+    assert len({b for _, b in captures}) > 1 and len({key for key, _ in captures}) == 2
+    assert {k: (p, a.tokens, a.finish_reason) for k, (p, a) in seen.items()} == \
+        {k: (p, a.tokens, a.finish_reason) for k, (p, a) in eager.items()}
+    for key, (prompt, answer) in seen.items():
+        assert answer.margins == pytest.approx(eager[key][1].margins, abs=1e-4)
+        assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, budget(key[0]))
+
+
+@cuda
+def test_a_capture_that_syncs_with_the_host_falls_back_to_eager_cuda(monkeypatch, capsys) -> None:
+    """A host sync inside the captured step (here one in the block mask) fails the capture: the stream warns once,
+    runs every step eagerly, and its answers stay greedy's."""
+    original = PagedKVCache.block_mask
+
+    def syncing(self: PagedKVCache, b: int, q_len: int):
+        int(self.query_pos[0])  # .item(): a device-to-host copy, which a capture refuses
+        return original(self, b, q_len)
+
+    monkeypatch.setattr(PagedKVCache, "block_mask", syncing)
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    model = tiny().cuda()
+    ps = prompts(6, 3, 60, seed=6)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=120, rows=4, attention="flex")
+    for i, p in enumerate(ps):
+        stream.submit(i, p, 16)
+    outs = dict(stream.run())
+    for i, p in enumerate(ps):
+        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 16)
+    s = stream.stats()
+    assert s["attention"] == "flex" and s["graph_steps"] == 0 and "captur" in s["graph_fallback"]
+    assert sum("CUDA graph capture failed" in line for line in capsys.readouterr().err.splitlines()) == 1
