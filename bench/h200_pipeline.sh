@@ -26,6 +26,8 @@
 #                and finish reasons on three machines, so this saves its ~2.5 minutes; delete the folder when the regenerate settings change
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
+#   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
+#   stop-check   90 s of training under `timeout`: its SIGTERM must save the current step ("stopped on SIGTERM")
 #   k25-bench    bench/train_k25.py: our K2.5-shape training step (eager, compiled) against SpecForge 0.2.0's in one
 #                call (its benchmark carried as .gpu/peer/bench_specforge.py, or SPECFORGE_BENCH; K25_ARGS adds
 #                options, e.g. --rounds 2 for both orders)          -> "train_k25"
@@ -127,6 +129,17 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     online-bench)
       phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --convs 300 --steps 30 ;;
+    gpu-tests)  # the tests that skip without CUDA (decode graphs = eager = generate; flex backward), tiny models
+      phase gpu-tests python3 -m pytest -q -p no:cacheprovider -m "not real and not server" -rs \
+        tests/test_target_decode_graphs.py tests/test_target_continuous_batching.py tests/test_train_ttt.py ;;
+    stop-check)  # the deadline's SIGTERM saves the step the trainer is on; the rerun resumes from it
+      phase stop-check bash -c "rm -rf runs/stop-check && mkdir -p runs/stop-check && \
+        ln -s ../smollm2-h200/conversations.jsonl runs/stop-check/conversations.jsonl && \
+        timeout --kill-after=15 90 python3 -m train --config '$CONFIG' --set run_dir=runs/stop-check \
+          --set train.max_steps=100000 --set train.eval_every=100000 --set train.save_every=100000 \
+          > runs/stop-check/train.out 2>&1; rc=\$?; tr '\\r' '\\n' < runs/stop-check/train.out | tail -n 60; \
+        echo \"timeout exit \$rc\"; ls runs/stop-check/checkpoints; \
+        grep -q 'stopped on SIGTERM at step' runs/stop-check/train.out" ;;
     k25-bench)
       # shellcheck disable=SC2086
       phase k25-bench python3 bench/train_k25.py --specforge-bench "${SPECFORGE_BENCH:-.gpu/peer/bench_specforge.py}" \
