@@ -100,7 +100,8 @@ for p in "$@"; do
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
         python3 -c 'from target.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
-      phase prompts bash -c "[ -f $RUN/prompts.jsonl ] || gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl; \
+      phase prompts bash -c "if [ -f .gpu/prompts/prompts.jsonl.gz ] && [ ! -f $RUN/prompts.jsonl ]; then \
+          gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl.part && mv $RUN/prompts.jsonl.part $RUN/prompts.jsonl; fi; \
         if [ -f .gpu/prompts-mt/prompts.jsonl.gz ] && [ ! -f $RUN-mt/prompts.jsonl ]; then mkdir -p $RUN-mt; \
           gunzip -c .gpu/prompts-mt/prompts.jsonl.gz > $RUN-mt/prompts.jsonl; fi; wc -l $RUN*/prompts.jsonl" ;;
     derive)
