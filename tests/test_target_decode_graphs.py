@@ -65,6 +65,15 @@ def graphed(stream: Stream) -> Stream:
     return stream
 
 
+def answers_are_greedy(stream: Stream, model: torch.nn.Module, ps: list[list[int]], max_new: int) -> None:
+    """Every prompt through the stream at once: each answer is plain greedy decoding's."""
+    for i, p in enumerate(ps):
+        stream.submit(i, p, max_new)
+    outs = dict(stream.run())
+    for i, p in enumerate(ps):
+        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, max_new)
+
+
 def test_graphs_are_wanted_on_cuda_unless_the_env_var_says_0(monkeypatch) -> None:
     monkeypatch.delenv(GRAPHS_ENV, raising=False)
     assert graphs_wanted(torch.device("cuda")) and not graphs_wanted(torch.device("cpu"))
@@ -134,11 +143,7 @@ def test_a_capture_that_fails_falls_back_to_eager_with_one_warning(captured, mon
     model = tiny()
     ps = prompts(5, 3, 40, seed=6)
     stream = graphed(Stream(BatchedTarget(model), STOPS, max_len=80, cpu_rows=3, attention="flex"))
-    for i, p in enumerate(ps):
-        stream.submit(i, p, 12)
-    outs = dict(stream.run())
-    for i, p in enumerate(ps):
-        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 12)
+    answers_are_greedy(stream, model, ps, 12)
     s = stream.stats()
     assert s["graph_fallback"] == ("RuntimeError: CUDA error: operation failed due to a previous error during "
                                    "capture (raised over RuntimeError: CUDA error: operation not permitted when "
@@ -224,11 +229,7 @@ def test_a_capture_that_syncs_with_the_host_falls_back_to_eager_cuda(monkeypatch
     model = tiny().cuda()
     ps = prompts(6, 3, 60, seed=6)
     stream = Stream(BatchedTarget(model), STOPS, max_len=120, rows=4, attention="flex")
-    for i, p in enumerate(ps):
-        stream.submit(i, p, 16)
-    outs = dict(stream.run())
-    for i, p in enumerate(ps):
-        assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 16)
+    answers_are_greedy(stream, model, ps, 16)
     s = stream.stats()
     assert s["attention"] == "flex" and s["graph_steps"] == 0 and "captur" in s["graph_fallback"]
     assert sum("CUDA graph capture failed" in line for line in capsys.readouterr().err.splitlines()) == 1
