@@ -58,3 +58,42 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     assert len(losses["ddp"]) == len(losses["single"]) == 6
     for a, b in zip(losses["ddp"], losses["single"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(b), losses
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of the worker of ``rank`` under the launcher (read from /proc: its parent and environment)."""
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher and f"RANK={rank}".encode() in env:
+            return int(d)
+    return None
+
+
+def test_sigterm_to_one_process_stops_every_process_at_the_same_saved_step(tmp_path):
+    """A scheduler may signal one worker only: the others learn it in the step's reduction, all save that step
+    together, and the main process reports the stop (not "done") for every rank."""
+    import signal
+    import time
+
+    cfg = make_config(tmp_path, max_steps=400, epochs=1000, save_every=1000, eval_every=1000, batch_tokens=48,
+                      holdout_fraction=0.0, log_every=1)
+    make_store(tmp_path / "run" / "store", n_samples=24, length=16)
+    proc = subprocess.Popen([*two_processes(29563), "--config", str(cfg)], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    log = tmp_path / "run" / "train_log.jsonl"
+    deadline = time.time() + 180
+    while proc.poll() is None and time.time() < deadline and (
+            not log.is_file() or sum('"loss"' in line for line in log.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    worker = _rank_pid(proc.pid, 1)
+    assert worker is not None, "rank 1 not found"
+    os.kill(worker, signal.SIGTERM)
+    out, err = proc.communicate(timeout=180)
+    steps = [json.loads(x)["step"] for x in log.read_text().splitlines() if '"loss"' in x]
+    assert 3 <= len(steps) < 400, err[-3000:]
+    assert f"stopped on SIGTERM at step {steps[-1]} of 400" in out and "done:" not in out, out + err[-3000:]
+    assert (tmp_path / "run" / "checkpoints" / f"step-{steps[-1]:06d}" / "training_state" / "trainer.json").is_file()

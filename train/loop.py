@@ -119,8 +119,8 @@ def train(cfg: Any, resume: str) -> int:
     starts over. SIGTERM ends the run after its current step, with a checkpoint of that step."""
     run = setup(cfg, resume)
     with stop_on_sigterm() as stop:
-        train_steps(run, cfg.train, stop)
-    if stop and run.state["step"] < run.total_steps:
+        stopped = train_steps(run, cfg.train, stop)
+    if stopped:
         run.accelerator.print(f"stopped on SIGTERM at step {run.state['step']} of {int(run.total_steps)}: saved "
                               f"{run_checkpoints.step_dir(run.ckpt_root, run.state['step'])}; the same "
                               "command resumes from it")
@@ -238,10 +238,11 @@ def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float] | None) -> N
     accelerator.wait_for_everyone()
 
 
-def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> None:
+def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bool:
     """The step loop: accumulate, backward, clip, step, log, held-out eval, save; from ``run.state`` to
     ``run.total_steps``, or to the first step that ends after ``stop`` was set in any process (all of them
-    learn it in the step's token count reduction, so they stop at the same step, and save it)."""
+    learn it in the step's token count reduction, so they stop at the same step, and save it). Returns whether
+    it stopped early: every process gets the same answer, the one that was signalled or not."""
     accelerator, data, model, optimizer, scheduler = run.accelerator, run.data, run.model, run.optimizer, run.scheduler
     state, log, sampler, total_steps, ckpt_root = run.state, run.log, run.sampler, run.total_steps, run.ckpt_root
     train_ds, holdout_ds = data.train, data.holdout
@@ -329,3 +330,4 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> No
             state["epoch"] += 1
             state["batch"] = 0
     bar.close()
+    return stopped
