@@ -34,21 +34,20 @@ from bench.results import record  # noqa: E402
 from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
 from bench.train_throughput import bench, shape_figures  # noqa: E402
 from common.config import load_config  # noqa: E402
-from drafter.factory import shape_for_target  # noqa: E402
 from drafter.model import DrafterShape  # noqa: E402
-from target.aux_layers import default_aux_layer_ids  # noqa: E402
+from target.aux_layers import resolve_aux_layer_ids  # noqa: E402
 from target.hf_model import target_text_config  # noqa: E402
+from train.build import fresh_shape  # noqa: E402
 
 NAME = "train_loop_smollm2"
 BAR = 0.85
 
 
 def drafter_shape(cfg: Any) -> DrafterShape:
-    """The fresh drafter train/build.py shapes for this config (the aux ids name layers only: no cost)."""
-    hf, d = target_text_config(cfg.target), cfg.drafter
-    aux = tuple(cfg.target.aux_layer_ids or default_aux_layer_ids(hf.num_hidden_layers))
-    return shape_for_target(hf, d.draft_vocab_size, aux, d.intermediate_size, d.num_attention_heads,
-                            d.num_key_value_heads, d.head_dim)
+    """The fresh drafter the loop trains for this config (train.build.fresh_shape; the aux ids name layers
+    only: they cost nothing)."""
+    hf = target_text_config(cfg.target)
+    return fresh_shape(cfg, hf, resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, hf.num_hidden_layers))
 
 
 def loop_figures(run_dir: Path, skip: int) -> dict[str, Any]:

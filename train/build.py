@@ -6,18 +6,27 @@ one-line errors, before any compute.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target, shape_for_target
-from drafter.model import Eagle3Drafter
+from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.target_init import init_from_target
 from drafter.vocab_map import build_vocab_map
 from target.hf_index import last_layer_names, target_tensors
 from target.hf_model import resolve_source, target_text_config
 from train.data import TrainingData, to_device
+
+
+def fresh_shape(cfg: Any, hf: Any, aux_ids: Sequence[int]) -> DrafterShape:
+    """The shape of a drafter trained from scratch: the target's (``hf``, its text config) with the config's
+    drafter settings (``cfg`` is a RunConfig); what bench/train_loop.py times as the loop's step too."""
+    d = cfg.drafter
+    return shape_for_target(hf, d.draft_vocab_size, tuple(aux_ids), d.intermediate_size, d.num_attention_heads,
+                            d.num_key_value_heads, d.head_dim)
 
 
 def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
@@ -37,8 +46,7 @@ def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
         raise DrafterMismatchError(f"drafter.draft_vocab_size {d.draft_vocab_size} is larger than the target's "
                                    f"vocab_size {tgt['vocab_size']} ({data.source}); set it to at most "
                                    f"{tgt['vocab_size']}, e.g. --set drafter.draft_vocab_size={tgt['vocab_size']}")
-    shape = shape_for_target(hf, d.draft_vocab_size, aux_ids, d.intermediate_size, d.num_attention_heads,
-                             d.num_key_value_heads, d.head_dim)
+    shape = fresh_shape(cfg, hf, aux_ids)
     d2t, t2d = build_vocab_map(data.token_counts(tgt["vocab_size"]), d.draft_vocab_size)
     model = fresh_drafter(shape, embed, d2t, t2d, seed=cfg.train.seed)
     if d.init == "random":
