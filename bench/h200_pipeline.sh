@@ -26,7 +26,7 @@
 #                OUT_CONVERSATIONS=1) they are unpacked instead: regeneration at T=0 gave the same answer tokens (3,597,901)
 #                and finish reasons on three machines, so this saves its ~2.5 minutes; delete the folder when the regenerate settings change
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
-#   online-bench bench/online_vs_offline.py                         -> "online_vs_offline"
+#   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
 #   stop-check   90 s of training under `timeout`: its SIGTERM must save the current step ("stopped on SIGTERM")
 #   k25-bench    bench/train_k25.py: our K2.5-shape training step (eager, compiled) against SpecForge 0.2.0's in one
@@ -134,7 +134,7 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
         --samples 3000 --steps 30 --precision no ;;
     online-bench)
       phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
-        --convs 300 --steps 30 ;;
+        --convs 300 --steps 30 ${ONLINE_ARGS---fp32} ;;
     gpu-tests)  # the tests that skip without CUDA (decode graphs = eager = generate; flex backward), tiny models
       phase gpu-tests python3 -m pytest -q -p no:cacheprovider -m "not real and not server" -rs \
         tests/test_target_decode_graphs.py tests/test_target_continuous_batching.py tests/test_train_ttt.py ;;

@@ -6,8 +6,9 @@
 The first --convs regenerated conversations are captured into a store (timed; its bytes/token are what
 online training saves on disk), then trained --steps steps from the store and --steps steps online (the
 target runs on the training GPU for every batch). tokens_per_s_ratio = online / offline (medians after
-warm-up); max_abs_loss_diff compares the per-step losses (exact agreement at fp32 is a CPU test,
-tests/test_train_online.py; here both train in the config's precision). Writes "online_vs_offline".
+warm-up); max_abs_loss_diff compares the per-step losses. Both train in the config's precision, or with --fp32
+the target, the store and training all in fp32, where the two must agree up to summation order (the CPU test
+of that is tests/test_train_online.py). Writes "online_vs_offline".
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/bench-online"))
     ap.add_argument("--convs", type=int, default=600)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--fp32", action="store_true", help="target, store and training in fp32 (the exactness check)")
     args = ap.parse_args()
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -42,6 +44,8 @@ def main() -> int:
             dst.write(line)
     common = [f"train.max_steps={args.steps}", "train.holdout_fraction=0.0", "train.eval_every=100000",
               "train.save_every=100000", "train.log_every=100000", "tracking.report_to=none"]
+    if args.fp32:
+        common += ["target.dtype=float32", "capture.dtype=float32", "train.mixed_precision=no"]
     offline = make_run(args.config, args.out / "store", subset, [*common, "train.source=store"])
     online = make_run(args.config, args.out / "online", subset, [*common, "train.source=online"])
     start = time.perf_counter()
@@ -53,7 +57,8 @@ def main() -> int:
     a, b = step_records(args.out / "store"), step_records(args.out / "online")
     off, on = median_tokens_per_s(args.out / "store"), median_tokens_per_s(args.out / "online")
     record("online_vs_offline", {
-        "conversations": args.convs, "steps": len(a), "store_tokens": totals["tokens"],
+        "precision": "fp32" if args.fp32 else "config", "conversations": args.convs, "steps": len(a),
+        "store_tokens": totals["tokens"],
         "store_bytes_per_token": round(totals["bytes"] / totals["tokens"], 1), "capture_seconds": round(capture_s, 1),
         "tokens_per_s_offline": round(off, 1), "tokens_per_s_online": round(on, 1),
         "tokens_per_s_ratio": round(on / off, 3),

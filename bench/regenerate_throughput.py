@@ -107,7 +107,9 @@ def engine_line(e: dict[str, Any]) -> str:
     per_step = {k: f"{n} ({1000 * e['decode_s_by_live_rows'][k] / n:.0f} ms)"
                 for k, n in e["steps_by_live_rows"].items() if n}
     return (f"{e['seconds']} s: prefill {e['prefill_s']} s ({e['prefill_tokens']} tokens, "
-            f"{e.get('reused_prefix_tokens', 0)} reused), decode {e['decode_s']} s over {e['steps']} steps "
+            f"{e.get('reused_prefix_tokens', 0)} reused; {e.get('prefill_forwards', '?')} forwards, of which "
+            f"{e.get('continue_forwards', '?')} continuations in {e.get('continue_prefill_s', '?')} s), "
+            f"decode {e['decode_s']} s over {e['steps']} steps "
             f"(issuing {e['decode_launch_s']} s, first shapes {e['decode_first_shape_s']} s; "
             f"{e.get('graph_steps', 0)} replayed from CUDA graphs, {e.get('graph_captures', 0)} captures in "
             f"{e.get('graph_capture_s', 0)} s{failed}), engine host {e['engine_host_s']} s, caller {e['caller_s']} s; "

@@ -271,6 +271,12 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     seed: Int = 0
 
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _bare_no(cls, value: Any) -> Any:
+        """YAML reads a bare ``no`` (in a file or a ``--set``) as false: that is the 'no' it means."""
+        return "no" if value is False else value
+
 
 class TrackingConfig(Section):
     """Experiment trackers for training (loss, lr, acc_i, held-out metrics) and eval (tau, alpha_k, tau*),

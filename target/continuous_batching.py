@@ -140,6 +140,9 @@ class _Timing:
     engine waits for their tokens anyway), ``poll`` wall time, and decode steps by live rows."""
 
     prefill_s: float = 0.0
+    continue_prefill_s: float = 0.0  # of prefill_s: suffixes after a row's cached prefix (they gather its keys)
+    prefill_forwards: int = 0
+    continue_forwards: int = 0
     decode_s: float = 0.0
     decode_launch_s: float = 0.0  # host time issuing the decode forwards (~decode_s: the host is the bound)
     decode_first_shape_s: float = 0.0  # flex: the first decode step at each padded batch size (its compile)
@@ -156,9 +159,19 @@ class _Timing:
         self.live_steps[i] += 1
         self.live_decode_s[i] += seconds
 
+    def prefill(self, seconds: float, continued: bool) -> None:
+        """One prefill forward: fresh prompts, or suffixes after their rows' cached prefixes."""
+        self.prefill_s += seconds
+        self.prefill_forwards += 1
+        if continued:
+            self.continue_prefill_s += seconds
+            self.continue_forwards += 1
+
     def stats(self, seconds: float) -> dict[str, Any]:
         names = [f"<={edge}" for edge in LIVE_ROW_BUCKETS] + [f">{LIVE_ROW_BUCKETS[-1]}"]
-        return {"prefill_s": round(self.prefill_s, 2), "decode_s": round(self.decode_s, 2),
+        return {"prefill_s": round(self.prefill_s, 2), "continue_prefill_s": round(self.continue_prefill_s, 2),
+                "prefill_forwards": self.prefill_forwards, "continue_forwards": self.continue_forwards,
+                "decode_s": round(self.decode_s, 2),
                 "engine_host_s": round(self.poll_s - self.prefill_s - self.decode_s, 2),
                 "caller_s": round(seconds - self.poll_s, 2), "decode_launch_s": round(self.decode_launch_s, 2),
                 "decode_first_shape_s": round(self.decode_first_shape_s, 2),
@@ -468,7 +481,7 @@ class Stream:
         out = self.t.forward(self.cache, index, ids.to(dev), positions, fresh=not any(starts), logits_at=at)
         first = self.pick(out.logits)
         self._sync()
-        self.timing.prefill_s += time.perf_counter() - t0
+        self.timing.prefill(time.perf_counter() - t0, continued=any(starts))
         margins = self._margins(out.logits, len(group))
         self.pos[index] = torch.tensor([len(r.prompt) for _, r, _ in group], device=dev)
         self.last[index] = first

@@ -149,6 +149,17 @@ def test_dotted_overrides_apply(tmp_path: Path, base_tree: dict) -> None:
     assert load_config(path).train.lr == base_tree["train"]["lr"]  # the file itself is untouched
 
 
+def test_a_bare_no_is_the_no_precision_it_means(tmp_path: Path, base_tree: dict) -> None:
+    """YAML reads ``mixed_precision: no`` (file or --set) as false; the benches' fp32 runs write it so."""
+    base_tree["train"]["mixed_precision"] = False
+    path = write(tmp_path, base_tree)
+    assert load_config(path).train.mixed_precision == "no"
+    assert load_config(path, ["train.mixed_precision=bf16"]).train.mixed_precision == "bf16"
+    assert load_config(SMOL, ["train.mixed_precision=no"]).train.mixed_precision == "no"
+    (line,) = error_lines(SMOL, ("train.mixed_precision=yes",))
+    assert line.startswith(f"{SMOL}: train.mixed_precision: ")
+
+
 @pytest.mark.parametrize(("override", "key", "words"), [
     ("train.lr=-1", "train.lr", "greater than 0"),
     ("train.lrr=1", "train.lrr", "unknown key"),

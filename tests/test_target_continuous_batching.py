@@ -150,6 +150,7 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     parts = s["prefill_s"] + s["decode_s"] + s["engine_host_s"] + s["caller_s"]
     assert abs(parts - s["seconds"]) < 0.05 and s["caller_s"] >= 0.1
     assert stream.timing.prefill_s > 0 and stream.timing.decode_s > 0  # (the stats round to 10 ms)
+    assert s["prefill_forwards"] >= 1 and s["continue_forwards"] == 0 and s["continue_prefill_s"] == 0  # all fresh
     assert 0 < s["decode_launch_s"] <= s["decode_s"] and s["decode_first_shape_s"] == 0  # gather: nothing compiles
     assert (s["graph_steps"], s["graph_captures"], s["graph_fallback"]) == (0, 0, None)  # CUDA graphs: CUDA only
     steps, seconds = s["steps_by_live_rows"], s["decode_s_by_live_rows"]
@@ -387,6 +388,8 @@ def test_a_follow_up_continues_in_its_rows_cache_and_every_turn_stays_greedy() -
     prompted = sum(len(p) for p, _ in seen.values())
     assert stats["prefill_tokens"] == plain_stats["prefill_tokens"] - held == prompted - held
     assert plain_stats["reused_prefix_tokens"] == plain_stats["continued"] == 0
+    assert 1 <= stats["continue_forwards"] <= 16 and plain_stats["continue_forwards"] == 0  # forwards, split by kind
+    assert stats["continue_forwards"] < stats["prefill_forwards"] and plain_stats["prefill_forwards"] >= 1
 
 
 def test_a_follow_up_that_diverges_inside_the_answer_reuses_only_the_common_prefix() -> None:
