@@ -48,6 +48,19 @@ def storage_key(cache: PagedKVCache) -> tuple[int, ...]:
                                         cache.query_pos))
 
 
+def release_generator(device: torch.device) -> None:
+    """Take the device's default generator out of capture mode. A capture registers it, and one that fails at
+    its end leaves it there (PyTorch's ``capture_end`` raises before the generator's epilogue): every later random
+    op on the device then fails ("Offset increment outside graph capture", seen on an H200 in a test run after
+    the fallback test). A fresh state at the same seed and offset replaces it."""
+    if device.type != "cuda":  # (tests drive the fallback on a CPU)
+        return
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    fresh = torch.Generator(device=device)
+    fresh.set_state(gen.get_state())
+    gen.graphsafe_set_state(fresh.graphsafe_get_state())
+
+
 def capture_error(e: BaseException) -> str:
     """A failed capture in one line: the error and the one it was raised over (a step that fails inside
     ``torch.cuda.graph`` makes the capture's end fail too, and that last error names no cause)."""
@@ -79,6 +92,7 @@ class DecodeGraphs:
                 return self._replay(b)
             except Exception as e:  # noqa: BLE001 (a step that cannot be captured still runs, eagerly)
                 self.on, self.graphs, self.fallback = False, {}, capture_error(e)
+                release_generator(self.t.device)
                 print(f"warning: decode steps run eagerly, CUDA graph capture failed: {self.fallback}",
                       file=sys.stderr)
         return self._eager(b)
