@@ -10,12 +10,14 @@ beyond its current length (a rejected draft, a finished answer) is never read: i
 Two cache layouts. ``KVCache`` gives every row ``max_len`` positions (the speculative eval: a few hundred rows
 of known length). ``PagedKVCache`` (regeneration's stream) holds pages of ``PAGE`` positions shared by all
 rows, a row owning the pages of the positions it has used, so the rows in flight are bounded by the tokens
-in flight, not by rows x the longest possible row. Over pages a decode step attends in one of two ways:
+in flight, not by rows x the longest possible row. Over pages a forward attends in one of two ways:
 "flex" (CUDA's default) runs flex attention over a block mask built from each row's length and page table,
 so a row reads its own pages and no more; "gather" (elsewhere) copies each row's pages into a rectangle and
-runs the same position-masked attention as ``KVCache`` (the reference math). A prompt's suffix prefilled after
-the prefix its row already holds (a conversation's next turn continuing in its row) always gathers: several
-tokens per row, for any rows.
+runs the same position-masked attention as ``KVCache`` (the reference math). Flex has two kernels: the decode
+step (one token for rows [0, B), its query heads folded onto their kv head), and a prompt's suffix prefilled
+after the prefix its row already holds (a conversation's next turn continuing in its row: several tokens per
+row, any rows), whose gathered rectangles and materialised scores took most of a multi-turn regeneration's
+prefill time (51 of 54 s on an H200, issue #20).
 
 Only the attention over the cache is ours. Norms, projections, rotary table and MLP are the model's own
 modules, so the numbers are the model's, up to the summation order of the attention kernel.
@@ -121,8 +123,14 @@ class PagedKVCache:
         self.free: list[int] = list(range(pages - 1, 0, -1))  # a stack; page 0 is scratch
         self._dirty: set[int] = set()
         self._freed: list[int] = []
-        self.mask_mod = self._mask_mod()
+        self.suffix_rows = torch.zeros(rows, dtype=torch.int32, device=device)  # a suffix prefill's rows, in order
+        self.suffix_start = torch.zeros(rows, dtype=torch.long, device=device)  # and the position each suffix starts at
+        self.mask_mod, self.suffix_mask_mod = self._mask_mod(), self._suffix_mask_mod()
         self.flex_ran = False  # a flex decode step has run (until then a failure falls back to gather)
+        # Suffix prefills under flex: "flex", or "gather (flex failed: ...)" once its kernel failed to build (the
+        # decode step keeps flex); ``suffix_ran`` as ``flex_ran``.
+        self.suffix_attention = "flex"
+        self.suffix_ran = False
 
     @property
     def rows(self) -> int:
@@ -135,6 +143,12 @@ class PagedKVCache:
     @property
     def max_len(self) -> int:
         return self.max_pages * self.page
+
+    @property
+    def suffix_kernel(self) -> str:
+        """What a suffix prefill attends with: "flex", or the decode step's gather (chosen, or its fallback),
+        or the suffix kernel's own fallback."""
+        return self.suffix_attention if self.attention == "flex" else self.attention
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page)
@@ -186,7 +200,7 @@ class PagedKVCache:
         self.owner = torch.cat([self.owner, self.owner.new_full((pages,), -1)])
         self.logical = torch.cat([self.logical, self.logical.new_zeros(pages)])
         self.free[:0] = range(start + pages - 1, start - 1, -1)  # under the stack: the old pages go first
-        self.mask_mod = self._mask_mod()
+        self.mask_mod, self.suffix_mask_mod = self._mask_mod(), self._suffix_mask_mod()
 
     def flush(self) -> None:
         """Copy the page lists that changed to the device tables."""
@@ -239,6 +253,36 @@ class PagedKVCache:
 
         return visible
 
+    def _suffix_mask_mod(self) -> Callable[..., Tensor]:
+        """A suffix prefill's: query ``q_idx`` of batch row b sits at ``suffix_start[b] + q_idx`` of cache row
+        ``suffix_rows[b]`` and sees that row's keys at positions up to its own (exact for any key, as above;
+        a padding query past its row's prompt sees more, and its output is never read)."""
+        owner, logical, rows, start, page = self.owner, self.logical, self.suffix_rows, self.suffix_start, self.page
+
+        def visible(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            p = kv_idx // page
+            return (owner[p] == rows[b]) & (logical[p] * page + kv_idx % page <= start[b] + q_idx)
+
+        return visible
+
+    def suffix_block_mask(self, rows: Tensor, positions: Tensor) -> Any:
+        """Flex attention's block mask for suffixes of ``rows`` at ``positions`` (B, T): every query block reads
+        all the pages its row holds (the table's nonzero entries: page 0 is scratch), the mask keeps it causal."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        b, t = positions.shape
+        self.suffix_rows[:b] = rows
+        self.suffix_start[:b] = positions[:, 0]
+        table = self.page_table[rows]
+        held = (table != 0).sum(1, dtype=torch.int32)
+        if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
+            table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
+        q_blocks = -(-t // 128)
+        return BlockMask.from_kv_blocks(held.view(b, 1, 1).expand(b, 1, q_blocks).contiguous(),
+                                        table.view(b, 1, 1, -1).expand(b, 1, q_blocks, -1).contiguous(),
+                                        BLOCK_SIZE=(128, self.page), mask_mod=self.suffix_mask_mod,
+                                        seq_lengths=(t, self.k.shape[2]), compute_q_blocks=False)
+
     def block_mask(self, b: int, q_len: int) -> Any:
         """Flex attention's block mask for a decode step of rows [0, b) at ``query_pos``: each row's
         pages up to its query's, in its table's order."""
@@ -254,6 +298,7 @@ class PagedKVCache:
 
 
 _compiled_flex: Callable[..., Tensor] | None = None
+_compiled_suffix: Callable[..., Tensor] | None = None
 
 
 def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
@@ -267,16 +312,37 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
     return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
 
 
+def flex_suffix(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
+    """Flex attention of suffix queries q (B, heads, T, d) over the pooled k, v (kv, S, d), grouped query heads
+    by flex itself. On CUDA compiled with dynamic shapes: every group of suffixes has its own rows and width (a
+    second shape compiles once more, dynamic in both; later ones reuse it). On a CPU uncompiled: inductor's CPU
+    template fails to build this kernel with dynamic shapes (torch 2.13: a C++ compile error), and the mask is
+    exact for every key, so the eager kernel gives the same answer (CPU tests check the mask and tables)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_suffix
+    run = flex_attention
+    if q.is_cuda:
+        if _compiled_suffix is None:
+            _compiled_suffix = torch.compile(flex_attention, dynamic=True)
+        run = _compiled_suffix
+    return run(q, k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[0])
+
+
 def error_line(e: BaseException) -> str:
     """An exception in one line of at most 200 characters, for a fallback's warning and the run's stats."""
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
-def uses_flex(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, fresh: bool) -> bool:
-    """Whether a forward runs flex attention: a paged cache's decode step (one token for rows [0, B)). A
-    prefill, and a suffix prefilled after a row's cached prefix (several tokens, any rows), gather."""
-    return (isinstance(cache, PagedKVCache) and cache.attention == "flex" and not fresh and ids.shape[1] == 1
-            and isinstance(rows, slice))
+def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, fresh: bool) -> str | None:
+    """Which flex kernel a forward runs over a paged cache under flex: "decode" (one token for rows [0, B)),
+    "suffix" (tokens after each row's cached prefix, any rows; unless that kernel failed to build), or None
+    (a fresh prefill, causal over its own tokens; anything under gather)."""
+    if not isinstance(cache, PagedKVCache) or cache.attention != "flex" or fresh:
+        return None
+    if ids.shape[1] == 1 and isinstance(rows, slice):
+        return "decode"
+    return "suffix" if cache.suffix_kernel == "flex" else None
 
 
 def default_attention(device: torch.device) -> str:
@@ -348,17 +414,27 @@ class BatchedTarget:
         prefilled after the prefix its row already holds). logits_at (B,): the one position per row whose
         logits are wanted; all_logits: every position's. aux: also return the aux layers' outputs.
         """
-        if isinstance(cache, PagedKVCache) and not cache.flex_ran and uses_flex(cache, rows, ids, fresh):
+        kind = flex_kind(cache, rows, ids, fresh)
+        if kind is not None and not (cache.flex_ran if kind == "decode" else cache.suffix_ran):
+            assert isinstance(cache, PagedKVCache)
             try:
                 out = self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at,
                                     all_logits=all_logits, aux=aux)
-                cache.flex_ran = True
+                if kind == "decode":
+                    cache.flex_ran = True
+                else:
+                    cache.suffix_ran = True
                 return out
             except Exception as e:  # noqa: BLE001 (a kernel that does not build must not stop a regeneration)
-                # The first flex step failed (this torch has no such kernel, or it did not compile): gather
-                # instead, for the rest of this cache's life. Rewriting this step's keys is harmless.
-                cache.attention = f"gather (flex failed: {error_line(e)})"
-                print(f"warning: paged attention falls back to gather: {cache.attention}", file=sys.stderr)
+                # The first forward of this kernel failed (this torch has no such kernel, or it did not compile):
+                # gather instead, for the rest of this cache's life. Rewriting this forward's keys is harmless.
+                fallback = f"gather (flex failed: {error_line(e)})"
+                if kind == "decode":
+                    cache.attention = fallback
+                else:
+                    cache.suffix_attention = fallback
+                print(f"warning: paged attention{'' if kind == 'decode' else ' of suffixes'} falls back to "
+                      f"{fallback}", file=sys.stderr)
         return self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at, all_logits=all_logits,
                              aux=aux)
 
@@ -372,16 +448,21 @@ class BatchedTarget:
         cos, sin = self.rotary(h, positions)
         groups = self.heads // self.kv_heads
         batch_index = torch.arange(b, device=ids.device)[:, None]
-        flex = uses_flex(cache, rows, ids, fresh)
+        kind = flex_kind(cache, rows, ids, fresh)
         span = mask = gather = block_mask = None
         if paged:
             cache.flush()
             where = cache.addresses(rows, positions).reshape(-1)  # (B*T,) along the pooled axis
-        if flex:
+        if kind == "decode":
+            assert isinstance(cache, PagedKVCache) and isinstance(rows, slice)
             if rows.start not in (None, 0):
                 raise ValueError("flex attention over pages decodes rows [0, B) (the block mask's batch index)")
             cache.query_pos[:b] = positions[:, 0]
             block_mask = cache.block_mask(b, groups)
+        elif kind == "suffix":
+            assert isinstance(cache, PagedKVCache)
+            index = rows if isinstance(rows, Tensor) else torch.arange(cache.rows, device=ids.device)[rows]
+            block_mask = cache.suffix_block_mask(index.to(torch.int32), positions)
         elif not fresh:
             # Keys read per row: up to the furthest position in the batch, rounded up (aligned key blocks).
             span = min(cache.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
@@ -409,9 +490,11 @@ class BatchedTarget:
             if fresh:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
                                                    enable_gqa=self.kv_heads != self.heads)
-            elif flex:  # the query heads sharing a kv head folded into the query axis, as below
+            elif kind == "decode":  # the query heads sharing a kv head folded into the query axis, as below
                 o = flex_decode(q.reshape(b, self.kv_heads, groups, self.head_dim), cache.k[i], cache.v[i],
                                 block_mask, self.scaling).reshape(b, self.heads, 1, self.head_dim)
+            elif kind == "suffix":
+                o = flex_suffix(q, cache.k[i], cache.v[i], block_mask, self.scaling)
             elif paged:
                 layer_k = cache.rows_rectangle(cache.k[i], gather, b)
                 layer_v = cache.rows_rectangle(cache.v[i], gather, b)

@@ -68,8 +68,9 @@ DECODE_ROW_BUCKETS = 4  # flex decodes a batch padded to rows, rows/2, rows/4 or
 # however few its tokens (kernel launches), and in a full batch several answers end every step.
 CONTINUE_SHARE = 64
 CONTINUE_WAIT = 8
-# The gathered keys and values of a group of continuations (rows x span, per layer), and their attention scores
-# (rows x suffix x span x heads, fp32 where the kernel materialises them), each kept under this many bytes.
+# Under gather, the gathered keys and values of a group of continuations (rows x span, per layer), and their
+# attention scores (rows x suffix x span x heads, fp32 where the kernel materialises them), each kept under this
+# many bytes; flex reads the pages in place, and a group is bounded by its padded tokens as a fresh prefill is.
 CONTINUE_BYTES = 1 << 30
 CPU_CONTINUE_BYTES = 1 << 26
 LIVE_ROW_BUCKETS = (8, 64, 512)  # stats: decode steps by live rows, <= each and above the last
@@ -140,7 +141,7 @@ class _Timing:
     engine waits for their tokens anyway), ``poll`` wall time, and decode steps by live rows."""
 
     prefill_s: float = 0.0
-    continue_prefill_s: float = 0.0  # of prefill_s: suffixes after a row's cached prefix (they gather its keys)
+    continue_prefill_s: float = 0.0  # of prefill_s: suffixes after a row's cached prefix
     prefill_forwards: int = 0
     continue_forwards: int = 0
     decode_s: float = 0.0
@@ -356,7 +357,8 @@ class Stream:
         seconds went (``_Timing.stats``), and the decode steps replayed from CUDA graphs (``DecodeGraphs.stats``)."""
         seconds = time.perf_counter() - self.started
         return {"rows": self.rows, "pages": self.cache.pages, "page_positions": self.cache.page,
-                "attention": self.cache.attention, "steps": self.steps, "decoded_tokens": self.produced,
+                "attention": self.cache.attention, "suffix_attention": self.cache.suffix_kernel,
+                "steps": self.steps, "decoded_tokens": self.produced,
                 "prefill_tokens": self.prefilled, "reused_prefix_tokens": self.reused, "continued": self.continued,
                 "preempted": self.preempted, "discarded_tokens": self.discarded, "seconds": round(seconds, 2),
                 **self.timing.stats(seconds), **self.decode.stats()}
@@ -407,15 +409,19 @@ class Stream:
             self.cache.ensure(row, len(r.prompt) + 1)  # the prompt and the first answer token's position
             self.owed += self._owed(row, r)
             taken.append((row, self.queue.popleft(), 0))
-        budget = GENERATE_PREFILL_TOKENS if self.t.device.type == "cuda" else CPU_PREFILL_TOKENS
-        for group in length_batches([len(r.prompt) for _, r, _ in taken], budget):
+        for group in length_batches([len(r.prompt) for _, r, _ in taken], self._prefill_tokens()):
             self._prefill([taken[i] for i in group])
+
+    def _prefill_tokens(self) -> int:
+        """Padded tokens per prefill forward (its activations scale with them)."""
+        return GENERATE_PREFILL_TOKENS if self.t.device.type == "cuda" else CPU_PREFILL_TOKENS
 
     def _continue(self) -> None:
         """Prefill the continuations when due (``CONTINUE_SHARE``, ``CONTINUE_WAIT``): each row keeps the pages
         of its reused prefix and takes those its prompt needs; one that cannot have them while the live rows
         keep room to grow starts again from scratch at the head of the queue, its row freed (so a held row
-        never waits on pages). Grouped so the gathered keys and scores stay under ``CONTINUE_BYTES``."""
+        never waits on pages). Grouped by padded tokens under flex, and under gather so that the gathered keys and
+        scores stay under ``CONTINUE_BYTES``."""
         for c in self.continuing:
             c.polls += 1
         due = self.continuing and (self.live == 0 or len(self.continuing) * CONTINUE_SHARE >= self.live
@@ -435,14 +441,18 @@ class Stream:
                 restart.append(c.request)
         self.continuing = []
         self.queue.extendleft(reversed(restart))
-        for group in self._continuation_groups([len(r.prompt) - reuse for _, r, reuse in taken],
-                                               [len(r.prompt) for _, r, _ in taken]):
+        widths = [len(r.prompt) - reuse for _, r, reuse in taken]
+        if self.cache.suffix_kernel == "flex":
+            groups = length_batches(widths, self._prefill_tokens())
+        else:
+            groups = self._continuation_groups(widths, [len(r.prompt) for _, r, _ in taken])
+        for group in groups:
             self._prefill([taken[i] for i in group])
 
     def _continuation_groups(self, widths: list[int], spans: list[int]) -> list[list[int]]:
-        """Continuations (suffix ``widths``, attending over ``spans`` positions each) cut into forwards, by
-        span, so that rows x span keys and values per layer and rows x suffix x span scores stay under the
-        byte budget (one over it is a forward of its own)."""
+        """Under gather: continuations (suffix ``widths``, attending over ``spans`` positions each) cut into
+        forwards, by span, so that rows x span keys and values per layer and rows x suffix x span scores stay
+        under the byte budget (one over it is a forward of its own)."""
         t = self.t
         budget = CONTINUE_BYTES if t.device.type == "cuda" else CPU_CONTINUE_BYTES
         key_bytes = 2 * t.kv_heads * t.head_dim * t.dtype.itemsize  # one position's keys and values, one layer

@@ -125,14 +125,17 @@ def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch) -> None:
     """CUDA's kernel: flex attention compiled over a block mask of each row's pages (one decode shape: the CPU
     compile takes tens of seconds). Inductor's CPU kernel skips the blocks the mask leaves out as the GPU's
     does, so a wrong block list would show here. Two turns each: the second decodes over a row whose pages were
-    cut to the reused prefix and extended (its suffix prefilled by gathering, then flex reads them)."""
+    cut to the reused prefix and extended, its suffix prefilled by flex's suffix kernel (dynamic shapes: every
+    group of suffixes has its own rows and width), then read by the decode kernel."""
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
     ps = prompts(10, 3, 150, seed=5)
     stream = Stream(BatchedTarget(model), STOPS, max_len=260, cpu_rows=4, attention="flex")
     assert stream.cache.attention == "flex" and stream.buckets == 1
     seen = converse(stream, ps, 2, lambda i: 30)
-    assert stream.stats()["attention"] == "flex" and stream.stats()["continued"] == 10 and all_free(stream)
+    s = stream.stats()
+    assert (s["attention"], s["suffix_attention"], s["continued"]) == ("flex", "flex", 10) and all_free(stream)
+    assert stream.cache.suffix_ran and s["continue_forwards"] >= 2  # several groups: more than one suffix shape
     for prompt, answer in seen.values():
         assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, 30)
 
@@ -248,6 +251,27 @@ def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> 
     assert stream.stats()["attention"] == "gather (flex failed: RuntimeError: no kernel for this torch)"
     for i, p in enumerate(ps):
         assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 12)
+
+
+def test_a_suffix_kernel_that_fails_to_build_gathers_suffixes_and_decode_keeps_flex(monkeypatch, capsys) -> None:
+    """A flex suffix kernel that does not build: suffixes gather from then on (one warning), the decode step keeps
+    flex, and every turn is still greedy's."""
+    import target.batched as bt
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no suffix kernel for this torch")
+
+    monkeypatch.setattr(bt, "flex_suffix", broken)
+    monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
+    model = tiny()
+    stream = Stream(BatchedTarget(model), STOPS, max_len=200, cpu_rows=3, attention="flex")
+    seen = converse(stream, prompts(5, 3, 40, seed=8), 2, lambda i: 12)
+    s = stream.stats()
+    assert s["attention"] == "flex" and s["continued"] == 5 and all_free(stream)
+    assert s["suffix_attention"] == "gather (flex failed: RuntimeError: no suffix kernel for this torch)"
+    assert sum("of suffixes falls back" in line for line in capsys.readouterr().err.splitlines()) == 1
+    for prompt, answer in seen.values():
+        assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, 12)
 
 
 def test_rows_come_from_the_setting_or_the_cpu_default_and_decode_in_a_few_shapes() -> None:

@@ -204,6 +204,7 @@ def test_graphs_answer_as_eager_and_plain_generate_cuda(kind: str, monkeypatch) 
         assert all_free(stream)
     (seen, s), (eager, eager_s) = runs["1"], runs["0"]
     assert s["attention"] == eager_s["attention"] == "flex" and s["graph_fallback"] is None
+    assert s["suffix_attention"] == eager_s["suffix_attention"] == "flex"  # the compiled suffix kernel built
     assert s["graph_steps"] == s["steps"] - 1 and eager_s["graph_steps"] == eager_s["graph_captures"] == 0
     assert s["graph_captures"] == len(captures) == len(set(captures)) and s["continued"] > 0
     assert len({b for _, b in captures}) > 1 and len({key for key, _ in captures}) == 2
