@@ -122,10 +122,12 @@ def _kernels(device: torch.device):
     return compiled_kernels() if device.type == "cuda" else (_ce_rows, _ce_grad)
 
 
-def _chunks(b: int, rows: int, t: int, offset: int, device: torch.device) -> list[tuple[Tensor, Tensor]]:
-    """(logit rows, teacher rows) per chunk of CE_CHUNK_ROWS of the flattened (b * rows) logits: logit row r is
-    batch r // rows, position offset + r % rows of the (b * t)-row teacher. A last chunk of one row joins the one
-    before it."""
+def _chunks(b: int, rows: int, t: int, offset: int, device: torch.device
+            ) -> list[tuple[int, int, Tensor, Tensor]]:
+    """(first, end, logit rows, teacher rows) per chunk of CE_CHUNK_ROWS of the flattened (b * rows) logits:
+    logit row r is batch r // rows, position offset + r % rows of the (b * t)-row teacher. A last chunk of one
+    row joins the one before it. The bounds come as host ints: reading them off the device index would wait
+    for the GPU at every chunk of every TTT step's backward."""
     total = b * rows
     bounds = list(range(0, total, CE_CHUNK_ROWS)) + [total]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
@@ -133,7 +135,7 @@ def _chunks(b: int, rows: int, t: int, offset: int, device: torch.device) -> lis
     out = []
     for a, e in zip(bounds, bounds[1:], strict=False):
         r = torch.arange(a, e, device=device)
-        out.append((r, torch.div(r, rows, rounding_mode="floor") * t + offset + r % rows))
+        out.append((a, e, r, torch.div(r, rows, rounding_mode="floor") * t + offset + r % rows))
     return out
 
 
@@ -150,7 +152,7 @@ class _SoftCE(torch.autograd.Function):
         chunks = _chunks(b, rows, probs.shape[1], offset, logits.device)
         total = logits.new_zeros((), dtype=torch.float32)
         lses = []
-        for zrow, prow in chunks:
+        for _, _, zrow, prow in chunks:
             row, lse = rows_fn(z, p, zrow, prow)
             total = total + (row * w[zrow]).sum()
             lses.append(lse)
@@ -165,8 +167,7 @@ class _SoftCE(torch.autograd.Function):
         b, rows, v = logits.shape
         z, p, w = logits.reshape(b * rows, v), probs.reshape(-1, v), (weight * grad).reshape(-1)
         out = torch.empty_like(z)
-        for zrow, prow in _chunks(b, rows, probs.shape[1], ctx.offset, logits.device):
-            a, e = int(zrow[0]), int(zrow[-1]) + 1
+        for a, e, zrow, prow in _chunks(b, rows, probs.shape[1], ctx.offset, logits.device):
             out[a:e] = grad_fn(z, p, zrow, prow, lse[a:e], w[a:e])
         return out.view_as(logits), None, None, None
 
