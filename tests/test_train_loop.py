@@ -49,7 +49,11 @@ def test_nonfinite_steps_are_skipped_then_abort(tmp_path, capsys):
     log = [r for r in _log(tmp_path) if "loss" in r]
     skipped = [r for r in log if r["skipped_nonfinite"]]
     assert 0 < len(skipped) < len(log)
-    assert all(r["loss"] is None for r in skipped) and log[-1]["nonfinite_total"] == len(skipped)
+    assert all(r["loss"] is None and r["grad_norm"] is None for r in skipped)
+    assert log[-1]["nonfinite_total"] == len(skipped)
+    # a skipped window's non-finite gradients never reach the weights (the loss's backward runs; its step does not)
+    assert all(r["grad_norm"] is not None and r["grad_norm"] < float("inf") for r in log if not r["skipped_nonfinite"])
+    assert check_checkpoint(tmp_path / "run" / "checkpoints" / f"step-{log[-1]['step']:06d}") == []
 
     root = tmp_path / "all_bad"
     cfg = make_config(root, max_steps=8, holdout_fraction=0.0, batch_tokens=20, max_nonfinite_in_row=3)

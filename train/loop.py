@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
 
 from common.cli import StopRequest, one_line_errors, stop_on_sigterm
@@ -248,9 +248,15 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
     train_ds, holdout_ds = data.train, data.holdout
     n = train_cfg.ttt_length
     last_eval: dict[str, float] = {}
-    counts, window_bad, t0 = Counts.zeros(n, accelerator.device), False, time.perf_counter()
+    counts, t0 = Counts.zeros(n, accelerator.device), time.perf_counter()
     window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
+    # This window's loss and non-finite losses (this process), on the device: the step reads them with everything
+    # else it needs from the GPU in one wait (a wait drains the queue the host would otherwise keep ahead of).
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    window_nonfinite = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+    # DeepSpeed steps its optimizer inside backward: a non-finite loss must be kept from it there, which costs a
+    # wait per micro-batch. Elsewhere the loss's gradients are non-finite too, and the step skips the window.
+    steps_in_backward = accelerator.distributed_type == DistributedType.DEEPSPEED
     bar = tqdm(total=int(total_steps), initial=state["step"], desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
     model.train()
@@ -263,22 +269,28 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
             batch = data.complete(to_device(raw, accelerator.device))
             with accelerator.accumulate(model):
                 res = model(**batch)
+                window_nonfinite += (~torch.isfinite(res.loss.detach())).double()
+                window_loss += res.loss.detach().double() / train_cfg.grad_accum
                 # every process must agree to skip, or DDP would wait for a backward that never comes
-                bad = accelerator.reduce((~torch.isfinite(res.loss)).float(), reduction="sum")
-                if bad == 0:
+                if not (steps_in_backward and accelerator.reduce(window_nonfinite, reduction="sum") > 0):
                     accelerator.backward(res.loss)
-                    window_loss += res.loss.detach().double() / train_cfg.grad_accum
-                else:
-                    window_bad = True
                 counts.add(res.step_losses, res.correct, res.scored)
                 window_tokens += int(batch["loss_mask"].numel())
                 window_real += int(raw["attention_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
-            grad_norm = None
-            if not window_bad:
-                grad_norm = accelerator.clip_grad_norm_(trainable(model), train_cfg.max_grad_norm)
-                window_bad = grad_norm is not None and not math.isfinite(float(grad_norm))
+            # The one wait of the step: the window's figures summed over processes, and the gradient norm (the same
+            # in every process after the all-reduce; None where DeepSpeed clips inside its own step).
+            grad_norm = accelerator.clip_grad_norm_(trainable(model), train_cfg.max_grad_norm)
+            host = torch.tensor([window_tokens, window_real, float(bool(stop))], dtype=torch.float64)
+            summed = accelerator.reduce(torch.cat([torch.stack([window_nonfinite, window_loss]),
+                                                   host.to(accelerator.device, non_blocking=True)]), reduction="sum")
+            if grad_norm is not None:
+                summed = torch.cat([summed, torch.as_tensor(grad_norm, dtype=torch.float64,
+                                                            device=accelerator.device).reshape(1)])
+            nonfinite, loss_sum, padded, real, stopping, *rest = summed.tolist()
+            norm = rest[0] if rest else None  # (a bad window's may be NaN: the log writes None, strict JSON)
+            window_bad = nonfinite > 0 or (norm is not None and not math.isfinite(norm))
             if not window_bad:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -287,12 +299,10 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
             state["batch"] = k + 1
             state["nonfinite_total"] += int(window_bad)
             state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
-            padded, real, stopping = accelerator.reduce(torch.tensor(
-                [float(window_tokens), float(window_real), float(bool(stop))], device=accelerator.device)).tolist()
             state["tokens_seen"] += int(real)
             record = {"step": state["step"], "epoch": state["epoch"],
-                      "loss": float(accelerator.reduce(window_loss, reduction="mean")) if not window_bad else None,
-                      "lr": scheduler.get_last_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
+                      "loss": loss_sum / accelerator.num_processes if not window_bad else None,
+                      "lr": scheduler.get_last_lr()[0], "grad_norm": None if window_bad else norm,
                       "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
                       "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"]}
             log.write(record)
@@ -323,7 +333,8 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
             elif stopped:  # saved at once, without a held-out pass: done well before timeout's SIGKILL
                 save_step(run, train_cfg, None)
             window_loss.zero_()
-            window_bad, window_tokens, window_real, t0 = False, 0, 0, time.perf_counter()
+            window_nonfinite.zero_()
+            window_tokens, window_real, t0 = 0, 0, time.perf_counter()
             if at_end or stopped:
                 break
         else:
