@@ -124,11 +124,14 @@ class HFChatBackend:
 class HFChatStream:
     """Chats in (each a conversation's next turn: ``submit``), completions out as they finish (``results``):
     one ``continuous_batching.Stream`` over the whole regeneration. A chat with no room left for an answer in
-    the target's context is answered ``context_full`` at once, without the engine."""
+    the target's context is answered ``context_full`` at once, without the engine. A conversation's next prompt
+    is tokenized from its previous one's ids (``PromptTokenizer``), kept from its submit until the poll after its
+    answer came out: the window in which its follow-up is submitted."""
 
     LONGEST_ROW = 32768  # positions per row when the target names no context length
 
     def __init__(self, backend: HFChatBackend, wanted: int | None = None):
+        from data_prep.prompt_ids import PromptTokenizer
         from target.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
 
         c = backend.cfg
@@ -139,6 +142,9 @@ class HFChatStream:
                              max_len=self.max_len, rows=c.slots, cpu_rows=c.batch_size, wanted=wanted or MAX_ROWS,
                              loops=loops)
         self.ready: deque[tuple[Hashable, Completion]] = deque()
+        self.prompts = PromptTokenizer(backend.tok)
+        self.sent: dict[Hashable, tuple[str, list[int]]] = {}  # in the engine: the prompt's text and ids
+        self.answered: dict[Hashable, tuple[str, list[int]]] = {}  # answered by the last poll: the same
 
     @property
     def rows(self) -> int:
@@ -157,11 +163,12 @@ class HFChatStream:
         texts = [prompt_text(self.b.tok, chat, self.b.template_kwargs, tools or None) for _, chat, tools in items]
         if not texts:
             return
-        ids = self.b.tok(texts, add_special_tokens=False)["input_ids"]
-        for (key, _, _), x in zip(items, ids, strict=True):
+        ids = self.prompts.encode(texts, [self.answered.pop(key, None) for key, _, _ in items])
+        for (key, _, _), text, x in zip(items, texts, ids, strict=True):
             budget = min(self.b.cfg.max_tokens, self.max_len - len(x))
             if budget > 0:
                 self.engine.submit(key, x, budget, continue_from=key)
+                self.sent[key] = (text, x)
             else:  # no room left for another answer
                 self.ready.append((key, Completion(finish_reason=CONTEXT_FULL)))
 
@@ -171,7 +178,10 @@ class HFChatStream:
         while self.ready or self.engine.busy:
             while self.ready:
                 yield self.ready.popleft()
+            self.answered.clear()  # their follow-ups came while the last poll's answers were handed out
             for key, g in self.engine.poll():
+                if key in self.sent:
+                    self.answered[key] = self.sent.pop(key)
                 yield key, Completion(text=self.b.tok.decode(g.tokens, skip_special_tokens=True),
                                       finish_reason=g.finish_reason, tokens=len(g.tokens),
                                       loop_tokens=(g.generated, len(g.tokens)) if g.finish_reason == "loop" else None)
@@ -180,7 +190,7 @@ class HFChatStream:
         return self.engine.tokens_per_s()
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        return {**self.engine.stats(), **self.prompts.stats()}
 
 
 def chat_url(base: str) -> str:

@@ -510,6 +510,9 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     e = summary.engine
     assert e["continued"] > 0 and e["reused_prefix_tokens"] > e["prefill_tokens"] / 2, e
     assert e["prefill_s"] > 0 and e["decode_s"] > 0 and sum(e["steps_by_live_rows"].values()) == e["steps"]
+    # the follow-ups above were tokenized from their previous prompts' ids, and every answer is generate's for
+    # the whole prompt tokenized anew
+    assert e["prompt_shortcuts"] > 0 and e["prompt_tokens_kept"] > 0 and e["prompt_shortcut_off"] is None, e
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,
