@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from common import redact
 from common.config import RegenerateConfig, TargetConfig
 from data_prep.loss_mask import prompt_text
+from data_prep.prompt_ids import PromptTokenizer
 from target.loops import first_repeat, retokenized_loop_start
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
@@ -131,7 +132,6 @@ class HFChatStream:
     LONGEST_ROW = 32768  # positions per row when the target names no context length
 
     def __init__(self, backend: HFChatBackend, wanted: int | None = None):
-        from data_prep.prompt_ids import PromptTokenizer
         from target.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
 
         c = backend.cfg

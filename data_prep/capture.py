@@ -244,11 +244,9 @@ class HFCaptureBackend:
     def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
         longest = max(map(len, batch))
         ids = torch.full((len(batch), longest), self.target.tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), longest), dtype=torch.long)
         for i, seq in enumerate(batch):
             ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-        out = self.target.forward(ids, self.aux_ids, attention_mask=mask, logits=False)
+        out = self.target.forward_right_padded(ids, self.aux_ids)
         return [{"aux": out.aux[i, : len(s)], "last_hidden": out.last_hidden[i, : len(s)]}
                 for i, s in enumerate(batch)]
 

@@ -98,6 +98,13 @@ class TargetModel:
                             logits=self.logits_from_hidden(last) if logits else None,
                             past_key_values=_out_cache(out) if use_cache else None)
 
+    def forward_right_padded(self, input_ids: Tensor, aux_layer_ids: Sequence[int]) -> TargetOutput:
+        """Aux and last hidden states of right-padded rows (capture's batches, online training's). No padding
+        mask: under the causal mask a real token never sees the padding after it, while a padding mask makes HF
+        build a 4-D mask every batch and keeps SDPA off its fused causal kernels (issue #20: the online target
+        cost a fifth of the training loop's time). Padding positions come out finite and are never scored."""
+        return self.forward(input_ids, aux_layer_ids, logits=False)
+
     def fingerprint(self) -> str:
         """Cheap identity of the weights: config plus each weight file's name, size, head and tail
         (hashing a 1T-parameter target in full would take hours)."""

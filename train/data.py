@@ -140,7 +140,7 @@ def online_data(cfg: Any, device: torch.device) -> TrainingData:
 
     def complete(batch: dict[str, Tensor]) -> dict[str, Tensor]:
         ids = batch["input_ids"]
-        out = target.forward(ids, aux_ids, attention_mask=batch["attention_mask"].long(), logits=False)
+        out = target.forward_right_padded(ids, aux_ids)
         b, t, h = out.last_hidden.shape
         greedy = teacher_signal(out.last_hidden.reshape(b * t, h), lm_head, "hidden", 0)["target_argmax"]
         return {"input_ids": ids, "loss_mask": batch["loss_mask"], "aux": out.aux, "last_hidden": out.last_hidden,
