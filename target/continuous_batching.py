@@ -268,6 +268,9 @@ class Stream:
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.margins: list[list[float]] = [[] for _ in range(n)]
         self.length = [0] * n  # host copy of pos: the position a row's next token is written at (held: it holds)
+        # The length at which a live row's next token needs more than an append (``_take``: a page opens, a loop
+        # check falls due, the budget ends); a stop token always does. Most tokens are an append (``step``).
+        self.due = [0] * n
         self.admitted = [0] * n  # admission order (the last admitted is preempted first)
         self.free = list(range(n))  # a heap: refill the lowest rows so live ones stay at the front
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
@@ -583,8 +586,21 @@ class Stream:
                 return
         if n >= r.max_new:
             self._finish(row, "length")
-        elif self.length[row] % self.cache.page == 0:  # the next token opens a page
+            return
+        if self.length[row] % self.cache.page == 0:  # the next token opens a page
             self.needs_page.append(row)
+        self.due[row] = self._next_due(row, n, r.max_new)
+
+    def _next_due(self, row: int, n: int, max_new: int) -> int:
+        """The next length at which ``row``'s token needs ``_take`` (its answer has ``n`` tokens now): answer
+        tokens and lengths grow together, one a step, so each event's length is known ahead."""
+        length, page, lp = self.length[row], self.cache.page, self.loops
+        ahead = n - length
+        due = min((length // page + 1) * page, max_new - ahead)
+        if lp is not None:
+            check = -(-max(n + 1, lp.min_repeat_tokens) // lp.every) * lp.every
+            due = min(due, check - ahead)
+        return due
 
     def _finish(self, row: int, reason: str, stop_token: int | None = None, generated: int = 0,
                 cut: int | None = None) -> None:
@@ -639,10 +655,15 @@ class Stream:
         self.last[:b] = nxt
         self.pos[:b] += self.alive[:b]
         produced = 0
+        request, length, tokens, due, stops = self.request, self.length, self.tokens, self.due, self.stop_ids
         for row, (tok, m) in enumerate(zip(nxt[:hi].tolist(), margins, strict=True)):
-            if self.request[row] is not None:
-                produced += 1
-                self.length[row] += 1
+            if request[row] is None:
+                continue
+            produced += 1
+            length[row] += 1
+            if m is None and length[row] < due[row] and tok not in stops:  # no event: what _take would do
+                tokens[row].append(tok)
+            else:
                 self._take(row, tok, m)
         self.produced += produced
         self.steps += 1
@@ -671,7 +692,7 @@ class Stream:
         self.pos[dst], self.last[dst], self.alive[dst] = self.pos[src], self.last[src], self.alive[src]
         for s, d in moves:
             self.request[d], self.tokens[d], self.margins[d] = self.request[s], self.tokens[s], self.margins[s]
-            self.length[d], self.admitted[d] = self.length[s], self.admitted[s]
+            self.length[d], self.admitted[d], self.due[d] = self.length[s], self.admitted[s], self.due[s]
             self.request[s], self.tokens[s], self.margins[s], self.length[s] = None, [], [], 0
         self.needs_page = [dict(moves).get(r, r) for r in self.needs_page]
         self.top = len(live) - 1

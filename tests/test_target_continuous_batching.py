@@ -190,12 +190,17 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
 def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
     """A random tiny model decoding greedily loops within a few dozen tokens: with ``loops`` those answers end
     as "loop", cut to the prefix before the copies of the answer generated without it; answers that never
-    loop are the same token for token."""
+    loop are the same token for token. Without margins most tokens are appended without ``_take`` (``Stream.due``
+    says when a loop check falls); with them every token goes through it: the same answers."""
     engine = BatchedTarget(tiny())
     ps = prompts(12, 3, 20)
     lp = LoopStop(min_repeat_tokens=16, max_period=32, every=8)
     plain = generate(engine, ps, 160, STOPS, cpu_slots=6)
-    cut = generate(engine, ps, 160, STOPS, cpu_slots=6, loops=lp, margins=True)
+    cut = generate(engine, ps, 160, STOPS, cpu_slots=6, loops=lp)
+    taken = generate(engine, ps, 160, STOPS, cpu_slots=6, loops=lp, margins=True)
+    for o, t in zip(cut, taken, strict=True):
+        assert (o.tokens, o.finish_reason, o.generated) == (t.tokens, t.finish_reason, t.generated)
+        assert len(t.margins) == len(t.tokens) + (t.finish_reason == "stop")
     looped = 0
     for p, o in zip(plain, cut, strict=True):
         if o.finish_reason != "loop":
@@ -208,7 +213,7 @@ def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
         assert len(o.tokens) == loop_start(p.tokens[:o.generated], lp.min_repeat_tokens, lp.max_period)
         assert all(loop_start(p.tokens[:n], lp.min_repeat_tokens, lp.max_period) is None
                    for n in range(lp.min_repeat_tokens, o.generated, lp.every))
-        assert len(o.margins) == len(o.tokens) and o.stop_token is None
+        assert o.stop_token is None
     assert looped >= 6, "the tiny model did not loop: the test checks nothing"
     assert sum(len(o.tokens) for o in cut) < sum(len(p.tokens) for p in plain) / 2
 
