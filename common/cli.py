@@ -120,6 +120,12 @@ def ignore_stop_signals(*_: object) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def exception_line(e: BaseException) -> str:
+    """Any exception in one line of at most 200 characters, with its type: for a fallback's warning and a run's
+    stats, where the exception is not ours (a kernel that did not build), unlike ``error_line``'s."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
 def error_line(e: BaseException) -> str:
     if isinstance(e, OSError) and not isinstance(e, ValueError):
         return os_error_line(e)

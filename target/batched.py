@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from common.cli import exception_line
+
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -329,11 +331,6 @@ def flex_suffix(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
     return run(q, k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[0])
 
 
-def error_line(e: BaseException) -> str:
-    """An exception in one line of at most 200 characters, for a fallback's warning and the run's stats."""
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
-
-
 def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, fresh: bool) -> str | None:
     """Which flex kernel a forward runs over a paged cache under flex: "decode" (one token for rows [0, B)),
     "suffix" (tokens after each row's cached prefix, any rows; unless that kernel failed to build), or None
@@ -428,7 +425,7 @@ class BatchedTarget:
             except Exception as e:  # noqa: BLE001 (a kernel that does not build must not stop a regeneration)
                 # The first forward of this kernel failed (this torch has no such kernel, or it did not compile):
                 # gather instead, for the rest of this cache's life. Rewriting this forward's keys is harmless.
-                fallback = f"gather (flex failed: {error_line(e)})"
+                fallback = f"gather (flex failed: {exception_line(e)})"
                 if kind == "decode":
                     cache.attention = fallback
                 else:

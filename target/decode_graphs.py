@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from target.batched import BatchedTarget, PagedKVCache, error_line
+from common.cli import exception_line
+from target.batched import BatchedTarget, PagedKVCache
 
 GRAPHS_ENV = "EAGLE3_DECODE_GRAPHS"  # "0": the flex decode step runs eagerly (benchmarks A/B it against graphs)
 WARMUP_RUNS = 3  # eager steps before a capture (PyTorch's recipe): the first compiles and autotunes a new shape
@@ -65,7 +66,7 @@ def capture_error(e: BaseException) -> str:
     """A failed capture in one line: the error and the one it was raised over (a step that fails inside
     ``torch.cuda.graph`` makes the capture's end fail too, and that last error names no cause)."""
     cause = e.__context__
-    return error_line(e) + (f" (raised over {error_line(cause)})" if cause is not None else "")
+    return exception_line(e) + (f" (raised over {exception_line(cause)})" if cause is not None else "")
 
 
 class DecodeGraphs:
