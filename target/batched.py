@@ -128,11 +128,11 @@ class PagedKVCache:
         self.suffix_rows = torch.zeros(rows, dtype=torch.int32, device=device)  # a suffix prefill's rows, in order
         self.suffix_start = torch.zeros(rows, dtype=torch.long, device=device)  # and the position each suffix starts at
         self.mask_mod, self.suffix_mask_mod = self._mask_mod(), self._suffix_mask_mod()
-        self.flex_ran = False  # a flex decode step has run (until then a failure falls back to gather)
-        # Suffix prefills under flex: "flex", or "gather (flex failed: ...)" once its kernel failed to build (the
-        # decode step keeps flex); ``suffix_ran`` as ``flex_ran``.
+        # The flex kernels ("decode", "suffix") that have run once: until then a failure falls back to gather
+        # (``fall_back``). Suffix prefills under flex: "flex", or "gather (flex failed: ...)" once that kernel
+        # failed to build (the decode step keeps flex).
+        self.flex_ran: set[str] = set()
         self.suffix_attention = "flex"
-        self.suffix_ran = False
 
     @property
     def rows(self) -> int:
@@ -151,6 +151,17 @@ class PagedKVCache:
         """What a suffix prefill attends with: "flex", or the decode step's gather (chosen, or its fallback),
         or the suffix kernel's own fallback."""
         return self.suffix_attention if self.attention == "flex" else self.attention
+
+    def fall_back(self, kind: str, e: BaseException) -> None:
+        """Flex kernel ``kind`` failed on its first forward (this torch has no such kernel, or it did not
+        compile): gather instead, for the rest of this cache's life, said once on stderr."""
+        line = f"gather (flex failed: {exception_line(e)})"
+        if kind == "decode":
+            self.attention = line
+        else:
+            self.suffix_attention = line
+        print(f"warning: paged attention{'' if kind == 'decode' else ' of suffixes'} falls back to {line}",
+              file=sys.stderr)
 
     def pages_for(self, positions: int) -> int:
         return -(-positions // self.page)
@@ -412,26 +423,14 @@ class BatchedTarget:
         logits are wanted; all_logits: every position's. aux: also return the aux layers' outputs.
         """
         kind = flex_kind(cache, rows, ids, fresh)
-        if kind is not None and not (cache.flex_ran if kind == "decode" else cache.suffix_ran):
-            assert isinstance(cache, PagedKVCache)
+        if kind is not None and isinstance(cache, PagedKVCache) and kind not in cache.flex_ran:
             try:
                 out = self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at,
                                     all_logits=all_logits, aux=aux)
-                if kind == "decode":
-                    cache.flex_ran = True
-                else:
-                    cache.suffix_ran = True
+                cache.flex_ran.add(kind)
                 return out
             except Exception as e:  # noqa: BLE001 (a kernel that does not build must not stop a regeneration)
-                # The first forward of this kernel failed (this torch has no such kernel, or it did not compile):
-                # gather instead, for the rest of this cache's life. Rewriting this forward's keys is harmless.
-                fallback = f"gather (flex failed: {exception_line(e)})"
-                if kind == "decode":
-                    cache.attention = fallback
-                else:
-                    cache.suffix_attention = fallback
-                print(f"warning: paged attention{'' if kind == 'decode' else ' of suffixes'} falls back to "
-                      f"{fallback}", file=sys.stderr)
+                cache.fall_back(kind, e)  # rewriting this forward's keys is harmless
         return self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at, all_logits=all_logits,
                              aux=aux)
 
