@@ -32,6 +32,11 @@
 #   k25-bench    bench/train_k25.py: our K2.5-shape training step (eager, compiled) against SpecForge 0.2.0's in one
 #                call (its benchmark carried as .gpu/peer/bench_specforge.py, or SPECFORGE_BENCH; K25_ARGS adds
 #                options, e.g. --rounds 2 for both orders)          -> "train_k25"
+#   train-profile bench/train_step_profile.py: our K2.5-shape step by phase and kernel class (PROFILE_ARGS)
+#                                                                   -> "train_step_profile"
+#   decode-step  bench/decode_step.py: the stream's decode step alone at fixed rows and context, graphs and eager,
+#                kernels by class, KV bandwidth (DECODE_ARGS; random SmolLM2-shaped weights: needs no model)
+#                                                                   -> "decode_step"
 #   loop-bench   bench/train_loop.py: the real loop (online, 60 steps; LOOP_ARGS adds options) against the bench
 #                step at the same drafter and tokens per step         -> "train_loop_smollm2"
 #   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
@@ -150,6 +155,12 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       # shellcheck disable=SC2086
       phase k25-bench python3 bench/train_k25.py --specforge-bench "${SPECFORGE_BENCH:-.gpu/peer/bench_specforge.py}" \
         ${K25_ARGS:-} ;;
+    train-profile)
+      # shellcheck disable=SC2086
+      phase train-profile python3 bench/train_step_profile.py ${PROFILE_ARGS:-} ;;
+    decode-step)
+      # shellcheck disable=SC2086
+      phase decode-step python3 bench/decode_step.py ${DECODE_ARGS:-} ;;
     loop-bench)
       # shellcheck disable=SC2086
       phase loop-bench python3 bench/train_loop.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \

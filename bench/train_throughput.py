@@ -39,6 +39,7 @@ from bench.results import record  # noqa: E402
 from drafter.model import DrafterShape, Eagle3Drafter  # noqa: E402
 from train.module import TTTModel  # noqa: E402
 from train.optim import make_optimizer, trainable  # noqa: E402
+from train.ttt import TTTResult  # noqa: E402
 
 PEAK_TFLOPS = 790.0
 SHAPES = {
@@ -82,9 +83,10 @@ def synthetic_batch(s: DrafterShape, batch: int, seq: int, device: torch.device,
     }
 
 
-def bench(shape: DrafterShape, batch: int, seq: int, ttt: int, steps: int, warmup: int, device: torch.device,
-          compile_step: bool) -> dict:
-    """One step's median over ``steps`` after ``warmup`` (CUDA events on CUDA, wall time on CPU)."""
+def step_setup(shape: DrafterShape, batch: int, seq: int, ttt: int, device: torch.device, compile_step: bool
+               ) -> tuple[TTTModel, torch.optim.Optimizer, dict]:
+    """A fresh drafter of ``shape`` in the TTT module (teacher rows random), its fused AdamW and one synthetic batch:
+    what ``bench`` times and bench/train_step_profile.py takes apart."""
     cuda = device.type == "cuda"
     with device:  # built in place: the K2.5 shape is ~2.4B parameters with its embedding
         drafter = Eagle3Drafter(shape)
@@ -95,7 +97,26 @@ def bench(shape: DrafterShape, batch: int, seq: int, ttt: int, steps: int, warmu
     if compile_step:
         drafter.step = torch.compile(drafter.step, dynamic=False)
     opt = make_optimizer(model, 1e-4, 0.0, fused=cuda)
-    data = synthetic_batch(shape, batch, seq, device, d2t)
+    return model, opt, synthetic_batch(shape, batch, seq, device, d2t)
+
+
+def forward_loss(model: TTTModel, data: dict) -> TTTResult:
+    with torch.autocast(data["input_ids"].device.type, dtype=torch.bfloat16, enabled=data["input_ids"].is_cuda):
+        return model(**data)
+
+
+def update(model: TTTModel, opt: torch.optim.Optimizer) -> None:
+    """Clip and step, as the training loop does after backward."""
+    torch.nn.utils.clip_grad_norm_(trainable(model), 0.5)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def bench(shape: DrafterShape, batch: int, seq: int, ttt: int, steps: int, warmup: int, device: torch.device,
+          compile_step: bool) -> dict:
+    """One step's median over ``steps`` after ``warmup`` (CUDA events on CUDA, wall time on CPU)."""
+    cuda = device.type == "cuda"
+    model, opt, data = step_setup(shape, batch, seq, ttt, device, compile_step)
     times = []
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -104,12 +125,9 @@ def bench(shape: DrafterShape, batch: int, seq: int, ttt: int, steps: int, warmu
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            res = model(**data)
+        res = forward_loss(model, data)
         res.loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable(model), 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        update(model, opt)
         if cuda:
             end.record()
             torch.cuda.synchronize(device)

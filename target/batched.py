@@ -133,6 +133,7 @@ class PagedKVCache:
         # failed to build (the decode step keeps flex).
         self.flex_ran: set[str] = set()
         self.suffix_attention = "flex"
+        self.full_blocks = True  # a decode step's pages before the query's skip the mask (``block_mask``)
 
     @property
     def rows(self) -> int:
@@ -297,16 +298,24 @@ class PagedKVCache:
                                         seq_lengths=(t, self.k.shape[2]), compute_q_blocks=False)
 
     def block_mask(self, b: int, q_len: int) -> Any:
-        """Flex attention's block mask for a decode step of rows [0, b) at ``query_pos``: each row's
-        pages up to its query's, in its table's order."""
+        """Flex attention's block mask for a decode step of rows [0, b) at ``query_pos``: each row's pages up to
+        its query's, in its table's order. The pages before the query's are full blocks (every key visible: the
+        kernel skips the mask there), the query's own page the one partial block; with ``full_blocks`` off every
+        page is partial (bench/decode_step.py A/Bs the two)."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        blocks = (torch.div(self.query_pos[:b], self.page, rounding_mode="floor") + 1).to(torch.int32)
+        query_page = torch.div(self.query_pos[:b], self.page, rounding_mode="floor").to(torch.int32)
         table = self.page_table[:b]
         if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
             table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
-        return BlockMask.from_kv_blocks(blocks.view(b, 1, 1), table.reshape(b, 1, 1, -1),
-                                        BLOCK_SIZE=(128, self.page), mask_mod=self.mask_mod,
+        indices = table.reshape(b, 1, 1, -1)
+        if not self.full_blocks:
+            return BlockMask.from_kv_blocks((query_page + 1).view(b, 1, 1), indices, BLOCK_SIZE=(128, self.page),
+                                            mask_mod=self.mask_mod, seq_lengths=(q_len, self.k.shape[2]),
+                                            compute_q_blocks=False)
+        own = F.pad(table.gather(1, query_page[:, None].long()), (0, table.shape[1] - 1)).reshape(b, 1, 1, -1)
+        return BlockMask.from_kv_blocks(torch.ones_like(query_page).view(b, 1, 1), own, query_page.view(b, 1, 1),
+                                        indices, BLOCK_SIZE=(128, self.page), mask_mod=self.mask_mod,
                                         seq_lengths=(q_len, self.k.shape[2]), compute_q_blocks=False)
 
 

@@ -501,3 +501,33 @@ def test_a_full_pool_preempts_continuations_and_answers_stay_exact(waiting: bool
     assert dropped["held"] > 0 if waiting else stats["continued"] < 10  # some continuations started again
     for prompt, answer in seen.values():
         assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, budget)
+
+
+@pytest.mark.parametrize("full_blocks", [True, False])
+def test_a_decode_block_mask_reads_every_visible_key_and_skips_the_mask_only_where_all_are(full_blocks) -> None:
+    """Eager flex attention (the CPU tests' kernel) ignores a block mask's sparsity, so the blocks are checked here
+    against the mask itself: every key the mask shows a row lies in one of its blocks, and every key of a full
+    block (read without the mask) is visible. Rows at a page's first and last position, across page ends."""
+    from target.batched import PagedKVCache
+
+    cache = PagedKVCache(1, 1, 4, rows=4, pages=16, max_len=64, dtype=torch.float32, device=torch.device("cpu"),
+                         attention="flex", page=8)
+    cache.full_blocks = full_blocks
+    for r, pos in enumerate([0, 7, 8, 21]):
+        assert cache.ensure(r, pos + 1)
+        cache.query_pos[r] = pos
+    cache.release(1), cache.ensure(1, 8)  # row 1's page comes back: tables are not in row order
+    cache.flush()
+    mask = cache.block_mask(4, 1)
+    keys = torch.arange(cache.k.shape[2])
+    for b in range(4):
+        visible = cache.mask_mod(torch.tensor(b), torch.tensor(0), torch.tensor(0), keys)
+        partial = set(mask.kv_indices[b, 0, 0, : int(mask.kv_num_blocks[b, 0, 0])].tolist())
+        full = set() if mask.full_kv_num_blocks is None else set(
+            mask.full_kv_indices[b, 0, 0, : int(mask.full_kv_num_blocks[b, 0, 0])].tolist())
+        assert not partial & full
+        assert set((keys[visible] // cache.page).tolist()) <= partial | full
+        for p in full:
+            assert visible[p * cache.page:(p + 1) * cache.page].all()
+        assert int(visible.sum()) == int(cache.query_pos[b]) + 1
+        assert len(full) == (int(cache.query_pos[b]) // cache.page if full_blocks else 0)

@@ -1,0 +1,123 @@
+"""The regeneration stream's decode step at fixed live rows and context, on one GPU: time, kernels, bandwidth.
+
+    python bench/decode_step.py                                    # one H200 -> "decode_step"
+    python bench/decode_step.py --device cpu --rows 4 --context 100 --layers 2 --steps 2   # plumbing only
+
+Why: in the multi-turn regeneration bench a step with more than 512 live rows took 29 ms, and decode was 67 of
+its 178 engine seconds (issue #20). This measures that step alone, on a random-weight target of SmolLM2-135M's
+shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a step's time), every row holding
+--context cached positions in pages of the shared pool, as in the engine:
+
+- ``graph_ms``: the step replayed from its CUDA graph (``target.decode_graphs``, what the engine runs), median of
+  --steps replays timed with CUDA events; ``eager_ms`` the same step run eagerly;
+- the eager step's kernels by class (bench/kernel_profile.py), and ``kv_gb_per_s``: the cache bytes a step must
+  read (rows x context x key and value bytes per position) over the attention kernels' ms: how close the
+  attention comes to the H200's ~4.8 TB/s;
+- each configuration twice, with the decode block mask's full pages read without the mask (``full_blocks``, the
+  engine's default) and with the mask on every page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.kernel_profile import kernel_times, summarize  # noqa: E402
+from bench.results import record  # noqa: E402
+from target.batched import PAGE, BatchedTarget  # noqa: E402
+from target.decode_graphs import DecodeGraphs  # noqa: E402
+
+# SmolLM2-135M-Instruct's shape (its config.json): the shipped config's target
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
+               tie_word_embeddings=True, rms_norm_eps=1e-5)
+
+
+def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> BatchedTarget:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2, "num_hidden_layers": layers})).to(dtype)
+    return BatchedTarget(model)
+
+
+def timed(step, steps: int, cuda: bool) -> float:
+    """Median ms of ``steps`` calls (CUDA events around each; wall clock on a CPU)."""
+    import time
+
+    out = []
+    for _ in range(steps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            step()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, steps: int) -> dict:
+    """One configuration: a fresh pool holding ``context`` positions for each of ``rows`` rows."""
+    dev = target.device
+    pages = rows * -(-(context + 1) // PAGE) + 1
+    cache = target.new_paged_cache(rows, pages, max_len=-(-(context + 1) // PAGE) * PAGE, attention="flex")
+    cache.full_blocks = full_blocks
+    for r in range(rows):
+        assert cache.ensure(r, context + 1)
+    ids = torch.randint(0, target.embed.weight.shape[0], (rows,), device=dev)
+    positions = torch.full((rows,), context, dtype=torch.long, device=dev)
+    graphs = DecodeGraphs(target, cache, ids, positions)
+    cuda = dev.type == "cuda"
+    graphs.logits(rows)  # the first flex step runs eagerly (and compiles this shape)
+    graph_ms = timed(lambda: graphs.logits(rows), steps, cuda) if graphs.on else None
+    eager_ms = timed(lambda: graphs._eager(rows), steps, cuda)
+    prof = summarize(kernel_times(lambda: graphs._eager(rows), 2), top=8)
+    attention_ms = prof["by_class_ms"].get("attention")
+    kv_bytes = rows * (context + 1) * target.kv_bytes_per_token()
+    return {"rows": rows, "context": context, "full_blocks": full_blocks, "graph_ms": graph_ms and round(graph_ms, 3),
+            "eager_ms": round(eager_ms, 3), "graph_fallback": graphs.fallback,
+            "tokens_per_s_graph": graph_ms and round(rows / graph_ms * 1e3, 1),
+            "kv_gb_per_step": round(kv_bytes / 1e9, 3),
+            "kv_gb_per_s": round(kv_bytes / 1e9 / (attention_ms / 1e3), 1) if attention_ms else None, **prof}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 512, 2048])
+    ap.add_argument("--context", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    target = random_target(args.layers, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    runs = []
+    for context in args.context:
+        for rows in args.rows:
+            for full_blocks in (True, False):
+                runs.append(measure(target, rows, context, full_blocks, args.steps))
+                r = runs[-1]
+                print(f"rows {rows} context {context} full_blocks {full_blocks}: graph {r['graph_ms']} ms, eager "
+                      f"{r['eager_ms']} ms, kernels {r['kernel_ms']} ms {r['by_class_ms']}, KV {r['kv_gb_per_s']} GB/s",
+                      flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    record("decode_step", {"model": "SmolLM2-135M shape, random weights", "layers": args.layers,
+                           "kv_bytes_per_token": target.kv_bytes_per_token(), "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
