@@ -69,7 +69,11 @@ def timed(step, steps: int, cuda: bool) -> float:
 
 
 def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, steps: int) -> dict:
-    """One configuration: a fresh pool holding ``context`` positions for each of ``rows`` rows."""
+    """One configuration: a fresh pool holding ``context`` positions for each of ``rows`` rows. Compiled kernels
+    are dropped first: every configuration is a new shape, and past dynamo's recompile limit (8) the decode kernel
+    would run uncompiled (flex's unfused fallback, which materialises scores over the whole pool), as it did in
+    this bench's first run. The engine itself compiles one shape per padded batch size over one pool."""
+    torch._dynamo.reset()
     dev = target.device
     pages = rows * -(-(context + 1) // PAGE) + 1
     cache = target.new_paged_cache(rows, pages, max_len=-(-(context + 1) // PAGE) * PAGE, attention="flex")
