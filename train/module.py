@@ -1,8 +1,9 @@
 """The drafter wrapped as one module whose ``forward`` is a whole TTT step.
 
 accelerate / DDP / DeepSpeed hook ``forward`` (autocast, gradient sync), so the unrolled loss must run
-inside it. The teacher rows are a plain attribute, not a buffer: DDP would broadcast a buffer every
-step, and the optimizer must never see them.
+inside it, with the matmul weights cast once for all its draft steps (``train.weight_cast``). The teacher
+rows are a plain attribute, not a buffer: DDP would broadcast a buffer every step, and the optimizer must
+never see them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 
 from drafter.model import Eagle3Drafter, attention
 from train.ttt import TTTResult, sharpen, supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
+from train.weight_cast import matmul_weights_cast_once
 
 
 class TTTModel(nn.Module):
@@ -47,5 +49,6 @@ class TTTModel(nn.Module):
             else:
                 teacher = teacher_from_topk(topk_ids, topk_logprobs, d.t2d)
             sup = supervision(sharpen(teacher, self.teacher_temperature), target_argmax, loss_mask, d.t2d)
-        return ttt_forward(d, input_ids, aux.to(dtype), sup, self.ttt_length, self.decay,
-                           attn_fn=self.attn_fn(input_ids.device))
+        with matmul_weights_cast_once(d, input_ids.device.type):
+            return ttt_forward(d, input_ids, aux.to(dtype), sup, self.ttt_length, self.decay,
+                               attn_fn=self.attn_fn(input_ids.device))

@@ -1,0 +1,104 @@
+"""train.weight_cast: under bf16 autocast the TTT unroll reads one bf16 copy of each matmul weight.
+
+The loss and every gradient equal eager autocast's (whose cast cache already casts once per forward), bit for bit;
+the fp32 parameters are back after the step and get their gradients through the one cast; a compiled drafter
+step takes the cast weights without recompiling as they change from step to step; without autocast nothing
+is cast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_train_ttt import _batch, mapped  # noqa: F401 (a fixture)
+from torch import nn
+
+from train.module import TTTModel
+from train.optim import make_optimizer
+from train.weight_cast import matmul_weights_cast_once
+
+
+def model_and_batch(drafter, seed: int = 1) -> tuple[TTTModel, dict]:
+    ids, aux, last, lm_head, mask = _batch(drafter.shape, seed)
+    rows = lm_head[drafter.to_target_ids(torch.arange(drafter.shape.draft_vocab_size))]
+    argmax = (last @ lm_head.t()).argmax(-1)
+    model = TTTModel(drafter, rows.to(torch.bfloat16), 4, 0.8)
+    drafter.embed_tokens.to(torch.bfloat16)
+    return model, {"input_ids": ids, "loss_mask": mask, "aux": aux.to(torch.bfloat16),
+                   "last_hidden": last.to(torch.bfloat16), "target_argmax": argmax}
+
+
+def loss_and_grads(model: TTTModel, batch: dict, cast_once: bool, monkeypatch) -> tuple[float, dict]:
+    if not cast_once:  # the step as it was: each Linear casts at each call (autocast's cache still shares them)
+        monkeypatch.setattr("train.module.matmul_weights_cast_once", lambda *a: _nothing())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = model(**batch)
+    res.loss.backward()
+    monkeypatch.undo()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return float(res.loss), grads
+
+
+class _nothing:
+    def __enter__(self):
+        return 0
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_without_autocast_nothing_is_cast(mapped) -> None:  # noqa: F811
+    before = dict(mapped.named_parameters())
+    with matmul_weights_cast_once(mapped, "cpu") as n:
+        assert n == 0 and dict(mapped.named_parameters()) == before
+
+
+def test_inside_the_block_linears_read_one_bf16_copy_and_the_parameters_come_back(mapped) -> None:  # noqa: F811
+    linears = [m for m in mapped.modules() if isinstance(m, nn.Linear)]
+    params = [m.weight for m in linears]
+    with torch.autocast("cpu", dtype=torch.bfloat16), matmul_weights_cast_once(mapped, "cpu") as n:
+        assert n == len(linears) == 9  # fc, q, k, v, o, gate, up, down, lm_head
+        assert all(m.weight.dtype == torch.bfloat16 and m.weight.grad_fn is not None for m in linears)
+        assert mapped.embed_tokens.weight.dtype == torch.float32  # not a matmul weight: untouched
+    assert [m.weight for m in linears] == params and all(isinstance(p, nn.Parameter) for p in params)
+    with pytest.raises(RuntimeError, match="boom"), torch.autocast("cpu", dtype=torch.bfloat16):
+        with matmul_weights_cast_once(mapped, "cpu"):
+            raise RuntimeError("boom")
+    assert [m.weight for m in linears] == params  # back after an error too
+
+
+def test_loss_and_gradients_equal_eager_autocast_bit_for_bit(mapped, monkeypatch) -> None:  # noqa: F811
+    model, batch = model_and_batch(mapped)
+    want_loss, want = loss_and_grads(model, batch, False, monkeypatch)
+    loss, got = loss_and_grads(model, batch, True, monkeypatch)
+    assert loss == want_loss and got.keys() == want.keys() and len(got) == 13  # 9 weights + 4 norms
+    for name in want:
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name
+
+
+def test_a_compiled_step_takes_the_cast_weights_without_recompiling(mapped, monkeypatch) -> None:  # noqa: F811
+    """Three optimizer steps with the drafter's step compiled (aot_eager: the graph, not the kernels, is under
+    test): the same losses as eager, and no graph after the first training step (each draft step of the unroll
+    has its own: its number of earlier steps' keys differs)."""
+    torch._dynamo.reset()
+    eager_model, batch = model_and_batch(copy.deepcopy(mapped))
+    model, _ = model_and_batch(mapped)
+    compiled = torch.compile(mapped.step, backend="aot_eager", dynamic=False)
+    monkeypatch.setattr(mapped, "step", compiled)
+    losses, graphs = {}, []
+    for name, m in (("eager", eager_model), ("compiled", model)):
+        opt = make_optimizer(m, 1e-2, 0.0, fused=False)
+        losses[name] = []
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                res = m(**batch)
+            res.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(float(res.loss))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=2e-2)
+    assert losses["compiled"][2] < losses["compiled"][0]  # the fp32 weights moved through the cast
+    assert graphs[:3] == [0, 0, 0] and graphs[3] == graphs[5] > 0, graphs
