@@ -136,10 +136,30 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(s.num_attention_heads * s.head_dim, s.hidden_size, bias=False)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, h, T, d)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, d)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        """Heads of q, k, v from x (B, T, 2H) = [normed embeddings, normed hidden], q and k rotated."""
+        return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def embed_part(self, e: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The normed embeddings' share of q, k and v: each projection's first H input columns applied to e."""
+        h = e.shape[-1]
+        return F.linear(e, self.q_proj.weight[:, :h]), F.linear(e, self.k_proj.weight[:, :h]), \
+            F.linear(e, self.v_proj.weight[:, :h])
+
+    def qkv_split(self, embed_part: Sequence[Tensor], hidden: Tensor, cos: Tensor, sin: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """``qkv`` with the embeddings' share given (``embed_part``, computed once for several calls) and the
+        normed hidden (B, T, H) projected here: one matmul adding into each share (rounded once, as ``qkv``)."""
+        b, t, h = hidden.shape
+        flat = hidden.reshape(b * t, h)
+        q, k, v = (part.reshape(b * t, -1).addmm(flat, proj.weight[:, h:].t()).view(b, t, -1)
+                   for part, proj in zip(embed_part, (self.q_proj, self.k_proj, self.v_proj), strict=True))
+        return self._heads(q, k, v, cos, sin)
+
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = q.shape
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)  # (B, h, T, d)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)  # (B, kv, T, d)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def out(self, o: Tensor) -> Tensor:
@@ -247,24 +267,39 @@ class Eagle3Drafter(nn.Module):
         """fc's weight as SGLang applies it to the raw aux states: the scale folded in."""
         return (self.fc.weight.detach().float() * self.aux_scale.float()).to(self.fc.weight.dtype)
 
-    def step(self, input_ids: Tensor, hidden: Tensor, positions: Tensor,
+    def step(self, input_ids: Tensor | None, hidden: Tensor, positions: Tensor,
              past: tuple[Tensor, Tensor] | None = None, mask: Tensor | None = None,
-             diag: Sequence[tuple[Tensor, Tensor]] = (), attn_fn: AttentionFn = attention) -> StepOutput:
+             diag: Sequence[tuple[Tensor, Tensor]] = (), attn_fn: AttentionFn = attention,
+             embed_part: Sequence[Tensor] | None = None) -> StepOutput:
         """One pass of the decoder layer.
 
         input_ids (B, T): the token after each hidden's position; hidden (B, T, H); positions (B, T).
         past: cached (k, v) of earlier positions, prepended to this call's keys; mask covers
-        past + this call's keys; diag: same-position keys of earlier TTT steps.
+        past + this call's keys; diag: same-position keys of earlier TTT steps. embed_part: the embeddings'
+        share of q, k, v for these positions (``embed_projections``), in place of ``input_ids`` (then None).
         """
         layer = self.midlayer
-        embeds = self.embed_tokens(input_ids).to(hidden.dtype)
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # (B,T,2H)
-        cos, sin = self.rope(positions, x.dtype)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        if embed_part is None:
+            embeds = self.embed_tokens(input_ids).to(hidden.dtype)
+            x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)  # (B,T,2H)
+            cos, sin = self.rope(positions, x.dtype)
+            q, k, v = layer.self_attn.qkv(x, cos, sin)
+        else:
+            normed = layer.hidden_norm(hidden)
+            cos, sin = self.rope(positions, normed.dtype)
+            q, k, v = layer.self_attn.qkv_split(embed_part, normed, cos, sin)
         keys, values = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past else (k, v)
         h = hidden + layer.self_attn.out(attn_fn(q, keys, values, mask, diag))
         prenorm = h + layer.mlp(layer.post_attention_layernorm(h))
         return StepOutput(prenorm, k, v)
+
+    def embed_projections(self, input_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """The embeddings' share of q, k, v for ``input_ids`` (B, L), for ``step(embed_part=...)``. Why: TTT's
+        draft step i reads the embeddings of the tokens step 0 reads i positions on, so the unroll computes this
+        share once over all its positions and slices it, instead of once per draft step (at the K2.5 shape that
+        share is a sixth of a draft step's matmul FLOPs)."""
+        layer = self.midlayer
+        return layer.self_attn.embed_part(layer.input_layernorm(self.embed_tokens(input_ids).to(dtype)))
 
     def logits(self, prenorm: Tensor) -> Tensor:
         """Draft-vocab logits (B, T, draft_vocab_size)."""

@@ -1,6 +1,7 @@
 """train.weight_cast: under bf16 autocast the TTT unroll reads one bf16 copy of each matmul weight.
 
-The loss and every gradient equal eager autocast's (whose cast cache already casts once per forward), bit for bit;
+The loss equals eager autocast's (whose cast cache already casts whole weights once per forward) bit for bit, and
+so do the gradients of the weights it reads whole;
 the fp32 parameters are back after the step and get their gradients through the one cast; a compiled drafter
 step takes the cast weights without recompiling as they change from step to step; without autocast nothing
 is cast."""
@@ -69,13 +70,21 @@ def test_inside_the_block_linears_read_one_bf16_copy_and_the_parameters_come_bac
     assert [m.weight for m in linears] == params  # back after an error too
 
 
-def test_loss_and_gradients_equal_eager_autocast_bit_for_bit(mapped, monkeypatch) -> None:  # noqa: F811
+def test_loss_equals_eager_autocast_and_gradients_its_up_to_bf16_sums(mapped, monkeypatch) -> None:  # noqa: F811
+    """The forward is eager autocast's bit for bit. Gradients: eager autocast caches the cast of a whole weight,
+    so those of fc, o, the MLP and lm_head are bit for bit too; q, k and v are read in two slices (embeddings,
+    hidden: ``Eagle3Drafter.embed_projections``), which autocast casts afresh at each use and sums in fp32, where
+    the one cast copy sums its draft steps' gradients in bf16: equal to bf16 rounding."""
     model, batch = model_and_batch(mapped)
     want_loss, want = loss_and_grads(model, batch, False, monkeypatch)
     loss, got = loss_and_grads(model, batch, True, monkeypatch)
     assert loss == want_loss and got.keys() == want.keys() and len(got) == 13  # 9 weights + 4 norms
     for name in want:
-        assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name
+        assert got[name].dtype == torch.float32
+        if any(f"{p}_proj" in name for p in "qkv"):
+            torch.testing.assert_close(got[name], want[name], rtol=0.02, atol=0.01 * float(want[name].abs().max()))
+        else:
+            assert torch.equal(got[name], want[name]), name
 
 
 def test_a_compiled_step_takes_the_cast_weights_without_recompiling(mapped, monkeypatch) -> None:  # noqa: F811
@@ -88,6 +97,7 @@ def test_a_compiled_step_takes_the_cast_weights_without_recompiling(mapped, monk
     compiled = torch.compile(mapped.step, backend="aot_eager", dynamic=False)
     monkeypatch.setattr(mapped, "step", compiled)
     losses, graphs = {}, []
+    base = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # (a process-wide count)
     for name, m in (("eager", eager_model), ("compiled", model)):
         opt = make_optimizer(m, 1e-2, 0.0, fused=False)
         losses[name] = []
@@ -101,4 +111,4 @@ def test_a_compiled_step_takes_the_cast_weights_without_recompiling(mapped, monk
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=2e-2)
     assert losses["compiled"][2] < losses["compiled"][0]  # the fp32 weights moved through the cast
-    assert graphs[:3] == [0, 0, 0] and graphs[3] == graphs[5] > 0, graphs
+    assert graphs[:3] == [base] * 3 and graphs[3] == graphs[5] > base, graphs

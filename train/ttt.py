@@ -194,11 +194,13 @@ def ttt_forward(model: Eagle3Drafter, input_ids: Tensor, aux: Tensor, sup: Super
     diag: list[tuple[Tensor, Tensor]] = []
     loss = hidden.new_zeros((), dtype=torch.float32)
     step_losses, correct, scored = [], [], []
-    for i in range(min(ttt_length, t - 1)):
-        ids = F.pad(input_ids[:, 1 + i:], (0, 1 + i), value=0)
+    steps = min(ttt_length, t - 1)
+    # Step i reads the embeddings of tokens 1 + i .. (zeros past the end): one window of a single projection.
+    embed_all = model.embed_projections(F.pad(input_ids[:, 1:], (0, steps), value=0), hidden.dtype)
+    for i in range(steps):
         positions = (torch.arange(t, device=dev) + i)[None]
-        out = model.step(ids, hidden, positions, past=first, mask=causal if first is None else step_mask,
-                         diag=list(diag), attn_fn=attn_fn)
+        out = model.step(None, hidden, positions, past=first, mask=causal if first is None else step_mask,
+                         diag=list(diag), attn_fn=attn_fn, embed_part=[p[:, i:i + t] for p in embed_all])
         if first is None:
             first = (out.k, out.v)
         else:
