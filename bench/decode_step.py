@@ -14,7 +14,9 @@ shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a s
   read (rows x context x key and value bytes per position) over the attention kernels' ms: how close the
   attention comes to the H200's ~4.8 TB/s;
 - each configuration twice, with the decode block mask's full pages read without the mask (``full_blocks``, the
-  engine's default) and with the mask on every page.
+  engine's default) and with the mask on every page; with --autotune a third time, full blocks with the decode
+  kernel compiled under ``max-autotune-no-cudagraphs`` (Inductor times its block sizes, warps and stages for the
+  shape, where the engine takes the defaults: whether the attention's ~2.7 TB/s of the H200's ~4.8 has headroom).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.results import record  # noqa: E402
+from target import batched  # noqa: E402
 from target.batched import PAGE, BatchedTarget  # noqa: E402
 from target.decode_graphs import DecodeGraphs  # noqa: E402
 
@@ -68,12 +71,18 @@ def timed(step, steps: int, cuda: bool) -> float:
     return statistics.median(out)
 
 
-def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, steps: int) -> dict:
+def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, steps: int,
+            autotune: bool = False) -> dict:
     """One configuration: a fresh pool holding ``context`` positions for each of ``rows`` rows. Compiled kernels
     are dropped first: every configuration is a new shape, and past dynamo's recompile limit (8) the decode kernel
     would run uncompiled (flex's unfused fallback, which materialises scores over the whole pool), as it did in
     this bench's first run. The engine itself compiles one shape per padded batch size over one pool."""
     torch._dynamo.reset()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # the engine's own compile (target.batched.flex_decode), or the autotuned one in its place for this run
+    batched._compiled_flex = torch.compile(flex_attention, dynamic=False,
+                                           **({"mode": "max-autotune-no-cudagraphs"} if autotune else {}))
     dev = target.device
     pages = rows * -(-(context + 1) // PAGE) + 1
     cache = target.new_paged_cache(rows, pages, max_len=-(-(context + 1) // PAGE) * PAGE, attention="flex")
@@ -90,8 +99,9 @@ def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, s
     prof = summarize(kernel_times(lambda: graphs._eager(rows), 2), top=8)
     attention_ms = prof["by_class_ms"].get("attention")
     kv_bytes = rows * (context + 1) * target.kv_bytes_per_token()
-    return {"rows": rows, "context": context, "full_blocks": full_blocks, "graph_ms": graph_ms and round(graph_ms, 3),
-            "eager_ms": round(eager_ms, 3), "graph_fallback": graphs.fallback,
+    return {"rows": rows, "context": context, "full_blocks": full_blocks, "autotune": autotune,
+            "graph_ms": graph_ms and round(graph_ms, 3), "eager_ms": round(eager_ms, 3),
+            "graph_fallback": graphs.fallback,
             "tokens_per_s_graph": graph_ms and round(rows / graph_ms * 1e3, 1),
             "kv_gb_per_step": round(kv_bytes / 1e9, 3),
             "kv_gb_per_s": round(kv_bytes / 1e9 / (attention_ms / 1e3), 1) if attention_ms else None, **prof}
@@ -103,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--autotune", action="store_true", help="also full blocks with the kernel autotuned")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
@@ -110,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for context in args.context:
         for rows in args.rows:
-            for full_blocks in (True, False):
-                runs.append(measure(target, rows, context, full_blocks, args.steps))
+            variants = [(True, False), (False, False)] + ([(True, True)] if args.autotune else [])
+            for full_blocks, autotune in variants:
+                runs.append(measure(target, rows, context, full_blocks, args.steps, autotune))
                 r = runs[-1]
-                print(f"rows {rows} context {context} full_blocks {full_blocks}: graph {r['graph_ms']} ms, eager "
-                      f"{r['eager_ms']} ms, kernels {r['kernel_ms']} ms {r['by_class_ms']}, KV {r['kv_gb_per_s']} GB/s",
+                print(f"rows {rows} context {context} full_blocks {full_blocks} autotune {autotune}: graph "
+                      f"{r['graph_ms']} ms, eager {r['eager_ms']} ms, kernels {r['kernel_ms']} ms "
+                      f"{r['by_class_ms']}, KV {r['kv_gb_per_s']} GB/s",
                       flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
