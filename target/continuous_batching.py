@@ -27,10 +27,18 @@ until the next ``poll`` (the caller submits a follow-up between polls, as it rea
 continued is freed then, so holding is bounded and nothing leaks. Keys and values depend only on the tokens
 and positions before them, so a reused prefix is what a prefill would write, up to the kernels' summation order.
 
-``Stream.stats`` splits the run's seconds into prefill forwards, decode forwards, the engine's own host work
-and the caller's time between polls (one device synchronisation per forward, where ``.tolist()`` waits anyway),
-and counts decode steps by live rows. On CUDA a flex decode step replays a CUDA graph of its padded batch size
-(``target.decode_graphs``); ``stats`` counts those steps and the captures.
+Decode steps run one ahead of the host: a step is launched (its tokens picked on the device into the next step's
+input and copied to pinned host memory without a wait), and only then are the previous step's tokens read and
+booked (``Stream.step``). The host's bookkeeping, and the caller's work between polls, overlap the device's next
+step; on a GPU both were as long as the small steps themselves (issue #20). A row that ends at step k has run
+in step k + 1 too: that token is dropped, and its write lands past the positions the row holds (pages are given
+one position ahead, so it always has one). A CPU runs each step as it is launched: the same code, no overlap.
+
+``Stream.stats`` splits the run's seconds into prefill forwards, decode (the host's: launching steps and waiting
+for their tokens), the engine's own host work and the caller's time between polls, with the decode steps' own
+device seconds beside them (``decode_device_s``), and counts decode steps by live rows. On CUDA a flex decode
+step replays a CUDA graph of its padded batch size (``target.decode_graphs``); ``stats`` counts those steps and
+the captures.
 """
 
 from __future__ import annotations
@@ -137,23 +145,27 @@ class _Continuation:
 
 @dataclass
 class _Timing:
-    """Where the run's seconds go: forwards timed to their device's end (one synchronisation where the
-    engine waits for their tokens anyway), ``poll`` wall time, and decode steps by live rows."""
+    """Where the run's seconds go: prefill forwards timed to their device's end (one synchronisation where the
+    engine waits for their tokens anyway), decode steps as the host spends them (launch, then the wait for their
+    tokens a step later) and on the device (CUDA events), ``poll`` wall time, and decode steps by live rows."""
 
     prefill_s: float = 0.0
     continue_prefill_s: float = 0.0  # of prefill_s: suffixes after a row's cached prefix
     prefill_forwards: int = 0
     continue_forwards: int = 0
     decode_s: float = 0.0
-    decode_launch_s: float = 0.0  # host time issuing the decode forwards (~decode_s: the host is the bound)
+    decode_device_s: float = 0.0  # the decode steps' own seconds on the device (overlapping the host's work)
+    decode_launch_s: float = 0.0  # host time issuing the decode forwards
     decode_first_shape_s: float = 0.0  # flex: the first decode step at each padded batch size (its compile)
     poll_s: float = 0.0
     live_steps: list[int] = field(default_factory=lambda: [0] * (len(LIVE_ROW_BUCKETS) + 1))
     live_decode_s: list[float] = field(default_factory=lambda: [0.0] * (len(LIVE_ROW_BUCKETS) + 1))
 
-    def step(self, live: int, launch: float, seconds: float, first_shape: bool) -> None:
-        """One decode forward of ``live`` rows: ``launch`` seconds to issue, ``seconds`` in all."""
+    def step(self, live: int, launch: float, seconds: float, device: float, first_shape: bool) -> None:
+        """One decode step of ``live`` rows: ``launch`` seconds to issue, ``seconds`` of the host's in all (the
+        launch and the wait for its tokens), ``device`` seconds on the device (the forward and the copies)."""
         self.decode_s += seconds
+        self.decode_device_s += device
         self.decode_launch_s += launch
         self.decode_first_shape_s += seconds if first_shape else 0.0
         i = next((i for i, edge in enumerate(LIVE_ROW_BUCKETS) if live <= edge), len(LIVE_ROW_BUCKETS))
@@ -172,7 +184,7 @@ class _Timing:
         names = [f"<={edge}" for edge in LIVE_ROW_BUCKETS] + [f">{LIVE_ROW_BUCKETS[-1]}"]
         return {"prefill_s": round(self.prefill_s, 2), "continue_prefill_s": round(self.continue_prefill_s, 2),
                 "prefill_forwards": self.prefill_forwards, "continue_forwards": self.continue_forwards,
-                "decode_s": round(self.decode_s, 2),
+                "decode_s": round(self.decode_s, 2), "decode_device_s": round(self.decode_device_s, 2),
                 "engine_host_s": round(self.poll_s - self.prefill_s - self.decode_s, 2),
                 "caller_s": round(seconds - self.poll_s, 2), "decode_launch_s": round(self.decode_launch_s, 2),
                 "decode_first_shape_s": round(self.decode_first_shape_s, 2),
@@ -237,6 +249,47 @@ class _Picker:
         return torch.multinomial(z.softmax(-1), 1, generator=self.gen).squeeze(-1)
 
 
+@dataclass
+class _Launched:
+    """A decode step on its way: its tokens (and margins) are copied to the host without a wait, and read at the
+    next step's launch (``Stream.step``). ``requests`` are what rows [0, hi) served when it was launched: a row
+    whose request changed since (finished, preempted, continued or admitted anew) gets nothing from it."""
+
+    hi: int
+    b: int
+    live: int
+    requests: list[_Request | None]
+    buffer: int  # which of ``_HostTokens``'s buffers its tokens go to
+    launch_s: float
+    first_shape: bool
+    done: Any  # a CUDA event after its copies (None on a CPU, where the step ran synchronously)
+    start: Any  # a CUDA event before its forward; on a CPU, the forward's seconds
+
+
+class _HostTokens:
+    """Two host buffers for decode steps' tokens and margins, pinned on CUDA, used in turn: step k + 1's copy
+    goes to the other buffer while the host still reads step k's."""
+
+    def __init__(self, rows: int, device: torch.device, margins: bool):
+        pin = device.type == "cuda"
+        self.tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self.margins = [torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)] if margins else None
+        self.turn = 0
+
+    def send(self, tokens: Tensor, margins: Tensor | None) -> int:
+        """Copy a step's (hi,) tokens (and margins) to the next buffer without waiting; which buffer it is."""
+        i, self.turn = self.turn, 1 - self.turn
+        hi = tokens.shape[0]
+        self.tokens[i][:hi].copy_(tokens, non_blocking=True)
+        if self.margins is not None and margins is not None:
+            self.margins[i][:hi].copy_(margins, non_blocking=True)
+        return i
+
+    def read(self, i: int, hi: int) -> tuple[list[int], list[float] | list[None]]:
+        toks = self.tokens[i][:hi].tolist()
+        return toks, (self.margins[i][:hi].tolist() if self.margins is not None else [None] * hi)
+
+
 class Stream:
     """Requests in, answers out as they finish, through ``rows`` rows over one paged cache.
 
@@ -278,10 +331,12 @@ class Stream:
         self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a row serving a request
         # last and pos are updated in place, never rebound: a decode graph reads them where it was captured
         self.decode = DecodeGraphs(target, self.cache, self.last, self.pos)
+        self.host = _HostTokens(n, dev, margins)
+        self.launched: _Launched | None = None  # the decode step whose tokens the next step reads
         self.live = 0
         self.top = 0  # no live row above it (last_live walks down from it: rows go live only in _prefill)
         self.refill_at = max(1, n // 8)
-        self.needs_page: list[int] = []  # rows whose next position starts a page they do not hold
+        self.needs_page: list[int] = []  # rows whose position after next starts a page they do not hold
         self.owed = 0  # pages the live rows may still take (their whole budgets), for admission's reserve
         self.done: deque[tuple[Hashable, Generated]] = deque()
         self.parked: dict[Hashable, tuple[int, list[int]]] = {}  # key -> (row, the ids its cache holds)
@@ -323,7 +378,7 @@ class Stream:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.live or self.continuing or self.parked)
+        return bool(self.queue or self.live or self.continuing or self.parked or self.launched)
 
     def run(self) -> Iterator[tuple[Hashable, Generated]]:
         """Step until nothing is queued, live or held, yielding (key, answer) as answers finish; requests
@@ -342,11 +397,13 @@ class Stream:
         if self.queue and (len(self.free) >= self.refill_at or self.live == 0):
             self._admit()
         if self.live == 0:
+            self._read_launched()  # a step launched before its rows ended: nothing of it is kept
             if self.queue and not self._admissible(self.queue[0]):
                 raise RuntimeError(f"the cache's {self.cache.pages} pages cannot hold one request of "
                                    f"{len(self.queue[0].prompt)} prompt tokens")
         else:
             if not self.queue and not self.continuing and 0 < self.live * 2 < self.last_live():
+                self._read_launched()  # rows move: the launched step's tokens are read by the rows it ran
                 self.compact()
             self.step()
         done = list(self.done)
@@ -517,10 +574,11 @@ class Stream:
             torch.cuda.synchronize(self.t.device)
 
     def _pages_for_step(self) -> None:
-        """Give every row about to write its first position of a page that page, freeing held rows and then
-        preempting the requests admitted last while none is free."""
+        """Give every row whose position after next starts a page that page (the step launched next writes at a
+        live row's ``length`` or, when the step before it is still on its way, one further: ``step``), freeing
+        held rows and then preempting the requests admitted last while none is free."""
         for row in self.needs_page:
-            while self.request[row] is not None and not self.cache.ensure(row, self.length[row] + 1):
+            while self.request[row] is not None and not self.cache.ensure(row, self.length[row] + 2):
                 if self._room(1) or self._drop_held():
                     continue
                 live = [s for s, r in enumerate(self.request) if r is not None]
@@ -557,10 +615,14 @@ class Stream:
 
     def _margins(self, logits: Tensor, rows: int) -> list[float | None]:
         """Top-1 minus top-2 logit per row (one topk over the batch's logits), when asked for."""
+        margins = self._margin_tensor(logits)
+        return [None] * rows if margins is None else margins.reshape(rows).tolist()
+
+    def _margin_tensor(self, logits: Tensor) -> Tensor | None:
         if not self.want_margins:
-            return [None] * rows
+            return None
         top = logits.float().topk(2, dim=-1).values
-        return (top[..., 0] - top[..., 1]).reshape(rows).tolist()
+        return top[..., 0] - top[..., 1]
 
     def _take(self, row: int, tok: int, margin: float | None = None) -> None:
         """Append one token to a row's answer; finish the row when the answer ends."""
@@ -587,7 +649,7 @@ class Stream:
         if n >= r.max_new:
             self._finish(row, "length")
             return
-        if self.length[row] % self.cache.page == 0:  # the next token opens a page
+        if (self.length[row] + 1) % self.cache.page == 0:  # the token after next opens a page
             self.needs_page.append(row)
         self.due[row] = self._next_due(row, n, r.max_new)
 
@@ -596,7 +658,7 @@ class Stream:
         tokens and lengths grow together, one a step, so each event's length is known ahead."""
         length, page, lp = self.length[row], self.cache.page, self.loops
         ahead = n - length
-        due = min((length // page + 1) * page, max_new - ahead)
+        due = min(((length + 1) // page + 1) * page - 1, max_new - ahead)
         if lp is not None:
             check = -(-max(n + 1, lp.min_repeat_tokens) // lp.every) * lp.every
             due = min(due, check - ahead)
@@ -637,27 +699,62 @@ class Stream:
         heapq.heappush(self.free, row)
 
     def step(self) -> int:
-        """One decode token for every row up to the last live one; returns tokens produced."""
+        """Launch one decode token for every row up to the last live one, then read the tokens of the step
+        launched before it (the host's bookkeeping of step k runs while the device computes step k + 1; at T = 0
+        the answers are the same). A row that ends at step k has run in step k + 1 too: its token there is
+        dropped, and it wrote past what it holds (only the positions it holds are ever reused). Returns the
+        tokens read."""
         self._pages_for_step()
-        if self.live == 0:
-            return 0
+        launched = self._launch() if self.live else None
+        produced = self._read_launched()
+        self.launched = launched
+        return produced
+
+    def _launch(self) -> _Launched:
+        """Issue the step's forward, the pick of its tokens into ``last`` (the next step's input, on the
+        device) and their copy to the host, without waiting for any of it."""
         hi = self.last_live() + 1
         b = decode_rows(hi, self.rows, self.buckets)
+        cuda = self.t.device.type == "cuda"
         t0 = time.perf_counter()
+        start: Any = None
+        if cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         logits = self.decode.logits(b)  # a graph's own buffer on CUDA: read here, before the next step overwrites it
         nxt = self.pick(logits)
-        t1 = time.perf_counter()
-        self._sync()
-        first_shape = self.buckets > 0 and b not in self.shapes
-        self.shapes.add(b)
-        self.timing.step(self.live, t1 - t0, time.perf_counter() - t0, first_shape)
-        margins = self._margins(logits[:hi], hi)
+        margins = self._margin_tensor(logits[:hi])
         self.last[:b] = nxt
         self.pos[:b] += self.alive[:b]
+        buffer = self.host.send(nxt[:hi], margins)
+        done: Any = None
+        if cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+        else:
+            start = time.perf_counter() - t0  # a CPU ran it here
+        first_shape = self.buckets > 0 and b not in self.shapes
+        self.shapes.add(b)
+        return _Launched(hi, b, self.live, self.request[:hi], buffer, time.perf_counter() - t0, first_shape,
+                         done, start)
+
+    def _read_launched(self) -> int:
+        """Take the launched step's tokens into the rows that still serve what they served at its launch; the
+        tokens taken."""
+        step, self.launched = self.launched, None
+        if step is None:
+            return 0
+        t0 = time.perf_counter()
+        if step.done is not None:
+            step.done.synchronize()
+        toks, margins = self.host.read(step.buffer, step.hi)
+        wait = time.perf_counter() - t0
+        device_s = step.start.elapsed_time(step.done) / 1e3 if step.done is not None else step.start
+        self.timing.step(step.live, step.launch_s, step.launch_s + wait, device_s, step.first_shape)
         produced = 0
         request, length, tokens, due, stops = self.request, self.length, self.tokens, self.due, self.stop_ids
-        for row, (tok, m) in enumerate(zip(nxt[:hi].tolist(), margins, strict=True)):
-            if request[row] is None:
+        for row, (tok, m, launched) in enumerate(zip(toks, margins, step.requests, strict=True)):
+            if launched is None or request[row] is not launched:
                 continue
             produced += 1
             length[row] += 1
