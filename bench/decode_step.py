@@ -13,6 +13,8 @@ shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a s
 - the eager step's kernels by class (bench/kernel_profile.py), and ``kv_gb_per_s``: the cache bytes a step must
   read (rows x context x key and value bytes per position) over the attention kernels' ms: how close the
   attention comes to the H200's ~4.8 TB/s;
+- ``stream``: the same rows and context inside the engine (``Stream``, decode steps one ahead of the host), the wall
+  ms a step costs there, and the stream's split of it: against ``graph_ms``, what the host adds or hides;
 - each configuration twice, with the decode block mask's full pages read without the mask (``full_blocks``, the
   engine's default) and with the mask on every page; with --autotune a third time, full blocks with the decode
   kernel compiled under ``max-autotune-no-cudagraphs`` (Inductor times its block sizes, warps and stages for the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.results import record  # noqa: E402
 from target import batched  # noqa: E402
 from target.batched import PAGE, BatchedTarget  # noqa: E402
+from target.continuous_batching import Stream  # noqa: E402
 from target.decode_graphs import DecodeGraphs  # noqa: E402
 
 # SmolLM2-135M-Instruct's shape (its config.json): the shipped config's target
@@ -53,7 +57,6 @@ def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> Batc
 
 def timed(step, steps: int, cuda: bool) -> float:
     """Median ms of ``steps`` calls (CUDA events around each; wall clock on a CPU)."""
-    import time
 
     out = []
     for _ in range(steps):
@@ -107,6 +110,43 @@ def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, s
             "kv_gb_per_s": round(kv_bytes / 1e9 / (attention_ms / 1e3), 1) if attention_ms else None, **prof}
 
 
+def stream_steps(target: BatchedTarget, rows: int, context: int, steps: int) -> dict:
+    """The same step inside the engine: a ``Stream`` with ``rows`` requests of ``context`` random prompt tokens
+    (no stop token, no loop check), every row live; after its prefill and a few steps, ``steps`` polls timed end to
+    end. ``ms`` is the wall time a step costs the engine (the host's bookkeeping and the device's forward, which
+    the stream overlaps: ``Stream.step``), beside the stream's own split of it (``decode_s`` the host's launch and
+    wait, ``decode_device_s`` the device's)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(rows)
+    vocab = target.embed.weight.shape[0]
+    stream = Stream(target, [], max_len=context + steps + 16, rows=rows, wanted=rows, attention="flex")
+    for i in range(rows):
+        stream.submit(i, torch.randint(0, vocab, (context,), generator=g).tolist(), steps + 12)
+    while stream.waiting or stream.live < rows:
+        stream.poll()
+    for _ in range(4):  # the first steps compile, capture and warm the graph
+        stream.poll()
+    timing = stream.timing
+
+    def split() -> tuple[float, float, float]:  # the host's decode, the device's decode, the engine's own host work
+        return (timing.decode_s, timing.decode_device_s,
+                timing.poll_s - timing.prefill_s - timing.decode_s)
+
+    before = split()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        stream.poll()
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    host_decode, device, host_own = ((a - b) / steps * 1e3 for a, b in zip(split(), before, strict=True))
+    stats = stream.decode.stats()
+    return {"ms": round(wall / steps * 1e3, 3), "tokens_per_s": round(rows * steps / wall, 1),
+            "host_decode_ms": round(host_decode, 3), "device_ms": round(device, 3),
+            "engine_host_ms": round(host_own, 3), "graph_steps": stats["graph_steps"],
+            "graph_fallback": stats["graph_fallback"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 64, 512, 2048])
@@ -125,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             for full_blocks, autotune in variants:
                 runs.append(measure(target, rows, context, full_blocks, args.steps, autotune))
                 r = runs[-1]
+                if full_blocks and not autotune:
+                    r["stream"] = stream_steps(target, rows, context, args.steps)
+                    print(f"rows {rows} context {context} in the stream: {r['stream']}", flush=True)
                 print(f"rows {rows} context {context} full_blocks {full_blocks} autotune {autotune}: graph "
                       f"{r['graph_ms']} ms, eager {r['eager_ms']} ms, kernels {r['kernel_ms']} ms "
                       f"{r['by_class_ms']}, KV {r['kv_gb_per_s']} GB/s",

@@ -1,7 +1,8 @@
 """bench/decode_step.py's CPU plumbing on a one-layer target: one "decode_step" object with a run per rows,
 context and block-mask setting (full pages unmasked, then masked), the KV bytes a step reads as the bench counts
 them (rows x (context + 1) positions; 130 crosses the first 128-position page's end), an eager time, and no graph
-time (CUDA graphs need CUDA) nor kernel profile on a CPU."""
+time (CUDA graphs need CUDA) nor kernel profile on a CPU; the engine's own step (``stream``) beside the first, its
+wall ms split into the host's decode (launch and wait), the device's and the engine's own host work."""
 
 from __future__ import annotations
 
@@ -29,3 +30,7 @@ def test_the_cpu_plumbing_records_a_run_per_configuration(tmp_path, monkeypatch)
         assert r["graph_ms"] is None and r["tokens_per_s_graph"] is None and r["graph_fallback"] is None
         assert r["eager_ms"] > 0
         assert r["profiled"] is False and r["kv_gb_per_s"] is None
+    stream = obj["runs"][0]["stream"]
+    assert "stream" not in obj["runs"][1] and stream["ms"] > 0 and stream["tokens_per_s"] > 0
+    assert stream["device_ms"] > 0 and stream["host_decode_ms"] >= stream["device_ms"] * 0.9  # a CPU: no overlap
+    assert stream["ms"] >= stream["host_decode_ms"] * 0.9 and stream["graph_steps"] == 0
