@@ -17,7 +17,8 @@ section as shipped: max_tokens 1,024, stop_loops, max_context_tokens). For --gpu
 Figures, bench/results.json:
 - "regenerate": gen_tokens_per_s = the answer tokens written to conversations.jsonl (the run's summary,
   ``answer_tokens``) / the wall time of the command, start to exit (model load, compile and the tail of the
-  last conversations included: not a best window), for the first --gpus entry; gen_tokens, seconds,
+  last conversations included: not a best window), for the first --gpus entry; gen_tokens, seconds (of them
+  ``regenerate_step_s`` inside the regenerate step, ``outside_step_s`` the process's start, model load and exit),
   conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens,
   preemptions, and where its seconds went: prefill and decode forwards, its host work, the caller's, decode
   steps by live rows; printed as one line per device); exact_matches of --exact-prompts first turns answered
@@ -94,7 +95,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     for device, e in engines.items():
         print(f"  {device}: {engine_line(e)}", flush=True)
     return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
-            "seconds": round(seconds, 2), "conversations": s["written"], "answers": s["turns"],
+            "seconds": round(seconds, 2), "regenerate_step_s": round(s["seconds"], 2),
+            "outside_step_s": round(seconds - s["seconds"], 2), "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
             "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype}
 
@@ -109,7 +111,7 @@ def engine_line(e: dict[str, Any]) -> str:
     return (f"{e['seconds']} s: prefill {e['prefill_s']} s ({e['prefill_tokens']} tokens, "
             f"{e.get('reused_prefix_tokens', 0)} reused; {e.get('prefill_forwards', '?')} forwards, of which "
             f"{e.get('continue_forwards', '?')} continuations in {e.get('continue_prefill_s', '?')} s), "
-            f"decode {e['decode_s']} s over {e['steps']} steps "
+            f"decode {e['decode_s']} s over {e['steps']} steps ({e.get('decode_device_s', '?')} s on the device) "
             f"(issuing {e['decode_launch_s']} s, first shapes {e['decode_first_shape_s']} s; "
             f"{e.get('graph_steps', 0)} replayed from CUDA graphs, {e.get('graph_captures', 0)} captures in "
             f"{e.get('graph_capture_s', 0)} s{failed}), engine host {e['engine_host_s']} s, caller {e['caller_s']} s; "
