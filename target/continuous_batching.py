@@ -256,14 +256,16 @@ class _Launched:
     whose request changed since (finished, preempted, continued or admitted anew) gets nothing from it."""
 
     hi: int
-    b: int
     live: int
     requests: list[_Request | None]
     buffer: int  # which of ``_HostTokens``'s buffers its tokens go to
     launch_s: float
     first_shape: bool
-    done: Any  # a CUDA event after its copies (None on a CPU, where the step ran synchronously)
-    start: Any  # a CUDA event before its forward; on a CPU, the forward's seconds
+    start: Any  # CUDA events before its forward and after its copies (None on a CPU, where the step ran as it
+    done: Any  # was launched: its device seconds are its launch's)
+
+    def device_s(self) -> float:
+        return self.start.elapsed_time(self.done) / 1e3 if self.done is not None else self.launch_s
 
 
 class _HostTokens:
@@ -731,12 +733,10 @@ class Stream:
         if cuda:
             done = torch.cuda.Event(enable_timing=True)
             done.record()
-        else:
-            start = time.perf_counter() - t0  # a CPU ran it here
         first_shape = self.buckets > 0 and b not in self.shapes
         self.shapes.add(b)
-        return _Launched(hi, b, self.live, self.request[:hi], buffer, time.perf_counter() - t0, first_shape,
-                         done, start)
+        return _Launched(hi, self.live, self.request[:hi], buffer, time.perf_counter() - t0, first_shape, start,
+                         done)
 
     def _read_launched(self) -> int:
         """Take the launched step's tokens into the rows that still serve what they served at its launch; the
@@ -749,8 +749,7 @@ class Stream:
             step.done.synchronize()
         toks, margins = self.host.read(step.buffer, step.hi)
         wait = time.perf_counter() - t0
-        device_s = step.start.elapsed_time(step.done) / 1e3 if step.done is not None else step.start
-        self.timing.step(step.live, step.launch_s, step.launch_s + wait, device_s, step.first_shape)
+        self.timing.step(step.live, step.launch_s, step.launch_s + wait, step.device_s(), step.first_shape)
         produced = 0
         request, length, tokens, due, stops = self.request, self.length, self.tokens, self.due, self.stop_ids
         for row, (tok, m, launched) in enumerate(zip(toks, margins, step.requests, strict=True)):
