@@ -115,15 +115,23 @@ def stream_steps(target: BatchedTarget, rows: int, context: int, steps: int) -> 
     (no stop token, no loop check), every row live; after its prefill and a few steps, ``steps`` polls timed end to
     end. ``ms`` is the wall time a step costs the engine (the host's bookkeeping and the device's forward, which
     the stream overlaps: ``Stream.step``), beside the stream's own split of it (``decode_s`` the host's launch and
-    wait, ``decode_device_s`` the device's)."""
+    wait, ``decode_device_s`` the device's; booked when a step's tokens are read, one step after its launch, so the
+    split lags the wall time by a step: --steps 20 keeps that small)."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(rows)
     vocab = target.embed.weight.shape[0]
-    stream = Stream(target, [], max_len=context + steps + 16, rows=rows, wanted=rows, attention="flex")
+    max_len = context + steps + 16
+    # every row's pages and the admission's reserve (a quarter page a live row), so that all rows are admitted
+    pages = 1 + rows * (-(-max_len // PAGE) + 1)
+    stream = Stream(target, [], max_len=max_len, rows=rows, wanted=rows, pages=pages, attention="flex")
     for i in range(rows):
         stream.submit(i, torch.randint(0, vocab, (context,), generator=g).tolist(), steps + 12)
-    while stream.waiting or stream.live < rows:
+    for _ in range(rows):  # each poll prefills what fits its token budget
+        if not stream.waiting:
+            break
         stream.poll()
+    if stream.live < rows:
+        raise RuntimeError(f"decode_step: {stream.live} of {rows} rows admitted with {pages} pages")
     for _ in range(4):  # the first steps compile, capture and warm the graph
         stream.poll()
     timing = stream.timing

@@ -32,5 +32,5 @@ def test_the_cpu_plumbing_records_a_run_per_configuration(tmp_path, monkeypatch)
         assert r["profiled"] is False and r["kv_gb_per_s"] is None
     stream = obj["runs"][0]["stream"]
     assert "stream" not in obj["runs"][1] and stream["ms"] > 0 and stream["tokens_per_s"] > 0
-    assert stream["device_ms"] > 0 and stream["host_decode_ms"] >= stream["device_ms"] * 0.9  # a CPU: no overlap
-    assert stream["ms"] >= stream["host_decode_ms"] * 0.9 and stream["graph_steps"] == 0
+    assert stream["device_ms"] > 0 and stream["host_decode_ms"] >= stream["device_ms"]  # launch + wait >= launch
+    assert stream["graph_steps"] == 0
