@@ -1,7 +1,10 @@
 """Where our TTT training step's time goes at a drafter shape: phases, then kernels by class.
 
     python bench/train_step_profile.py          # one H200: the K2.5 shape, compiled -> "train_step_profile"
+    python bench/train_step_profile.py --shape smollm2 --batch 8 --eager  # the training loop's step, beside it
     python bench/train_step_profile.py --shape tiny --device cpu --steps 2 --warmup 1   # plumbing only
+
+Each configuration is its own entry of the object (``k25_b1_compiled``, ``smollm2_b8_eager``, ...), with its command.
 
 The step is bench/train_throughput.py's (``step_setup``: the same drafter, batch and fused AdamW). Phases, each
 bracketed by CUDA events over --steps steps after --warmup (medians): forward with the loss, backward, clipping and
@@ -24,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
-from bench.results import record  # noqa: E402
+from bench.results import command_line, record  # noqa: E402
 from bench.train_throughput import (  # noqa: E402
     PEAK_TFLOPS,
     SHAPES,
@@ -108,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and args.shape != "tiny":
         ap.error("on a CPU only the plumbing runs: --shape tiny --device cpu")
     seq = args.seq if device.type == "cuda" else min(args.seq, 64)
-    record("train_step_profile", profile_step(args.shape, args.batch, seq, args.ttt, args.steps, args.warmup,
-                                              args.profile_steps, device, not args.eager and device.type == "cuda"))
+    compiled = not args.eager and device.type == "cuda"
+    figures = profile_step(args.shape, args.batch, seq, args.ttt, args.steps, args.warmup, args.profile_steps,
+                           device, compiled)
+    # one entry per configuration, so that the K2.5 step and the loop's (SmolLM2, eager) can be profiled side by side
+    label = f"{args.shape}_b{args.batch}_{'compiled' if compiled else 'eager'}"
+    record("train_step_profile", {label: {"command": command_line(), **figures}}, merge=True)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""bench/train_step_profile.py's CPU plumbing: one "train_step_profile" object in the BENCH_RESULTS file whose
+"""bench/train_step_profile.py's CPU plumbing: one "train_step_profile" object in the BENCH_RESULTS file, an entry
+per configuration (a second run adds its own beside the first's), whose
 phases (forward with the loss, backward, clip and optimizer) each took time and add up to the step, marked
 uncompiled, with no MFU and no kernel profile (a CPU has neither a peak to weigh against nor CUDA kernels); and a
 drafter shape other than tiny on a CPU is a usage error before anything is built."""
@@ -21,8 +22,12 @@ def test_the_cpu_plumbing_records_its_phases(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("BENCH_RESULTS", str(results))
     assert train_step_profile.main(["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
                                     "--profile-steps", "1"]) == 0
-    obj = json.loads(results.read_text())["train_step_profile"]
-    assert obj["device"].startswith("cpu") and obj["date"] and obj["command"]
+    assert train_step_profile.main(["--shape", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
+                                    "--profile-steps", "1", "--batch", "2"]) == 0
+    top = json.loads(results.read_text())["train_step_profile"]
+    assert top["device"].startswith("cpu") and top["date"] and set(top) >= {"tiny_b1_eager", "tiny_b2_eager"}
+    obj = top["tiny_b1_eager"]  # the first run's entry stays beside the second's
+    assert obj["command"] and top["tiny_b2_eager"]["command"] and top["tiny_b2_eager"]["batch"] == 2
     assert obj["shape_name"] == "tiny" and (obj["steps_timed"], obj["profile_steps"]) == (2, 1)
     phases = obj["phase_ms"]
     assert set(phases) == {"forward_loss", "backward", "clip_optimizer"}  # (the file sorts its keys)
