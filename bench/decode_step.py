@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.results import record  # noqa: E402
+from bench.step_clock import StepClock  # noqa: E402
 from target import batched  # noqa: E402
 from target.batched import PAGE, BatchedTarget  # noqa: E402
 from target.continuous_batching import Stream  # noqa: E402
@@ -56,21 +57,14 @@ def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> Batc
 
 
 def timed(step, steps: int, cuda: bool) -> float:
-    """Median ms of ``steps`` calls (CUDA events around each; wall clock on a CPU)."""
-
+    """Median ms of ``steps`` calls, each timed on its own (``StepClock``)."""
     out = []
     for _ in range(steps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            out.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            step()
-            out.append((time.perf_counter() - t0) * 1e3)
+        clock = StepClock(cuda)
+        clock.mark()
+        step()
+        clock.mark()
+        out.append(clock.spans_ms()[0])
     return statistics.median(out)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.results import command_line, record  # noqa: E402
+from bench.step_clock import StepClock  # noqa: E402
 from bench.train_throughput import (  # noqa: E402
     PEAK_TFLOPS,
     SHAPES,
@@ -42,33 +42,12 @@ from bench.train_throughput import (  # noqa: E402
 PHASES = ("forward_loss", "backward", "clip_optimizer")
 
 
-class PhaseClock:
-    """Marks between a step's phases: CUDA events on CUDA (read after one sync per step), wall time elsewhere."""
-
-    def __init__(self, cuda: bool):
-        self.cuda, self.marks = cuda, []
-
-    def mark(self) -> None:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            self.marks.append(e)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def spans_ms(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:], strict=False)]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:], strict=False)]
-
-
 def profile_step(name: str, batch: int, seq: int, ttt: int, steps: int, warmup: int, profile_steps: int,
                  device: torch.device, compile_step: bool) -> dict:
     shape = shape_named(name)
     model, opt, data = step_setup(shape, batch, seq, ttt, device, compile_step)
 
-    def one_step(clock: PhaseClock | None = None) -> None:
+    def one_step(clock: StepClock | None = None) -> None:
         mark = clock.mark if clock else (lambda: None)
         mark()
         res = forward_loss(model, data)
@@ -80,7 +59,7 @@ def profile_step(name: str, batch: int, seq: int, ttt: int, steps: int, warmup: 
 
     spans: list[list[float]] = []
     for k in range(warmup + steps):
-        clock = PhaseClock(device.type == "cuda")
+        clock = StepClock(device.type == "cuda")
         one_step(clock)
         if k >= warmup:
             spans.append(clock.spans_ms())

@@ -28,7 +28,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
+from bench.step_clock import StepClock  # noqa: E402
 from drafter.model import DrafterShape, Eagle3Drafter  # noqa: E402
 from train.module import TTTModel  # noqa: E402
 from train.optim import make_optimizer, trainable  # noqa: E402
@@ -121,21 +121,14 @@ def bench(shape: DrafterShape, batch: int, seq: int, ttt: int, steps: int, warmu
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for k in range(warmup + steps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
+        clock = StepClock(cuda)
+        clock.mark()
         res = forward_loss(model, data)
         res.loss.backward()
         update(model, opt)
-        if cuda:
-            end.record()
-            torch.cuda.synchronize(device)
-            ms = start.elapsed_time(end)
-        else:
-            ms = (time.perf_counter() - t0) * 1e3
+        clock.mark()
         if k >= warmup:
-            times.append(ms)
+            times.append(clock.spans_ms()[0])
     ms = statistics.median(times)
     flops = model_flops(shape, batch, seq, ttt)
     return {"shape": shape_figures(shape), "batch": batch, "seq": seq, "ttt_length": ttt, "device": str(device),
