@@ -309,14 +309,13 @@ class PagedKVCache:
         if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
             table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
         indices = table.reshape(b, 1, 1, -1)
+        shape = {"BLOCK_SIZE": (128, self.page), "mask_mod": self.mask_mod, "seq_lengths": (q_len, self.k.shape[2]),
+                 "compute_q_blocks": False}
         if not self.full_blocks:
-            return BlockMask.from_kv_blocks((query_page + 1).view(b, 1, 1), indices, BLOCK_SIZE=(128, self.page),
-                                            mask_mod=self.mask_mod, seq_lengths=(q_len, self.k.shape[2]),
-                                            compute_q_blocks=False)
+            return BlockMask.from_kv_blocks((query_page + 1).view(b, 1, 1), indices, **shape)
         own = F.pad(table.gather(1, query_page[:, None].long()), (0, table.shape[1] - 1)).reshape(b, 1, 1, -1)
         return BlockMask.from_kv_blocks(torch.ones_like(query_page).view(b, 1, 1), own, query_page.view(b, 1, 1),
-                                        indices, BLOCK_SIZE=(128, self.page), mask_mod=self.mask_mod,
-                                        seq_lengths=(q_len, self.k.shape[2]), compute_q_blocks=False)
+                                        indices, **shape)
 
 
 _compiled_flex: Callable[..., Tensor] | None = None
