@@ -276,7 +276,9 @@ class Eagle3Drafter(nn.Module):
         input_ids (B, T): the token after each hidden's position; hidden (B, T, H); positions (B, T).
         past: cached (k, v) of earlier positions, prepended to this call's keys; mask covers
         past + this call's keys; diag: same-position keys of earlier TTT steps. embed_part: the embeddings'
-        share of q, k, v for these positions (``embed_projections``), in place of ``input_ids`` (then None).
+        share of q, k, v for these positions (``embed_projections``), in place of ``input_ids`` (then None): the
+        TTT unroll's path. Drafting (eval) passes ``input_ids`` and projects the concatenation in one matmul, as
+        SGLang computes it.
         """
         layer = self.midlayer
         if embed_part is None:
