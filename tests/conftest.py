@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +41,11 @@ def smollm2():
     from target.hf_model import load_target
 
     return load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
+
+
+@pytest.fixture
+def bench_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The results file a benchmark under test writes (BENCH_RESULTS): never bench/results.json."""
+    path = tmp_path / "results.json"
+    monkeypatch.setenv("BENCH_RESULTS", str(path))
+    return path

@@ -40,18 +40,16 @@ def test_the_figures_of_a_looping_a_cut_and_a_plain_answer(tok) -> None:
     assert f["median_answer_tokens"] == 7 and f["mean_answer_tokens"] == round(f["answer_tokens"] / 3, 1)
 
 
-def test_a_label_is_written_beside_the_other(tmp_path, monkeypatch) -> None:
-    out = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(out))
-    out.write_text(json.dumps({"other": {"x": 1}}))
+def test_a_label_is_written_beside_the_other(bench_results) -> None:
+    bench_results.write_text(json.dumps({"other": {"x": 1}}))
     data_quality.save({"before": {"answers": 3}})
     data_quality.save({"after": {"answers": 2}})
-    data = json.loads(out.read_text())
+    data = json.loads(bench_results.read_text())
     assert data["other"] == {"x": 1}
     assert data["data_quality"]["before"]["answers"] == 3 and data["data_quality"]["after"]["answers"] == 2
     assert "command" in data["data_quality"]["before"] and "date" in data["data_quality"]
     data_quality.save({"before": {"answers": 5}})
-    assert json.loads(out.read_text())["data_quality"]["after"]["answers"] == 2
+    assert json.loads(bench_results.read_text())["data_quality"]["after"]["answers"] == 2
 
 
 def test_the_figures_of_greedy_answers_a_loop_a_stop_and_a_cap() -> None:
@@ -64,15 +62,13 @@ def test_the_figures_of_greedy_answers_a_loop_a_stop_and_a_cap() -> None:
     assert f["mean_answer_tokens"] == round(187 / 3, 1) and f["median_answer_tokens"] == 92
 
 
-def test_eval_sets_smoke_writes_eval_greedy_beside_the_other_labels(tmp_path, monkeypatch) -> None:
-    out = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(out))
+def test_eval_sets_smoke_writes_eval_greedy_beside_the_other_labels(bench_results, monkeypatch) -> None:
     data_quality.save({"before": {"answers": 3}})
     monkeypatch.setattr("sys.argv", ["data_quality.py", "--config", "configs/smollm2-135m.yaml", "--set",
                                      "eval.max_new_tokens=8", "--set", "target.device=cpu", "--eval-sets",
                                      "--limit", "2"])
     assert data_quality.main() == 0
-    dq = json.loads(out.read_text())["data_quality"]
+    dq = json.loads(bench_results.read_text())["data_quality"]
     assert dq["before"]["answers"] == 3
     f = dq["eval_greedy"]
     assert (f["limit"], f["max_new_tokens"], f["dtype"]) == (2, 8, "float32") and "--eval-sets" in f["command"]

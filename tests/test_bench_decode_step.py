@@ -15,12 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import decode_step  # noqa: E402
 
 
-def test_the_cpu_plumbing_records_a_run_per_configuration(tmp_path, monkeypatch) -> None:
-    results = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(results))
+def test_the_cpu_plumbing_records_a_run_per_configuration(bench_results) -> None:
     assert decode_step.main(["--device", "cpu", "--rows", "3", "--context", "130", "--layers", "1",
                              "--steps", "1"]) == 0
-    obj = json.loads(results.read_text())["decode_step"]
+    obj = json.loads(bench_results.read_text())["decode_step"]
     assert obj["device"].startswith("cpu") and obj["date"] and obj["command"] and obj["layers"] == 1
     per_token = obj["kv_bytes_per_token"]
     assert per_token == 2 * 1 * 3 * 64 * 4  # K and V, one layer, 3 heads of 64, float32 on a CPU

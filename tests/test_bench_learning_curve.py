@@ -27,7 +27,7 @@ def fake_checkpoint(root: Path, drafter, step: int, tokens: int) -> Path:
 
 
 @pytest.mark.real
-def test_a_rerun_measures_only_new_or_retrained_checkpoints(tmp_path, smollm2, monkeypatch):
+def test_a_rerun_measures_only_new_or_retrained_checkpoints(bench_results, tmp_path, smollm2, monkeypatch):
     from drafter.factory import fresh_drafter, shape_for_target
     from drafter.vocab_map import build_vocab_map
 
@@ -47,8 +47,6 @@ def test_a_rerun_measures_only_new_or_retrained_checkpoints(tmp_path, smollm2, m
     fake_checkpoint(ckpts, drafter, 10, 1000)
     fake_checkpoint(ckpts, drafter, 20, 2000)
     (ckpts / "step-000030.tmp-x").mkdir()  # a killed save: not a checkpoint
-    results = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(results))
     measured = []
     real = drafter_quality.acceptance
 
@@ -60,7 +58,7 @@ def test_a_rerun_measures_only_new_or_retrained_checkpoints(tmp_path, smollm2, m
     args = argparse.Namespace(config=str(cfg), run_dir=str(run), limit=1)
 
     assert drafter_quality.cmd_curve(args) == 0 and len(measured) == 2
-    first = json.loads(results.read_text())["learning_curve"]
+    first = json.loads(bench_results.read_text())["learning_curve"]
     assert [p["step"] for p in first["points"]] == [10, 20] and first["checkpoints"] == 2
     assert [p["tokens"] for p in first["points"]] == [1000, 2000]
     assert first["points"][0]["holdout"] == {"acc_0": 0.25} and first["points"][1]["holdout"] == {}
@@ -70,6 +68,6 @@ def test_a_rerun_measures_only_new_or_retrained_checkpoints(tmp_path, smollm2, m
     trainer = ckpts / "step-000010" / STATE_DIR / TRAINER_FILE  # and step 10 was trained again
     trainer.write_text(json.dumps({"position": {"step": 10, "tokens_seen": 1001}}))
     assert drafter_quality.cmd_curve(args) == 0 and len(measured) == 4
-    again = json.loads(results.read_text())["learning_curve"]["points"]
+    again = json.loads(bench_results.read_text())["learning_curve"]["points"]
     assert [p["step"] for p in again] == [10, 20, 30] and again[0]["tokens"] == 1001
     assert again[1] == first["points"][1]  # kept, not measured again

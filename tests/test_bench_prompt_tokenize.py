@@ -24,9 +24,7 @@ def chat(i: int) -> list[dict]:
             {"role": "assistant", "content": f"```\n{i}**3 == {i ** 3}\n```"}]
 
 
-def test_follow_ups_equal_whole_tokenization_and_are_recorded(tmp_path, monkeypatch) -> None:
-    results = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(results))
+def test_follow_ups_equal_whole_tokenization_and_are_recorded(bench_results, tmp_path) -> None:
     convs = tmp_path / "conversations.jsonl.gz"
     with gzip.open(convs, "wt") as f:
         f.write(json.dumps({"id": "q", "messages": [{"role": "user", "content": "no answer yet"}]}) + "\n")
@@ -34,7 +32,7 @@ def test_follow_ups_equal_whole_tokenization_and_are_recorded(tmp_path, monkeypa
             f.write(json.dumps({"id": str(i), "messages": chat(i)}) + "\n")
     assert prompt_tokenize.main(["--config", SMOL, "--conversations", str(convs), "--limit", "10",
                                  "--repeats", "1"]) == 0
-    obj = json.loads(results.read_text())["prompt_tokenize"]
+    obj = json.loads(bench_results.read_text())["prompt_tokenize"]
     assert obj["follow_ups"] == obj["equal_ids"] == obj["prompt_shortcuts"] == 10  # the one without an answer: out
     assert obj["whole_ms"] > 0 and obj["shortcut_ms"] > 0 and obj["prompt_shortcut_off"] is None
     assert obj["speedup"] == pytest.approx(obj["whole_ms"] / obj["shortcut_ms"], rel=0.01)

@@ -15,9 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import train_loop  # noqa: E402
 
 
-def test_the_loop_and_the_step_at_the_same_drafter(tmp_path, monkeypatch) -> None:
-    results = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(results))
+def test_the_loop_and_the_step_at_the_same_drafter(bench_results, tmp_path) -> None:
     cfg = make_config(tmp_path, epochs=4, batch_tokens=192, ttt_length=3)  # the store source
     out = tmp_path / "bench"
     make_store(out / "store", n_samples=48, length=24)
@@ -25,7 +23,7 @@ def test_the_loop_and_the_step_at_the_same_drafter(tmp_path, monkeypatch) -> Non
     convs.write_text("")
     assert train_loop.main(["--config", str(cfg), "--conversations", str(convs), "--out", str(out), "--steps", "6",
                             "--skip", "2", "--seq", "48", "--bench-steps", "2", "--bench-warmup", "1"]) == 0
-    obj = json.loads(results.read_text())["train_loop_smollm2"]
+    obj = json.loads(bench_results.read_text())["train_loop_smollm2"]
     log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in log if "tokens_per_s" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6] and not any("holdout/acc_0" in r for r in log)

@@ -17,14 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import train_step_profile  # noqa: E402
 
 
-def test_the_cpu_plumbing_records_its_phases(tmp_path, monkeypatch) -> None:
-    results = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(results))
+def test_the_cpu_plumbing_records_its_phases(bench_results) -> None:
     assert train_step_profile.main(["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
                                     "--profile-steps", "1"]) == 0
     assert train_step_profile.main(["--shape", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
                                     "--profile-steps", "1", "--batch", "2"]) == 0
-    top = json.loads(results.read_text())["train_step_profile"]
+    top = json.loads(bench_results.read_text())["train_step_profile"]
     assert top["device"].startswith("cpu") and top["date"] and set(top) >= {"tiny_b1_eager", "tiny_b2_eager"}
     obj = top["tiny_b1_eager"]  # the first run's entry stays beside the second's
     assert obj["command"] and top["tiny_b2_eager"]["command"] and top["tiny_b2_eager"]["batch"] == 2
@@ -37,9 +35,7 @@ def test_the_cpu_plumbing_records_its_phases(tmp_path, monkeypatch) -> None:
     assert obj["profiled"] is False and obj["kernels"] == 0 and obj["top_kernels"] == []
 
 
-def test_a_real_shape_on_a_cpu_is_a_usage_error(tmp_path, monkeypatch) -> None:
-    results = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(results))
+def test_a_real_shape_on_a_cpu_is_a_usage_error(bench_results, monkeypatch) -> None:
 
     def built(*args, **kwargs):
         raise AssertionError("built a step for a shape a CPU does not run")
@@ -48,4 +44,4 @@ def test_a_real_shape_on_a_cpu_is_a_usage_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(train_step_profile, "profile_step", built)
     with pytest.raises(SystemExit) as e:
         train_step_profile.main(["--shape", "k25", "--device", "cpu"])
-    assert e.value.code == 2 and not results.exists()
+    assert e.value.code == 2 and not bench_results.exists()

@@ -12,12 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import train_throughput  # noqa: E402
 
 
-def test_the_cpu_dry_run_records_its_row(tmp_path, monkeypatch) -> None:
-    results = tmp_path / "results.json"
-    monkeypatch.setenv("BENCH_RESULTS", str(results))
+def test_the_cpu_dry_run_records_its_row(bench_results) -> None:
     assert train_throughput.main(["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
                                   "--seq", "16"]) == 0
-    obj = json.loads(results.read_text())["train_throughput"]
+    obj = json.loads(bench_results.read_text())["train_throughput"]
     assert obj["device"].startswith("cpu") and obj["date"] and obj["command"]
     [row] = obj["runs"]
     assert row["name"] == "tiny" and row["shape"] == train_throughput.SHAPES["tiny"]
