@@ -75,11 +75,8 @@ def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, s
     would run uncompiled (flex's unfused fallback, which materialises scores over the whole pool), as it did in
     this bench's first run. The engine itself compiles one shape per padded batch size over one pool."""
     torch._dynamo.reset()
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # the engine's own compile (target.batched.flex_decode), or the autotuned one in its place for this run
-    batched._compiled_flex = torch.compile(flex_attention, dynamic=False,
-                                           **({"mode": "max-autotune-no-cudagraphs"} if autotune else {}))
+    # the engine's own compile of the decode kernel, or the autotuned one in its place for this run
+    batched.compile_flex_decode("max-autotune-no-cudagraphs" if autotune else None)
     dev = target.device
     pages = rows * -(-(context + 1) // PAGE) + 1
     cache = target.new_paged_cache(rows, pages, max_len=-(-(context + 1) // PAGE) * PAGE, attention="flex")

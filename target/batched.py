@@ -322,14 +322,21 @@ _compiled_flex: Callable[..., Tensor] | None = None
 _compiled_suffix: Callable[..., Tensor] | None = None
 
 
+def compile_flex_decode(mode: str | None = None) -> None:
+    """(Re)build the decode step's compiled flex kernel, in torch.compile's ``mode`` (default: its defaults; a
+    benchmark tries ``max-autotune-no-cudagraphs``)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    _compiled_flex = torch.compile(flex_attention, dynamic=False, mode=mode)
+
+
 def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
     """Compiled flex attention of q (B, kv, G, d) over the pooled k, v (kv, S, d). Static shapes: the engine
     pads its batch to a few sizes (``continuous_batching.decode_rows``), one compile each."""
-    global _compiled_flex
     if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        compile_flex_decode()
+    assert _compiled_flex is not None
     return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
 
 
