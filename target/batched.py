@@ -155,7 +155,8 @@ class PagedKVCache:
 
     def fall_back(self, kind: str, e: BaseException) -> None:
         """Flex kernel ``kind`` failed on its first forward (this torch has no such kernel, or it did not
-        compile): gather instead, for the rest of this cache's life, said once on stderr."""
+        compile), or the suffix kernel met dynamo's recompile limit: gather instead, for the rest of this
+        cache's life, said once on stderr."""
         line = f"gather (flex failed: {exception_line(e)})"
         if kind == "decode":
             self.attention = line
@@ -322,13 +323,40 @@ _compiled_flex: Callable[..., Tensor] | None = None
 _compiled_suffix: Callable[..., Tensor] | None = None
 
 
+def _decode_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
+    """The decode step's flex call, a function of its own: dynamo keeps compiled graphs (and counts them against
+    its recompile limit) per code object, so compiling ``flex_attention`` itself for both kernels made the
+    decode step's batch sizes and the suffixes' shapes share one limit of 8, past which dynamo ran flex
+    uncompiled: a dense (B, heads, T, pool) score matrix, out of memory on the H200."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+
+
+def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float, enable_gqa: bool) -> Tensor:
+    """The suffix prefill's flex call, its own code object (see ``_decode_attention``). Dynamic shapes keep it
+    to at most 6 graphs: batch 1 or more, width 1 or more, one query block or more (dynamo specialises 0 and 1)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
 def compile_flex_decode(mode: str | None = None) -> None:
     """(Re)build the decode step's compiled flex kernel, in torch.compile's ``mode`` (default: its defaults; a
     benchmark tries ``max-autotune-no-cudagraphs``)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     global _compiled_flex
-    _compiled_flex = torch.compile(flex_attention, dynamic=False, mode=mode)
+    _compiled_flex = torch.compile(_decode_attention, dynamic=False, mode=mode)
+
+
+def _no_uncompiled_fallback() -> Any:
+    """Past dynamo's recompile limit, raise rather than run flex uncompiled (whose dense scores do not fit):
+    the engine then gathers suffixes (``PagedKVCache.fall_back``)."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+def is_recompile_limit(e: BaseException) -> bool:
+    """Whether ``e`` is dynamo refusing one more compile (``_no_uncompiled_fallback``)."""
+    return type(e).__name__ == "FailOnRecompileLimitHit"
 
 
 def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
@@ -337,24 +365,24 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
     if _compiled_flex is None:
         compile_flex_decode()
     assert _compiled_flex is not None
-    return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
+    with _no_uncompiled_fallback():
+        return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
 
 
 def flex_suffix(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
     """Flex attention of suffix queries q (B, heads, T, d) over the pooled k, v (kv, S, d), grouped query heads
-    by flex itself. On CUDA compiled with dynamic shapes: every group of suffixes has its own rows and width (a
-    second shape compiles once more, dynamic in both; later ones reuse it). On a CPU uncompiled: inductor's CPU
-    template fails to build this kernel with dynamic shapes (torch 2.13: a C++ compile error), and the mask is
-    exact for every key, so the eager kernel gives the same answer (CPU tests check the mask and tables)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+    by flex itself. On CUDA compiled with dynamic shapes (``_suffix_attention``). On a CPU uncompiled:
+    inductor's CPU template fails to build this kernel with dynamic shapes (torch 2.13: a C++ compile error),
+    and the mask is exact for every key, so the eager kernel gives the same answer (CPU tests check the mask
+    and tables)."""
     global _compiled_suffix
-    run = flex_attention
-    if q.is_cuda:
-        if _compiled_suffix is None:
-            _compiled_suffix = torch.compile(flex_attention, dynamic=True)
-        run = _compiled_suffix
-    return run(q, k[None], v[None], block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[0])
+    gqa = q.shape[1] != k.shape[0]
+    if not q.is_cuda:
+        return _suffix_attention(q, k[None], v[None], block_mask, scale, gqa)
+    if _compiled_suffix is None:
+        _compiled_suffix = torch.compile(_suffix_attention, dynamic=True)
+    with _no_uncompiled_fallback():
+        return _compiled_suffix(q, k[None], v[None], block_mask, scale, gqa)
 
 
 def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, fresh: bool) -> str | None:
@@ -438,13 +466,17 @@ class BatchedTarget:
         logits are wanted; all_logits: every position's. aux: also return the aux layers' outputs.
         """
         kind = flex_kind(cache, rows, ids, fresh)
-        if kind is not None and isinstance(cache, PagedKVCache) and kind not in cache.flex_ran:
+        if kind is not None and isinstance(cache, PagedKVCache):
             try:
                 out = self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at,
                                     all_logits=all_logits, aux=aux)
                 cache.flex_ran.add(kind)
                 return out
             except Exception as e:  # noqa: BLE001 (a kernel that does not build must not stop a regeneration)
+                # A kernel that ran may still meet dynamo's recompile limit on a new suffix shape; the decode
+                # step's few padded shapes cannot, and its CUDA graphs hold the kernel already.
+                if kind in cache.flex_ran and not (kind == "suffix" and is_recompile_limit(e)):
+                    raise
                 cache.fall_back(kind, e)  # rewriting this forward's keys is harmless
         return self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at, all_logits=all_logits,
                              aux=aux)

@@ -259,22 +259,37 @@ def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> 
         assert (outs[i].tokens, outs[i].finish_reason) == plain_greedy(model, p, 12)
 
 
-def test_a_suffix_kernel_that_fails_to_build_gathers_suffixes_and_decode_keeps_flex(monkeypatch, capsys) -> None:
-    """A flex suffix kernel that does not build: suffixes gather from then on (one warning), the decode step keeps
-    flex, and every turn is still greedy's."""
+@pytest.mark.parametrize("failure", ["build", "recompile limit"])
+def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failure: str, monkeypatch, capsys) -> None:
+    """A flex suffix kernel that does not build, or that meets dynamo's recompile limit after it ran (then dynamo
+    would run flex uncompiled, whose dense scores do not fit on a GPU): suffixes gather from then on (one
+    warning), the decode step keeps flex, and every turn is still greedy's."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
     import target.batched as bt
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("no suffix kernel for this torch")
+    layers = tiny().config.num_hidden_layers
+    real, calls = bt.flex_suffix, {"n": 0}
 
-    monkeypatch.setattr(bt, "flex_suffix", broken)
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if failure == "build":
+            raise RuntimeError("no suffix kernel for this torch")
+        if calls["n"] > layers:  # the first suffix forward ran flex in every layer; the next one meets the limit
+            raise FailOnRecompileLimitHit("recompile_limit reached")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bt, "flex_suffix", failing)
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
     stream = Stream(BatchedTarget(model), STOPS, max_len=200, cpu_rows=3, attention="flex")
     seen = converse(stream, prompts(5, 3, 40, seed=8), 2, lambda i: 12)
     s = stream.stats()
     assert s["attention"] == "flex" and s["continued"] == 5 and all_free(stream)
-    assert s["suffix_attention"] == "gather (flex failed: RuntimeError: no suffix kernel for this torch)"
+    assert s["suffix_attention"] == ("gather (flex failed: RuntimeError: no suffix kernel for this torch)"
+                                     if failure == "build" else
+                                     "gather (flex failed: FailOnRecompileLimitHit: recompile_limit reached)")
+    assert calls["n"] > (layers if failure == "recompile limit" else 0)
     assert sum("of suffixes falls back" in line for line in capsys.readouterr().err.splitlines()) == 1
     for prompt, answer in seen.values():
         assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, 12)
