@@ -110,7 +110,8 @@ def engine_line(e: dict[str, Any]) -> str:
                 for k, n in e["steps_by_live_rows"].items() if n}
     return (f"{e['seconds']} s: prefill {e['prefill_s']} s ({e['prefill_tokens']} tokens, "
             f"{e.get('reused_prefix_tokens', 0)} reused; {e.get('prefill_forwards', '?')} forwards, of which "
-            f"{e.get('continue_forwards', '?')} continuations in {e.get('continue_prefill_s', '?')} s), "
+            f"{e.get('continue_forwards', '?')} continuations in {e.get('continue_prefill_s', '?')} s, "
+            f"the first {e.get('continue_first_s', '?')} s), "
             f"decode {e['decode_s']} s over {e['steps']} steps ({e.get('decode_device_s', '?')} s on the device) "
             f"(issuing {e['decode_launch_s']} s, first shapes {e['decode_first_shape_s']} s; "
             f"{e.get('graph_steps', 0)} replayed from CUDA graphs, {e.get('graph_captures', 0)} captures in "

@@ -40,6 +40,7 @@ from common.cli import exception_line
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FLEX_Q_BLOCK = 128  # flex attention's query block (a suffix's queries, in blocks of this many)
 PAGE = 128  # positions per page of a PagedKVCache: flex attention's key block, so a row reads whole pages of its own
 ATTENTION_ENV = "EAGLE3_PAGED_ATTENTION"  # "flex" or "gather": overrides the device's default (benchmarks A/B them)
 
@@ -292,10 +293,10 @@ class PagedKVCache:
         held = (table != 0).sum(1, dtype=torch.int32)
         if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
             table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
-        q_blocks = -(-t // 128)
+        q_blocks = -(-t // FLEX_Q_BLOCK)
         return BlockMask.from_kv_blocks(held.view(b, 1, 1).expand(b, 1, q_blocks).contiguous(),
                                         table.view(b, 1, 1, -1).expand(b, 1, q_blocks, -1).contiguous(),
-                                        BLOCK_SIZE=(128, self.page), mask_mod=self.suffix_mask_mod,
+                                        BLOCK_SIZE=(FLEX_Q_BLOCK, self.page), mask_mod=self.suffix_mask_mod,
                                         seq_lengths=(t, self.k.shape[2]), compute_q_blocks=False)
 
     def block_mask(self, b: int, q_len: int) -> Any:
@@ -310,8 +311,8 @@ class PagedKVCache:
         if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
             table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
         indices = table.reshape(b, 1, 1, -1)
-        shape = {"BLOCK_SIZE": (128, self.page), "mask_mod": self.mask_mod, "seq_lengths": (q_len, self.k.shape[2]),
-                 "compute_q_blocks": False}
+        shape = {"BLOCK_SIZE": (FLEX_Q_BLOCK, self.page), "mask_mod": self.mask_mod,
+                 "seq_lengths": (q_len, self.k.shape[2]), "compute_q_blocks": False}
         if not self.full_blocks:
             return BlockMask.from_kv_blocks((query_page + 1).view(b, 1, 1), indices, **shape)
         own = F.pad(table.gather(1, query_page[:, None].long()), (0, table.shape[1] - 1)).reshape(b, 1, 1, -1)
@@ -335,10 +336,17 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: f
 
 def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float, enable_gqa: bool) -> Tensor:
     """The suffix prefill's flex call, its own code object (see ``_decode_attention``). Dynamic shapes keep it
-    to at most 6 graphs: batch 1 or more, width 1 or more, one query block or more (dynamo specialises 0 and 1)."""
+    to one graph for every suffix the engine pads (``suffix_shape``)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def suffix_shape(rows: int, width: int) -> tuple[int, int]:
+    """The (rows, width) a suffix prefill is padded to: at least 2 rows and more than one query block. Dynamo
+    specialises sizes 0 and 1, so unpadded suffixes fall into 6 shape classes, 6 compiles of several seconds
+    each on an H200 (a B=1 or T=1 or one-block suffix each its own); padded they share one graph."""
+    return max(rows, 2), max(width, FLEX_Q_BLOCK + 1)
 
 
 def compile_flex_decode(mode: str | None = None) -> None:

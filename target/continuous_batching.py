@@ -56,7 +56,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.batching import length_batches
-from target.batched import PAGE, BatchedTarget
+from target.batched import PAGE, BatchedTarget, suffix_shape
 from target.decode_graphs import DecodeGraphs
 from target.loops import check_window, loop_start, may_loop
 
@@ -153,6 +153,7 @@ class _Timing:
     continue_prefill_s: float = 0.0  # of prefill_s: suffixes after a row's cached prefix
     prefill_forwards: int = 0
     continue_forwards: int = 0
+    continue_first_s: float = 0.0  # of continue_prefill_s: the first (under flex on CUDA, the suffix kernel's compile)
     decode_s: float = 0.0
     decode_device_s: float = 0.0  # the decode steps' own seconds on the device (overlapping the host's work)
     decode_launch_s: float = 0.0  # host time issuing the decode forwards
@@ -177,6 +178,7 @@ class _Timing:
         self.prefill_s += seconds
         self.prefill_forwards += 1
         if continued:
+            self.continue_first_s += seconds if not self.continue_forwards else 0.0
             self.continue_prefill_s += seconds
             self.continue_forwards += 1
 
@@ -184,6 +186,7 @@ class _Timing:
         names = [f"<={edge}" for edge in LIVE_ROW_BUCKETS] + [f">{LIVE_ROW_BUCKETS[-1]}"]
         return {"prefill_s": round(self.prefill_s, 2), "continue_prefill_s": round(self.continue_prefill_s, 2),
                 "prefill_forwards": self.prefill_forwards, "continue_forwards": self.continue_forwards,
+                "continue_first_s": round(self.continue_first_s, 2),
                 "decode_s": round(self.decode_s, 2), "decode_device_s": round(self.decode_device_s, 2),
                 "engine_host_s": round(self.poll_s - self.prefill_s - self.decode_s, 2),
                 "caller_s": round(seconds - self.poll_s, 2), "decode_launch_s": round(self.decode_launch_s, 2),
@@ -538,23 +541,31 @@ class Stream:
         each suffix attends over its row's cached prefix. Padding writes only past every row's prompt (its
         positions stop at the furthest prompt end), where nothing is read before it is written again."""
         dev = self.t.device
-        rows = [row for row, _, _ in group]
-        starts = [reuse for _, _, reuse in group]
-        lens = [len(r.prompt) - reuse for _, r, reuse in group]
-        width = max(lens)
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        for j, (_, r, reuse) in enumerate(group):
+        n = len(group)
+        continued = any(reuse for _, _, reuse in group)
+        padded = group
+        if continued and self.cache.suffix_kernel == "flex":  # one compiled shape class (``suffix_shape``)
+            b, width = suffix_shape(n, max(len(r.prompt) - reuse for _, r, reuse in group))
+            padded = group + group[:1] * (b - n)  # a repeated row writes the same keys twice
+        else:
+            width = max(len(r.prompt) - reuse for _, r, reuse in group)
+        starts = [reuse for _, _, reuse in padded]
+        lens = [len(r.prompt) - reuse for _, r, reuse in padded]
+        ids = torch.zeros(len(padded), width, dtype=torch.long)
+        for j, (_, r, reuse) in enumerate(padded):
             ids[j, : lens[j]] = torch.tensor(r.prompt[reuse:])
         end = max(len(r.prompt) for _, r, _ in group)
         positions = (torch.tensor(starts)[:, None] + torch.arange(width)[None]).clamp_(max=end).to(dev)
-        index = torch.tensor(rows, device=dev)
+        index = torch.tensor([row for row, _, _ in padded], device=dev)
         at = torch.tensor(lens, device=dev) - 1
         t0 = time.perf_counter()
-        out = self.t.forward(self.cache, index, ids.to(dev), positions, fresh=not any(starts), logits_at=at)
-        first = self.pick(out.logits)
+        out = self.t.forward(self.cache, index, ids.to(dev), positions, fresh=not continued, logits_at=at)
+        logits = out.logits[:n]
+        first = self.pick(logits)
         self._sync()
-        self.timing.prefill(time.perf_counter() - t0, continued=any(starts))
-        margins = self._margins(out.logits, len(group))
+        self.timing.prefill(time.perf_counter() - t0, continued=continued)
+        margins = self._margins(logits, n)
+        index, starts, lens = index[:n], starts[:n], lens[:n]
         self.pos[index] = torch.tensor([len(r.prompt) for _, r, _ in group], device=dev)
         self.last[index] = first
         self.alive[index] = 1
