@@ -79,6 +79,17 @@ def position_masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sca
     return o.reshape(b, heads, t, d)
 
 
+def to_device(values: Tensor, device: torch.device) -> Tensor:
+    """Host tensor ``values`` on ``device``, queued without waiting. A copy from pageable host memory makes CUDA
+    wait for every kernel already queued on the stream before it starts, so a page-table flush between decode
+    steps stalled the step launched one ahead (``continuous_batching.Stream.step``) until the step before it
+    ended; from pinned memory the copy is queued like a kernel (PyTorch's pinned allocator keeps the buffer
+    until the copy has run)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class KVCache:
     """Keys and values of every layer: (layers, slots, kv_heads, max_len, head_dim), position-indexed."""
@@ -219,7 +230,7 @@ class PagedKVCache:
         self.mask_mod, self.suffix_mask_mod = self._mask_mod(), self._suffix_mask_mod()
 
     def flush(self) -> None:
-        """Copy the page lists that changed to the device tables."""
+        """Copy the page lists that changed to the device tables, queued behind the device's work (``to_device``)."""
         if not (self._dirty or self._freed):
             return
         if self.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -228,7 +239,7 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.flush inside a CUDA graph capture: flush before capturing")
         dev = self.page_table.device
         if self._freed:
-            self.owner[torch.tensor(self._freed, device=dev)] = -1
+            self.owner[to_device(torch.tensor(self._freed), dev)] = -1
             self._freed = []
         rows = sorted(self._dirty)
         self._dirty = set()
@@ -239,11 +250,11 @@ class PagedKVCache:
             held += self.row_pages[r]
             owners += [r] * len(self.row_pages[r])
             logical += range(len(self.row_pages[r]))
-        self.page_table[torch.tensor(rows, device=dev)] = table.to(dev)
+        self.page_table[to_device(torch.tensor(rows), dev)] = to_device(table, dev)
         if held:
-            index = torch.tensor(held, device=dev)
-            self.owner[index] = torch.tensor(owners, dtype=torch.int32, device=dev)
-            self.logical[index] = torch.tensor(logical, dtype=torch.int32, device=dev)
+            index = to_device(torch.tensor(held), dev)
+            self.owner[index] = to_device(torch.tensor(owners, dtype=torch.int32), dev)
+            self.logical[index] = to_device(torch.tensor(logical, dtype=torch.int32), dev)
 
     def addresses(self, rows: Tensor | slice, positions: Tensor) -> Tensor:
         """Where (B, T) ``positions`` of ``rows`` live along the pooled position axis."""

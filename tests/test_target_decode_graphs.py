@@ -240,3 +240,28 @@ def test_a_capture_that_syncs_with_the_host_falls_back_to_eager_cuda(monkeypatch
     first = torch.randn(4, device="cuda")
     torch.cuda.set_rng_state(state)
     assert torch.equal(torch.randn(4, device="cuda"), first)
+
+
+@cuda
+def test_a_page_table_flush_queues_its_copies_without_waiting_on_the_device_cuda() -> None:
+    """Pages given and returned between decode steps reach the device tables without a host sync (a pageable copy
+    waits for the queued step: the one-ahead decode step then stalled on every flush), and land as the host
+    lists say."""
+    cache = PagedKVCache(1, 1, 4, rows=4, pages=16, max_len=512, dtype=torch.float32, device=torch.device("cuda"),
+                         attention="flex")
+    for row, positions in ((0, 300), (1, 130), (2, 5)):
+        assert cache.ensure(row, positions)
+    cache.flush()
+    cache.release(1)
+    assert cache.ensure(3, 200)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cache.flush()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for row in range(4):
+        held = cache.row_pages[row]
+        assert cache.page_table[row, : len(held)].tolist() == held and not cache.page_table[row, len(held):].any()
+        assert cache.owner[held].tolist() == [row] * len(held)
+        assert cache.logical[held].tolist() == list(range(len(held)))
+    assert int((cache.owner >= 0).sum()) == sum(len(p) for p in cache.row_pages)
