@@ -35,7 +35,8 @@ def test_follow_ups_equal_whole_tokenization_and_are_recorded(bench_results, tmp
     obj = json.loads(bench_results.read_text())["prompt_tokenize"]
     assert obj["follow_ups"] == obj["equal_ids"] == obj["prompt_shortcuts"] == 10  # the one without an answer: out
     assert obj["whole_ms"] > 0 and obj["shortcut_ms"] > 0 and obj["prompt_shortcut_off"] is None
-    assert obj["speedup"] == pytest.approx(obj["whole_ms"] / obj["shortcut_ms"], rel=0.01)
+    # (speedup is rounded to 2 decimals: below 1, that alone is more than 1 % of it)
+    assert obj["speedup"] == pytest.approx(obj["whole_ms"] / obj["shortcut_ms"], rel=0.01, abs=0.006)
 
 
 def test_a_line_that_is_no_conversation_names_file_and_line(tmp_path) -> None:
