@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.results import record  # noqa: E402
-from bench.step_clock import StepClock  # noqa: E402
+from common.step_clock import StepClock  # noqa: E402
 from target import batched  # noqa: E402
 from target.batched import PAGE, BatchedTarget  # noqa: E402
 from target.continuous_batching import Stream  # noqa: E402

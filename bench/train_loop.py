@@ -51,11 +51,17 @@ def drafter_shape(cfg: Any) -> DrafterShape:
 
 
 def loop_figures(run_dir: Path, skip: int) -> dict[str, Any]:
-    """The median over the same steps of tokens/s (padded) and of real (unpadded) tokens per step."""
-    seen = [0] + [r["tokens_seen"] for r in step_records(run_dir)]  # a run from step 0: --resume never
+    """The median over the same steps of tokens/s (padded), of real (unpadded) tokens per step, and of the ms a step
+    spent in the target's forward and in the drafter's forward and backward (the log's ``target_ms``,
+    ``drafter_ms``: what the loop pays beside the bench's step, and the step itself)."""
+    records = step_records(run_dir)
+    seen = [0] + [r["tokens_seen"] for r in records]  # a run from step 0: --resume never
     real = [b - a for a, b in pairwise(seen)]
+    kept = records[min(skip, len(records) - 1):]
     return {"loop_tokens_per_s": round(median_tokens_per_s(run_dir, skip), 1), "loop_steps": len(real),
-            "loop_real_tokens_per_step": statistics.median(real[min(skip, len(real) - 1):])}
+            "loop_real_tokens_per_step": statistics.median(real[min(skip, len(real) - 1):]),
+            "loop_target_ms": statistics.median(r["target_ms"] for r in kept),
+            "loop_drafter_ms": statistics.median(r["drafter_ms"] for r in kept)}
 
 
 def measure(base_config: str, conversations: Path, out: Path, steps: int, skip: int, samples: int, seq: int,

@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.results import command_line, record  # noqa: E402
-from bench.step_clock import StepClock  # noqa: E402
 from bench.train_throughput import (  # noqa: E402
     PEAK_TFLOPS,
     SHAPES,
@@ -38,6 +37,7 @@ from bench.train_throughput import (  # noqa: E402
     step_setup,
     update,
 )
+from common.step_clock import StepClock  # noqa: E402
 
 PHASES = ("forward_loss", "backward", "clip_optimizer")
 

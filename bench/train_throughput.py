@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
-from bench.step_clock import StepClock  # noqa: E402
+from common.step_clock import StepClock  # noqa: E402
 from drafter.model import DrafterShape, Eagle3Drafter  # noqa: E402
 from train.module import TTTModel  # noqa: E402
 from train.optim import make_optimizer, trainable  # noqa: E402

@@ -5,6 +5,7 @@ the object says what was compared."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +31,10 @@ def test_the_loop_and_the_step_at_the_same_drafter(bench_results, tmp_path) -> N
     assert obj["loop_steps"] == 6 and obj["loop_tokens_per_s"] > 0 and obj["bench_tokens_per_s"] > 0
     assert obj["loop_real_tokens_per_step"] == 192  # 8 samples of 24 tokens, no padding
     assert obj["ratio"] == round(obj["loop_tokens_per_s"] / obj["bench_tokens_per_s"], 3)
+    # each step's split (the store's batches need no target forward), and its medians over the same steps
+    assert all(r["drafter_ms"] > 0 and 0 <= r["target_ms"] < r["drafter_ms"] for r in steps)
+    assert obj["loop_target_ms"] == statistics.median(r["target_ms"] for r in steps[2:])
+    assert obj["loop_drafter_ms"] == statistics.median(r["drafter_ms"] for r in steps[2:])
     c = obj["compared"]
     assert (c["source"], c["ttt_length"], c["batch_tokens"]) == ("store", 3, 192)
     assert (c["bench_batch"], c["bench_seq"]) == (4, 48)

@@ -55,6 +55,11 @@ def step_losses(root: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
+def step_fields(root: Path, key: str) -> list[float]:
+    recs = [json.loads(line) for line in (root / "train_log.jsonl").read_text().splitlines()]
+    return [r[key] for r in recs if "tokens_per_s" in r]
+
+
 def holdout(root: Path) -> list[dict[str, float]]:
     recs = [json.loads(line) for line in (root / "train_log.jsonl").read_text().splitlines()]
     return [r for r in recs if "holdout/acc_0" in r]
@@ -72,6 +77,10 @@ def test_online_and_store_training_give_the_same_losses(smollm2, tmp_path: Path)
     offline, online = step_losses(tmp_path / "store"), step_losses(tmp_path / "online")
     assert sorted(offline) == sorted(online) == list(range(1, 7))
     assert max(abs(offline[s] - online[s]) for s in offline) <= 1e-5, (offline, online)
+    # the log splits each step: online, the target's forward is real time; from the store, there is none to run
+    stored, live = step_fields(tmp_path / "store", "target_ms"), step_fields(tmp_path / "online", "target_ms")
+    assert len(stored) == len(live) == 6 and min(live) > max(stored)
+    assert min(step_fields(tmp_path / "online", "drafter_ms")) > 0
     a, b = holdout(tmp_path / "store"), holdout(tmp_path / "online")
     assert len(a) == len(b) == 2
     for x, y in zip(a, b, strict=True):

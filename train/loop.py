@@ -29,6 +29,7 @@ from common.cli import StopRequest, one_line_errors, stop_on_sigterm
 from common.config import dump_config, load_config
 from common.files import remove_temps, write_text_atomic
 from common.locking import run_lock
+from common.step_clock import StepClock
 from common.tracking import flat_config, make_trackers
 from common.wheels import MissingWheelError
 from data_prep.dataset import TokenBudgetSampler
@@ -250,6 +251,9 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
     last_eval: dict[str, float] = {}
     counts, t0 = Counts.zeros(n, accelerator.device), time.perf_counter()
     window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
+    # Three marks a micro-batch (before the target's forward, after it, after the drafter's backward): read at the
+    # step's one wait, so the log splits each step without a wait of its own (issue #20: the loop against the bench).
+    clock = StepClock(accelerator.device.type == "cuda")
     # This window's loss and non-finite losses (this process), on the device: the step reads them with everything
     # else it needs from the GPU in one wait (a wait drains the queue the host would otherwise keep ahead of).
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
@@ -266,7 +270,10 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
         batches = sampler.batches()[: run.windows_per_epoch * train_cfg.grad_accum]
         loader = data.loader(train_ds, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
         for k, raw in enumerate(loader, start=state["batch"]):
-            batch = data.complete(to_device(raw, accelerator.device))
+            moved = to_device(raw, accelerator.device)
+            clock.mark()
+            batch = data.complete(moved)
+            clock.mark()
             with accelerator.accumulate(model):
                 res = model(**batch)
                 window_nonfinite += (~torch.isfinite(res.loss.detach())).double()
@@ -277,6 +284,7 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
                 counts.add(res.step_losses, res.correct, res.scored)
                 window_tokens += int(batch["loss_mask"].numel())
                 window_real += int(raw["attention_mask"].sum())
+            clock.mark()
             if not accelerator.sync_gradients:
                 continue
             # The one wait of the step: the window's figures summed over processes, and the gradient norm (the same
@@ -289,6 +297,8 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
                 summed = torch.cat([summed, torch.as_tensor(grad_norm, dtype=torch.float64,
                                                             device=accelerator.device).reshape(1)])
             nonfinite, loss_sum, padded, real, stopping, *rest = summed.tolist()
+            spans = clock.spans_ms()  # (the wait above has run every marked span)
+            clock = StepClock(clock.cuda)
             norm = rest[0] if rest else None  # (a bad window's may be NaN: the log writes None, strict JSON)
             window_bad = nonfinite > 0 or (norm is not None and not math.isfinite(norm))
             if not window_bad:
@@ -304,7 +314,8 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
                       "loss": loss_sum / accelerator.num_processes if not window_bad else None,
                       "lr": scheduler.get_last_lr()[0], "grad_norm": None if window_bad else norm,
                       "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
-                      "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"]}
+                      "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"],
+                      "target_ms": round(sum(spans[0::3]), 2), "drafter_ms": round(sum(spans[1::3]), 2)}
             log.write(record)
             bar.update(1)
             if state["nonfinite_in_row"] >= train_cfg.max_nonfinite_in_row:

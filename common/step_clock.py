@@ -1,4 +1,5 @@
-"""Marks in a step on the device's clock: one home for the benchmarks that time steps or their phases.
+"""Marks in a step on the device's clock: one home for the benchmarks that time steps or their phases, and for the
+training loop's split of its steps (the target's forward, the drafter's).
 
 CUDA events on CUDA (read after one synchronisation, when the spans are asked for), the wall clock elsewhere,
 where the work has finished when a call returns.
