@@ -543,12 +543,10 @@ class Stream:
         dev = self.t.device
         n = len(group)
         continued = any(reuse for _, _, reuse in group)
-        padded = group
+        padded, width = group, max(len(r.prompt) - reuse for _, r, reuse in group)
         if continued and self.cache.suffix_kernel == "flex":  # one compiled shape class (``suffix_shape``)
-            b, width = suffix_shape(n, max(len(r.prompt) - reuse for _, r, reuse in group))
+            b, width = suffix_shape(n, width)
             padded = group + group[:1] * (b - n)  # a repeated row writes the same keys twice
-        else:
-            width = max(len(r.prompt) - reuse for _, r, reuse in group)
         starts = [reuse for _, _, reuse in padded]
         lens = [len(r.prompt) - reuse for _, r, reuse in padded]
         ids = torch.zeros(len(padded), width, dtype=torch.long)
