@@ -131,6 +131,22 @@ def test_left_padded_batch_matches_unpadded(tiny_target: TargetModel) -> None:
     torch.testing.assert_close(out.logits[1, 2:], alone.logits[0], rtol=0, atol=1e-5)
 
 
+def test_right_padded_batches_keep_sdpa_off_cudnn(tiny_target: TargetModel) -> None:
+    """cuDNN's attention builds a plan per new shape (~100 ms on an H200), and online training's padded batches
+    are new shapes step after step: the right-padded forward (capture's, online training's) runs without it."""
+    seen = []
+    hook = tiny_target.layers[0].register_forward_hook(
+        lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        ids = torch.randint(0, 100, (2, 7))
+        out = tiny_target.forward_right_padded(ids, TINY_IDS)
+        tiny_target.forward(ids, TINY_IDS)
+    finally:
+        hook.remove()
+    assert seen == [False, torch.backends.cuda.cudnn_sdp_enabled()]
+    torch.testing.assert_close(out.aux, tiny_target.forward(ids, TINY_IDS).aux, rtol=0, atol=0)
+
+
 def test_hooks_are_removed(tiny_target: TargetModel) -> None:
     before = [len(layer._forward_hooks) for layer in tiny_target.layers]  # transformers keeps its own
     tiny_target.forward(torch.randint(0, 100, (1, 3)), TINY_IDS)
