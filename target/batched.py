@@ -239,7 +239,7 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.flush inside a CUDA graph capture: flush before capturing")
         dev = self.page_table.device
         if self._freed:
-            self.owner[to_device(torch.tensor(self._freed), dev)] = -1
+            self.owner.index_fill_(0, to_device(torch.tensor(self._freed), dev), -1)  # a scalar fill: no host value to copy
             self._freed = []
         rows = sorted(self._dirty)
         self._dirty = set()
