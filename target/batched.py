@@ -239,7 +239,8 @@ class PagedKVCache:
             raise RuntimeError("PagedKVCache.flush inside a CUDA graph capture: flush before capturing")
         dev = self.page_table.device
         if self._freed:
-            self.owner.index_fill_(0, to_device(torch.tensor(self._freed), dev), -1)  # a scalar fill: no host value to copy
+            # a scalar fill: an indexed assignment of -1 copied that value from the host, with a wait
+            self.owner.index_fill_(0, to_device(torch.tensor(self._freed), dev), -1)
             self._freed = []
         rows = sorted(self._dirty)
         self._dirty = set()
