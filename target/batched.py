@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from common.cli import exception_line
+from common.queued_copy import queued_to_device
 
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
@@ -77,17 +78,6 @@ def position_masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sca
     kv = k.shape[1]
     o = F.scaled_dot_product_attention(q.reshape(b, kv, heads // kv * t, d), k, v, attn_mask=mask, scale=scale)
     return o.reshape(b, heads, t, d)
-
-
-def to_device(values: Tensor, device: torch.device) -> Tensor:
-    """Host tensor ``values`` on ``device``, queued without waiting. A copy from pageable host memory makes CUDA
-    wait for every kernel already queued on the stream before it starts, so a page-table flush between decode
-    steps stalled the step launched one ahead (``continuous_batching.Stream.step``) until the step before it
-    ended; from pinned memory the copy is queued like a kernel (PyTorch's pinned allocator keeps the buffer
-    until the copy has run)."""
-    if device.type != "cuda":
-        return values.to(device)
-    return values.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -230,7 +220,8 @@ class PagedKVCache:
         self.mask_mod, self.suffix_mask_mod = self._mask_mod(), self._suffix_mask_mod()
 
     def flush(self) -> None:
-        """Copy the page lists that changed to the device tables, queued behind the device's work (``to_device``)."""
+        """Copy the page lists that changed to the device tables, queued behind the device's work
+        (``common.queued_copy``)."""
         if not (self._dirty or self._freed):
             return
         if self.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -240,7 +231,7 @@ class PagedKVCache:
         dev = self.page_table.device
         if self._freed:
             # a scalar fill: an indexed assignment of -1 copied that value from the host, with a wait
-            self.owner.index_fill_(0, to_device(torch.tensor(self._freed), dev), -1)
+            self.owner.index_fill_(0, queued_to_device(torch.tensor(self._freed), dev), -1)
             self._freed = []
         rows = sorted(self._dirty)
         self._dirty = set()
@@ -251,11 +242,11 @@ class PagedKVCache:
             held += self.row_pages[r]
             owners += [r] * len(self.row_pages[r])
             logical += range(len(self.row_pages[r]))
-        self.page_table[to_device(torch.tensor(rows), dev)] = to_device(table, dev)
+        self.page_table[queued_to_device(torch.tensor(rows), dev)] = queued_to_device(table, dev)
         if held:
-            index = to_device(torch.tensor(held), dev)
-            self.owner[index] = to_device(torch.tensor(owners, dtype=torch.int32), dev)
-            self.logical[index] = to_device(torch.tensor(logical, dtype=torch.int32), dev)
+            index = queued_to_device(torch.tensor(held), dev)
+            self.owner[index] = queued_to_device(torch.tensor(owners, dtype=torch.int32), dev)
+            self.logical[index] = queued_to_device(torch.tensor(logical, dtype=torch.int32), dev)
 
     def addresses(self, rows: Tensor | slice, positions: Tensor) -> Tensor:
         """Where (B, T) ``positions`` of ``rows`` live along the pooled position axis."""

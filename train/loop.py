@@ -29,6 +29,7 @@ from common.cli import StopRequest, one_line_errors, stop_on_sigterm
 from common.config import dump_config, load_config
 from common.files import remove_temps, write_text_atomic
 from common.locking import run_lock
+from common.queued_copy import queued_to_device
 from common.step_clock import StepClock
 from common.tracking import flat_config, make_trackers
 from common.wheels import MissingWheelError
@@ -38,6 +39,7 @@ from train.build import build_drafter, scale_aux_inputs, teacher_rows
 from train.data import TrainingData, to_device, training_data
 from train.module import TTTModel
 from train.optim import make_optimizer, make_scheduler, trainable
+from train.target_ahead import TargetAhead
 from train.ttt_metrics import Counts
 
 
@@ -251,7 +253,7 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
     last_eval: dict[str, float] = {}
     counts, t0 = Counts.zeros(n, accelerator.device), time.perf_counter()
     window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
-    # Three marks a micro-batch (before the target's forward, after it, after the drafter's backward): read at the
+    # Four marks a micro-batch (around the target's forward, around the drafter's forward and backward): read at the
     # step's one wait, so the log splits each step without a wait of its own (issue #20: the loop against the bench).
     clock = StepClock(accelerator.device.type == "cuda")
     # This window's loss and non-finite losses (this process), on the device: the step reads them with everything
@@ -269,11 +271,10 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
         sampler.set_epoch(state["epoch"])
         batches = sampler.batches()[: run.windows_per_epoch * train_cfg.grad_accum]
         loader = data.loader(train_ds, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
-        for k, raw in enumerate(loader, start=state["batch"]):
-            moved = to_device(raw, accelerator.device)
-            clock.mark()
-            batch = data.complete(moved)
-            clock.mark()
+        micro_batches = TargetAhead(loader, data.complete, accelerator.device, start=state["batch"])
+        while (item := micro_batches.take(clock)) is not None:
+            k, raw, batch = item
+            clock.mark()  # (the previous step's optimizer may run between the target's forward and here)
             with accelerator.accumulate(model):
                 res = model(**batch)
                 window_nonfinite += (~torch.isfinite(res.loss.detach())).double()
@@ -292,13 +293,22 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
             grad_norm = accelerator.clip_grad_norm_(trainable(model), train_cfg.max_grad_norm)
             host = torch.tensor([window_tokens, window_real, float(bool(stop))], dtype=torch.float64)
             summed = accelerator.reduce(torch.cat([torch.stack([window_nonfinite, window_loss]),
-                                                   host.to(accelerator.device, non_blocking=True)]), reduction="sum")
+                                                   queued_to_device(host, accelerator.device)]), reduction="sum")
             if grad_norm is not None:
                 summed = torch.cat([summed, torch.as_tensor(grad_norm, dtype=torch.float64,
                                                             device=accelerator.device).reshape(1)])
-            nonfinite, loss_sum, padded, real, stopping, *rest = summed.tolist()
+            figures = summed.to("cpu", non_blocking=True)
+            landed = torch.cuda.Event() if clock.cuda else None
+            if landed is not None:
+                landed.record()
+            next_clock = StepClock(clock.cuda)
+            if state["step"] + 1 < total_steps:  # the next micro-batch's target runs while the host waits and steps
+                micro_batches.queue(next_clock)
+            if landed is not None:
+                landed.synchronize()
+            nonfinite, loss_sum, padded, real, stopping, *rest = figures.tolist()
             spans = clock.spans_ms()  # (the wait above has run every marked span)
-            clock = StepClock(clock.cuda)
+            clock = next_clock
             norm = rest[0] if rest else None  # (a bad window's may be NaN: the log writes None, strict JSON)
             window_bad = nonfinite > 0 or (norm is not None and not math.isfinite(norm))
             if not window_bad:
@@ -315,7 +325,7 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
                       "lr": scheduler.get_last_lr()[0], "grad_norm": None if window_bad else norm,
                       "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
                       "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"],
-                      "target_ms": round(sum(spans[0::3]), 2), "drafter_ms": round(sum(spans[1::3]), 2)}
+                      "target_ms": round(sum(spans[0::4]), 2), "drafter_ms": round(sum(spans[2::4]), 2)}
             log.write(record)
             bar.update(1)
             if state["nonfinite_in_row"] >= train_cfg.max_nonfinite_in_row:

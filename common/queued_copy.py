@@ -1,0 +1,20 @@
+"""Host-to-device copies that queue like kernels: the one home for every copy issued while the device is busy.
+
+A copy from pageable host memory makes CUDA wait for every kernel already queued on the stream before it starts,
+so the host stalls until the device has drained its queue. The stream's page-table flush between decode steps
+stalled the step launched one ahead that way (``target.continuous_batching``), and so did the training step's
+figures on their way to the reduction (``train.loop``). From pinned memory the copy is queued like a kernel
+(PyTorch's pinned allocator keeps the buffer until the copy has run).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def queued_to_device(values: Tensor, device: torch.device) -> Tensor:
+    """Host tensor ``values`` on ``device``, queued without waiting (a plain copy off CUDA)."""
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
