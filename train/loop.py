@@ -29,7 +29,7 @@ from common.cli import StopRequest, one_line_errors, stop_on_sigterm
 from common.config import dump_config, load_config
 from common.files import remove_temps, write_text_atomic
 from common.locking import run_lock
-from common.queued_copy import queued_to_device
+from common.queued_copy import queued_to_device, queued_to_host
 from common.step_clock import StepClock
 from common.tracking import flat_config, make_trackers
 from common.wheels import MissingWheelError
@@ -297,7 +297,7 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
             if grad_norm is not None:
                 summed = torch.cat([summed, torch.as_tensor(grad_norm, dtype=torch.float64,
                                                             device=accelerator.device).reshape(1)])
-            figures = summed.to("cpu", non_blocking=True)
+            figures = queued_to_host(summed)
             landed = torch.cuda.Event() if clock.cuda else None
             if landed is not None:
                 landed.record()
