@@ -12,7 +12,7 @@ tokens, eager as the loop runs it, synthetic inputs: bench_tokens_per_s. ratio =
 0.85): what the loop costs beyond the step.
 
 What stays in the loop's figure and not in the bench's: the online target forward for every batch (none from a
-store), data loading and collation, variable-length batches padded to a multiple of 128 (most hold fewer tokens
+store), data loading and collation, variable-length batches padded to a multiple of 16 (most hold fewer tokens
 than batch_tokens: loop_real_tokens_per_step), the non-finite checks, logging's reductions and the LR schedule.
 The loop runs first, so this process holds no GPU memory while it does.
 """

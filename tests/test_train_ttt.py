@@ -216,9 +216,11 @@ def test_flex_attention_gradients_match_reference_cuda():
         torch.testing.assert_close(grads[1][1][n], gr, rtol=1e-3, atol=1e-5, msg=n)
 
 
-# Token-budget batches (train.batch_tokens over lengths rounded up to 128 on CUDA) as the sampler makes them:
-# many rows of short samples, a few of long ones, a lone long one, one 128-token block.
-BATCH_SHAPES = [(2, 256), (3, 384), (5, 512), (2, 1024), (7, 256), (6, 640), (16, 384), (1, 768), (4, 128)]
+# Token-budget batches (train.batch_tokens over lengths rounded up to 16 on CUDA) as the sampler makes them:
+# many rows of short samples, a few of long ones, a lone long one, one 128-token block, lengths that fill a
+# flex block and lengths that end inside one.
+BATCH_SHAPES = [(2, 272), (3, 384), (5, 528), (2, 1040), (7, 256), (6, 656), (16, 400), (1, 784), (4, 128),
+                (9, 208), (4, 144)]
 
 
 def _graphs() -> int:
@@ -244,6 +246,31 @@ def test_compiled_flex_serves_every_batch_shape_with_a_few_graphs():
     for (q, k, v, mask), w in zip(batches, want, strict=True):
         torch.testing.assert_close(compiled(q, k, v, block_mask=mask, enable_gqa=True), w, rtol=1e-4, atol=1e-5)
     assert _graphs() - before <= 4 < torch._dynamo.config.recompile_limit
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention backward needs CUDA")
+def test_compiled_flex_takes_lengths_of_any_multiple_of_16_cuda():
+    """The loop rounds batch lengths to 16 on CUDA (``train.loop.pad_multiple``): the compiled kernel, forward with
+    its log-sum-exp merge and backward, equals the materialised reference at lengths that end inside a flex block,
+    and the shapes share a few graphs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    compiled = 0
+    for b, t in BATCH_SHAPES:
+        q = torch.randn(b, 4, t, 16, device="cuda", generator=g, requires_grad=True)
+        k = torch.randn(b, 2, 2 * t, 16, device="cuda", generator=g, requires_grad=True)
+        v = torch.randn(b, 2, 2 * t, 16, device="cuda", generator=g, requires_grad=True)
+        grads = []
+        # step 0's causal keys, then the step's own keys on the diagonal (the pattern ttt_flex_attention serves)
+        mask = torch.cat([causal_mask(t, 0, device="cuda"), torch.eye(t, dtype=torch.bool, device="cuda")[None, None]],
+                         -1)
+        for fn in (attention, ttt_flex_attention):
+            before = _graphs()
+            out = fn(q, k, v, mask if fn is attention else None)
+            compiled += _graphs() - before if fn is ttt_flex_attention else 0
+            grads.append((out, *torch.autograd.grad(out.square().sum(), (q, k, v))))
+        for fast, ref in zip(grads[1], grads[0], strict=True):
+            torch.testing.assert_close(fast, ref, rtol=1e-3, atol=2e-4, msg=f"{b} x {t}")
+    assert compiled <= 4
 
 
 def test_the_ttt_step_compiles_its_soft_ce_a_few_times_for_every_batch_shape(mapped, monkeypatch):

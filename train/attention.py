@@ -31,7 +31,7 @@ def _flex():
     """flex_attention is only fast compiled; CPU runs it eagerly (forward only, for tests).
 
     Compiled with dynamic shapes: token-budget batches vary in rows (4 of 4,096 tokens, 168 of 97) and in
-    length (multiples of 128), and a static compile per shape hit torch's recompile limit (8) within a few
+    length (multiples of 16), and a static compile per shape hit torch's recompile limit (8) within a few
     dozen steps, after which flex ran unfused. Dynamic, one graph serves every batch of 2+ rows and 256+
     positions; a batch of one row, or of one 128-token block, takes one more each (size-1 dims specialise),
     so a run compiles at most a handful (tests/test_train_ttt.py counts them)."""
@@ -45,7 +45,7 @@ def _causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-@lru_cache(maxsize=64)  # a batch's length is a multiple of 128 (train.loop.pad_multiple): 64 covers 8k positions
+@lru_cache(maxsize=256)  # a batch's length is a multiple of 16 (train.loop.pad_multiple): 256 cover 4k positions
 def causal_block_mask(t: int, device: str) -> BlockMask:
     return create_block_mask(_causal, None, None, t, t, device=device)
 

@@ -83,9 +83,10 @@ class JsonlLog:
 
 
 def pad_multiple(device: torch.device) -> int:
-    """Compiled flex_attention recompiles per sequence length (then falls back to an unfused kernel after
-    torch's recompile limit): on CUDA, round batch lengths up so they repeat. CPU needs no rounding."""
-    return 128 if device.type == "cuda" else 1
+    """On CUDA batch lengths round up to a multiple of 16 (tensor-core friendly; the compiled kernels take every
+    length in a few graphs: ``train.attention._flex``). Rounding to 128, one flex block, padded a loop's batch to
+    1.12x its real tokens against 1.05x (2,000 ShareGPT conversations, 16,384-token budget). CPU needs none."""
+    return 16 if device.type == "cuda" else 1
 
 
 def holdout_metrics(accelerator: Accelerator, model: torch.nn.Module, data: TrainingData,
