@@ -6,6 +6,12 @@ then ran at the pace of its host-side launches (HF's eager forward costs about a
 Queued before the wait, it runs on the device while the host waits and steps, and its launches hide behind the
 drafter's backward still running (issue #20: the loop against the bench). The batch it completes is the same one,
 so losses, resume points and the data order do not change.
+
+On CUDA the forward runs on a stream of its own, so its kernels (small at a drafter's batch: the target's norms,
+rotary and activations are a few tens of microseconds each) share the device with the drafter's backward and the
+optimizer instead of queueing behind them. The drafter's stream waits for the forward's event before it reads the
+batch, and each tensor handed over is marked as used there (``record_stream``) so that its memory is not reused by
+the forward's stream while the drafter still reads it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from common.step_clock import StepClock
 from train.data import to_device
 
 Completed = tuple[int, dict[str, Any], dict[str, Tensor]]  # (batch index, the loader's batch, the model's inputs)
+_Queued = tuple[int, dict[str, Any], dict[str, Tensor], torch.cuda.Event | None]  # ... and when it is ready (CUDA)
 
 
 class TargetAhead:
@@ -30,7 +37,8 @@ class TargetAhead:
                  device: torch.device, start: int):
         self._batches = enumerate(loader, start=start)
         self._complete, self._device = complete, device
-        self._queued: Completed | None = None
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._queued: _Queued | None = None
         self._exhausted = False
 
     def queue(self, clock: StepClock) -> None:
@@ -41,14 +49,33 @@ class TargetAhead:
             self._exhausted = True
             return
         k, raw = item
+        if self._side is None:
+            self._queued = (k, raw, self._completed(raw, clock), None)
+            return
+        with torch.cuda.stream(self._side):  # the copies in (from pinned memory) and the forward, on the side stream
+            batch = self._completed(raw, clock)
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queued = (k, raw, batch, ready)
+
+    def take(self, clock: StepClock) -> Completed | None:
+        """None when the loader is done. On CUDA the current stream waits for the batch from here on."""
+        self.queue(clock)
+        queued, self._queued = self._queued, None
+        if queued is None:
+            return None
+        k, raw, batch, ready = queued
+        if ready is not None:
+            here = torch.cuda.current_stream(self._device)
+            here.wait_event(ready)
+            for t in batch.values():
+                if isinstance(t, Tensor) and t.is_cuda:
+                    t.record_stream(here)
+        return k, raw, batch
+
+    def _completed(self, raw: dict[str, Any], clock: StepClock) -> dict[str, Tensor]:
         moved = to_device(raw, self._device)
         clock.mark()
         batch = self._complete(moved)
         clock.mark()
-        self._queued = (k, raw, batch)
-
-    def take(self, clock: StepClock) -> Completed | None:
-        """None when the loader is done."""
-        self.queue(clock)
-        out, self._queued = self._queued, None
-        return out
+        return batch
