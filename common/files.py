@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -88,9 +89,38 @@ def append_jsonl(f: IO[bytes], record: dict[str, Any], sort_keys: bool = False) 
     """Append ``record`` as one whole line and put it on disk before returning (``f`` is opened "ab"):
     a kill leaves at most a torn last line, which readers drop, never a lost or half-written record
     before it."""
+    _append_line(f, record, sort_keys)
+    os.fsync(f.fileno())
+
+
+class JsonlAppender:
+    """Whole JSONL lines appended to ``f`` (opened "ab") for a stream of many records: each is flushed at once, so a
+    killed process loses none and leaves at most a torn last line (the page cache outlives the process); the file
+    is fsynced at most every ``sync_every_s`` seconds and at ``sync()``, so a machine that dies loses at most that
+    window's records, which a resumed run redoes. An fsync per record (``append_jsonl``) cost regeneration ~0.5 ms
+    a conversation, on the thread that feeds the GPU."""
+
+    def __init__(self, f: IO[bytes], sync_every_s: float = 1.0, clock: Any = time.monotonic):
+        self.f, self.every, self.clock = f, sync_every_s, clock
+        self.last_sync = clock()
+        self.unsynced = 0
+
+    def append(self, record: dict[str, Any], sort_keys: bool = False) -> None:
+        _append_line(self.f, record, sort_keys)
+        self.unsynced += 1
+        if self.clock() - self.last_sync >= self.every:
+            self.sync()
+
+    def sync(self) -> None:
+        if self.unsynced:
+            os.fsync(self.f.fileno())
+            self.unsynced = 0
+        self.last_sync = self.clock()
+
+
+def _append_line(f: IO[bytes], record: dict[str, Any], sort_keys: bool) -> None:
     f.write(json_line(record, sort_keys).encode("utf-8"))
     f.flush()
-    os.fsync(f.fileno())
 
 
 def fresh_tmp_dir(dst: Path) -> Path:

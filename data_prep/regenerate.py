@@ -2,8 +2,9 @@
 
 Turn by turn: the chat is system? + user1 -> answer1, then + answer1 + user2 -> answer2, ..., each
 answer the target's (the source's answers are dropped). Each finished conversation is appended to
-``conversations.jsonl`` as one whole line, flushed and fsynced, so after a kill -9 a rerun drops a
-torn last line, skips the ids already there and ends with every id exactly once.
+``conversations.jsonl`` as one whole line, flushed at once (fsynced at least every second and at the end:
+``common.files.JsonlAppender``), so after a kill -9 a rerun drops a torn last line, skips the ids already there
+and ends with every id exactly once.
 
 The hf backend runs one stream over all pending conversations (``_stream``): a request is a conversation's
 next turn, submitted to the running engine as soon as its previous answer ends, and a conversation is
@@ -37,7 +38,7 @@ from tqdm import tqdm
 
 from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
-from common.files import append_jsonl, cut_torn_tail
+from common.files import JsonlAppender, cut_torn_tail
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 from data_prep.step_failed import StepFailed
 
@@ -329,8 +330,8 @@ class _Tally:
     when ``regenerate.max_consecutive_failures`` in a row means stopping. A failure in ``PROMPT_VERDICTS``
     is counted but leaves the run of failures in a row as it was (neither adds to it nor ends it)."""
 
-    def __init__(self, summary: RegenerateSummary, f: Any, limit: int, bar: tqdm):
-        self.summary, self.f, self.limit, self.bar = summary, f, limit, bar
+    def __init__(self, summary: RegenerateSummary, out: JsonlAppender, limit: int, bar: tqdm):
+        self.summary, self.out, self.limit, self.bar = summary, out, limit, bar
         self.in_a_row = 0
 
     def settle(self, conv: Conversation) -> None:
@@ -341,7 +342,7 @@ class _Tally:
             if conv.error not in PROMPT_VERDICTS:
                 self.in_a_row += 1
         else:
-            append_jsonl(self.f, conv.record(s.backend))
+            self.out.append(conv.record(s.backend))
             s.written += 1
             self.in_a_row = 0
             s.tool_calls_diverged += conv.diverged
@@ -433,11 +434,15 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
     limit = cfg.regenerate.max_consecutive_failures
     with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
                                          unit=" conv") as bar:
-        tally = _Tally(summary, f, limit, bar)
-        if streaming and pending:
-            summary.engine = _stream(pending, backend, tally)
-        else:
-            _rounds(pending, backend, tally)
+        out = JsonlAppender(f)
+        tally = _Tally(summary, out, limit, bar)
+        try:
+            if streaming and pending:
+                summary.engine = _stream(pending, backend, tally)
+            else:
+                _rounds(pending, backend, tally)
+        finally:
+            out.sync()
         if tally.stop:
             summary.stopped = (f"{tally.in_a_row} prompts in a row failed (regenerate.max_consecutive_failures="
                                f"{limit}); {len(pending) - summary.tried} not tried")
