@@ -146,7 +146,7 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     gpu-tests)  # the tests that skip without CUDA (decode graphs = eager = generate; flex backward), tiny models
       phase gpu-tests python3 -m pytest -q -p no:cacheprovider -m "not real and not server" -rs \
         tests/test_target_decode_graphs.py tests/test_target_continuous_batching.py tests/test_train_ttt.py \
-        tests/test_common_queued_copy.py tests/test_train_target_ahead.py ;;
+        tests/test_common_queued_copy.py tests/test_train_target_ahead.py tests/test_target_compiled_layers.py ;;
     stop-check)  # the deadline's SIGTERM saves the step the trainer is on; the rerun resumes from it
       phase stop-check bash -c "rm -rf runs/stop-check && mkdir -p runs/stop-check && \
         ln -s ../smollm2-h200/conversations.jsonl runs/stop-check/conversations.jsonl && \

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from common.cli import exception_line
 from common.queued_copy import queued_to_device
+from target.compile_guard import is_recompile_limit, no_uncompiled_fallback
 
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
@@ -359,24 +360,13 @@ def compile_flex_decode(mode: str | None = None) -> None:
     _compiled_flex = torch.compile(_decode_attention, dynamic=False, mode=mode)
 
 
-def _no_uncompiled_fallback() -> Any:
-    """Past dynamo's recompile limit, raise rather than run flex uncompiled (whose dense scores do not fit):
-    the engine then gathers suffixes (``PagedKVCache.fall_back``)."""
-    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
-
-
-def is_recompile_limit(e: BaseException) -> bool:
-    """Whether ``e`` is dynamo refusing one more compile (``_no_uncompiled_fallback``)."""
-    return type(e).__name__ == "FailOnRecompileLimitHit"
-
-
 def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
     """Compiled flex attention of q (B, kv, G, d) over the pooled k, v (kv, S, d). Static shapes: the engine
     pads its batch to a few sizes (``continuous_batching.decode_rows``), one compile each."""
     if _compiled_flex is None:
         compile_flex_decode()
     assert _compiled_flex is not None
-    with _no_uncompiled_fallback():
+    with no_uncompiled_fallback():
         return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
 
 
@@ -392,7 +382,7 @@ def flex_suffix(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
         return _suffix_attention(q, k[None], v[None], block_mask, scale, gqa)
     if _compiled_suffix is None:
         _compiled_suffix = torch.compile(_suffix_attention, dynamic=True)
-    with _no_uncompiled_fallback():
+    with no_uncompiled_fallback():
         return _compiled_suffix(q, k[None], v[None], block_mask, scale, gqa)
 
 
