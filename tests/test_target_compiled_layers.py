@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_target import tiny_target_model
 
 from target.compiled_layers import CompiledLayers
 from target.hf_model import TargetModel
@@ -15,11 +15,7 @@ IDS = (0, 2, 4)
 
 @pytest.fixture
 def tiny_target() -> TargetModel:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=256,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    return TargetModel(LlamaForCausalLM(cfg), tokenizer=None, name="tiny", source_dir=None)
+    return tiny_target_model()
 
 
 def _graphs() -> int:

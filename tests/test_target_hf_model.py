@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_target import tiny_target_model
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from drafter.factory import DrafterMismatchError, drafter_aux_ids, fresh_drafter, load_for_target, shape_for_target
@@ -22,11 +23,7 @@ TINY_IDS = (0, 2, 4)
 
 @pytest.fixture(scope="module")
 def tiny_target() -> TargetModel:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=128,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    return TargetModel(LlamaForCausalLM(cfg), tokenizer=None, name="tiny", source_dir=None)
+    return tiny_target_model()
 
 
 def one_line(e: pytest.ExceptionInfo, *fields: str) -> str:
