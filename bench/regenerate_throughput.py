@@ -115,7 +115,8 @@ def engine_line(e: dict[str, Any]) -> str:
             f"decode {e['decode_s']} s over {e['steps']} steps ({e.get('decode_device_s', '?')} s on the device) "
             f"(issuing {e['decode_launch_s']} s, first shapes {e['decode_first_shape_s']} s; "
             f"{e.get('graph_steps', 0)} replayed from CUDA graphs, {e.get('graph_captures', 0)} captures in "
-            f"{e.get('graph_capture_s', 0)} s{failed}), engine host {e['engine_host_s']} s, caller {e['caller_s']} s; "
+            f"{e.get('graph_capture_s', 0)} s{failed}), engine host {e['engine_host_s']} s "
+            f"{e.get('engine_host_s_by_phase', '')}, caller {e['caller_s']} s {e.get('caller_s_by_part', '')}; "
             f"steps by live rows {per_step}")
 
 

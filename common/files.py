@@ -104,12 +104,15 @@ class JsonlAppender:
         self.f, self.every, self.clock = f, sync_every_s, clock
         self.last_sync = clock()
         self.unsynced = 0
+        self.seconds = 0.0  # spent appending and syncing (what the writer's thread waited)
 
     def append(self, record: dict[str, Any], sort_keys: bool = False) -> None:
+        start = time.perf_counter()
         _append_line(self.f, record, sort_keys)
         self.unsynced += 1
         if self.clock() - self.last_sync >= self.every:
             self.sync()
+        self.seconds += time.perf_counter() - start
 
     def sync(self) -> None:
         if self.unsynced:

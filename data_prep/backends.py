@@ -145,6 +145,8 @@ class HFChatStream:
         self.prompts = PromptTokenizer(backend.tok)
         self.sent: dict[Hashable, tuple[str, list[int]]] = {}  # in the engine: the prompt's text and ids
         self.answered: dict[Hashable, tuple[str, list[int]]] = {}  # answered by the last poll: the same
+        # Of the engine's caller_s (the host outside its polls): chat templates, tokenizing, detokenizing.
+        self.caller = {"render_s": 0.0, "tokenize_s": 0.0, "detokenize_s": 0.0}
 
     @property
     def rows(self) -> int:
@@ -160,10 +162,14 @@ class HFChatStream:
         """Queue (key, chat, tools) items; rendered and tokenized together. A conversation's turns share its
         key, so a chat submitted under the key of an answer just handed out continues in that answer's row:
         the engine prefills only what follows the ids it holds (``Stream.submit``'s ``continue_from``)."""
+        t0 = time.perf_counter()
         texts = [prompt_text(self.b.tok, chat, self.b.template_kwargs, tools or None) for _, chat, tools in items]
         if not texts:
             return
+        t1 = time.perf_counter()
         ids = self.prompts.encode(texts, [self.answered.pop(key, None) for key, _, _ in items])
+        self.caller["render_s"] += t1 - t0
+        self.caller["tokenize_s"] += time.perf_counter() - t1
         for (key, _, _), text, x in zip(items, texts, ids, strict=True):
             budget = min(self.b.cfg.max_tokens, self.max_len - len(x))
             if budget > 0:
@@ -182,15 +188,18 @@ class HFChatStream:
             for key, g in self.engine.poll():
                 if key in self.sent:
                     self.answered[key] = self.sent.pop(key)
-                yield key, Completion(text=self.b.tok.decode(g.tokens, skip_special_tokens=True),
-                                      finish_reason=g.finish_reason, tokens=len(g.tokens),
+                t0 = time.perf_counter()
+                text = self.b.tok.decode(g.tokens, skip_special_tokens=True)
+                self.caller["detokenize_s"] += time.perf_counter() - t0
+                yield key, Completion(text=text, finish_reason=g.finish_reason, tokens=len(g.tokens),
                                       loop_tokens=(g.generated, len(g.tokens)) if g.finish_reason == "loop" else None)
 
     def tokens_per_s(self) -> float:
         return self.engine.tokens_per_s()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), **self.prompts.stats()}
+        return {**self.engine.stats(), **self.prompts.stats(),
+                "caller_s_by_part": {k: round(v, 2) for k, v in self.caller.items()}}
 
 
 def chat_url(base: str) -> str:

@@ -408,7 +408,10 @@ def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally) -> dict[
         open_more()
         if n % 64 == 0:
             tally.bar.set_postfix(tok_s=round(stream.tokens_per_s()), open=len(open_), refresh=False)
-    return stream.stats()
+    stats = stream.stats()
+    if "caller_s_by_part" in stats:
+        stats["caller_s_by_part"]["write_s"] = round(tally.out.seconds, 2)
+    return stats
 
 
 def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend,

@@ -47,7 +47,7 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ CONTINUE_WAIT = 8
 CONTINUE_BYTES = 1 << 30
 CPU_CONTINUE_BYTES = 1 << 26
 LIVE_ROW_BUCKETS = (8, 64, 512)  # stats: decode steps by live rows, <= each and above the last
+HOST_PHASES = ("release", "continue", "admit", "compact", "pages", "tokens")  # stats: engine_host_s_by_phase
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ class _Timing:
     decode_launch_s: float = 0.0  # host time issuing the decode forwards
     decode_first_shape_s: float = 0.0  # flex: the first decode step at each padded batch size (its compile)
     poll_s: float = 0.0
+    # The engine's host seconds by phase, prefill forwards left out: freeing the rows nobody continued, claiming
+    # continuations, admitting, compacting, pages for the next step, taking a step's tokens into the rows.
+    host_phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0.0))
     live_steps: list[int] = field(default_factory=lambda: [0] * (len(LIVE_ROW_BUCKETS) + 1))
     live_decode_s: list[float] = field(default_factory=lambda: [0.0] * (len(LIVE_ROW_BUCKETS) + 1))
 
@@ -191,6 +195,7 @@ class _Timing:
                 "engine_host_s": round(self.poll_s - self.prefill_s - self.decode_s, 2),
                 "caller_s": round(seconds - self.poll_s, 2), "decode_launch_s": round(self.decode_launch_s, 2),
                 "decode_first_shape_s": round(self.decode_first_shape_s, 2),
+                "engine_host_s_by_phase": {k: round(v, 2) for k, v in self.host_phases.items()},
                 "steps_by_live_rows": dict(zip(names, self.live_steps, strict=True)),
                 "decode_s_by_live_rows": {n: round(x, 2) for n, x in zip(names, self.live_decode_s, strict=True)}}
 
@@ -398,9 +403,10 @@ class Stream:
         for row, _ in self.parked.values():
             self._release_row(row)
         self.parked.clear()
-        self._continue()
+        self._timed("release", start)
+        self._timed("continue", time.perf_counter(), self._continue)
         if self.queue and (len(self.free) >= self.refill_at or self.live == 0):
-            self._admit()
+            self._timed("admit", time.perf_counter(), self._admit)
         if self.live == 0:
             self._read_launched()  # a step launched before its rows ended: nothing of it is kept
             if self.queue and not self._admissible(self.queue[0]):
@@ -409,12 +415,19 @@ class Stream:
         else:
             if not self.queue and not self.continuing and 0 < self.live * 2 < self.last_live():
                 self._read_launched()  # rows move: the launched step's tokens are read by the rows it ran
-                self.compact()
+                self._timed("compact", time.perf_counter(), self.compact)
             self.step()
         done = list(self.done)
         self.done.clear()
         self.timing.poll_s += time.perf_counter() - start
         return done
+
+    def _timed(self, phase: str, start: float, work: Callable[[], None] | None = None) -> None:
+        """Add the host seconds since ``start`` (after running ``work``) to ``phase``, less its prefill forwards."""
+        prefill = self.timing.prefill_s
+        if work is not None:
+            work()
+        self.timing.host_phases[phase] += time.perf_counter() - start - (self.timing.prefill_s - prefill)
 
     def stats(self) -> dict[str, Any]:
         """What the run did, for summaries and benchmarks: tokens (``prefill_tokens`` prefilled,
@@ -715,7 +728,7 @@ class Stream:
         the answers are the same). A row that ends at step k has run in step k + 1 too: its token there is
         dropped, and it wrote past what it holds (only the positions it holds are ever reused). Returns the
         tokens read."""
-        self._pages_for_step()
+        self._timed("pages", time.perf_counter(), self._pages_for_step)
         launched = self._launch() if self.live else None
         produced = self._read_launched()
         self.launched = launched
@@ -759,6 +772,7 @@ class Stream:
         toks, margins = self.host.read(step.buffer, step.hi)
         wait = time.perf_counter() - t0
         self.timing.step(step.live, step.launch_s, step.launch_s + wait, step.device_s(), step.first_shape)
+        taking = time.perf_counter()
         produced = 0
         request, length, tokens, due, stops = self.request, self.length, self.tokens, self.due, self.stop_ids
         for row, (tok, m, launched) in enumerate(zip(toks, margins, step.requests, strict=True)):
@@ -772,6 +786,7 @@ class Stream:
                 self._take(row, tok, m)
         self.produced += produced
         self.steps += 1
+        self._timed("tokens", taking)
         return produced
 
     def last_live(self) -> int:

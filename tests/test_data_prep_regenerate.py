@@ -513,6 +513,8 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     # the follow-ups above were tokenized from their previous prompts' ids, and every answer is generate's for
     # the whole prompt tokenized anew
     assert e["prompt_shortcuts"] > 0 and e["prompt_tokens_kept"] > 0 and e["prompt_shortcut_off"] is None, e
+    # the caller's time by part: chat templates, tokenizing, detokenizing, writing conversations
+    assert set(e["caller_s_by_part"]) == {"render_s", "tokenize_s", "detokenize_s", "write_s"}, e
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,

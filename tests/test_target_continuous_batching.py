@@ -154,6 +154,9 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     parts = s["prefill_s"] + s["decode_s"] + s["engine_host_s"] + s["caller_s"]
     assert abs(parts - s["seconds"]) < 0.05 and s["caller_s"] >= 0.1
     assert stream.timing.prefill_s > 0 and stream.timing.decode_s > 0  # (the stats round to 10 ms)
+    phases = stream.timing.host_phases  # the engine's host work by phase: within it, and each one ran
+    assert set(s["engine_host_s_by_phase"]) == set(phases) and sum(phases.values()) <= s["engine_host_s"] + 0.01
+    assert all(phases[p] > 0 for p in ("release", "continue", "admit", "pages", "tokens")), phases
     assert s["prefill_forwards"] >= 1 and s["continue_forwards"] == 0 and s["continue_prefill_s"] == 0  # all fresh
     assert 0 < s["decode_launch_s"] <= s["decode_s"] and s["decode_first_shape_s"] == 0  # gather: nothing compiles
     assert (s["graph_steps"], s["graph_captures"], s["graph_fallback"]) == (0, 0, None)  # CUDA graphs: CUDA only
