@@ -31,6 +31,10 @@ def test_the_loop_and_the_step_at_the_same_drafter(bench_results, tmp_path) -> N
     assert obj["loop_steps"] == 6 and obj["loop_tokens_per_s"] > 0 and obj["bench_tokens_per_s"] > 0
     assert obj["loop_real_tokens_per_step"] == 192  # 8 samples of 24 tokens, no padding
     assert obj["ratio"] == round(obj["loop_tokens_per_s"] / obj["bench_tokens_per_s"], 3)
+    # no padding here: the real tokens' rate is the padded one's, step by step
+    assert all(r["real_tokens_per_s"] == r["tokens_per_s"] for r in steps)
+    assert obj["loop_real_tokens_per_s"] == round(statistics.median(r["real_tokens_per_s"] for r in steps[2:]), 1)
+    assert obj["ratio_real"] == round(obj["loop_real_tokens_per_s"] / obj["bench_tokens_per_s"], 3)
     # each step's split (the store's batches need no target forward), and its medians over the same steps
     assert all(r["drafter_ms"] > 0 and 0 <= r["target_ms"] < r["drafter_ms"] for r in steps)
     assert obj["loop_target_ms"] == statistics.median(r["target_ms"] for r in steps[2:])

@@ -321,11 +321,13 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
             state["nonfinite_total"] += int(window_bad)
             state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
             state["tokens_seen"] += int(real)
+            elapsed = time.perf_counter() - t0
             record = {"step": state["step"], "epoch": state["epoch"],
                       "loss": loss_sum / accelerator.num_processes if not window_bad else None,
                       "lr": scheduler.get_last_lr()[0], "grad_norm": None if window_bad else norm,
                       "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
-                      "tokens_per_s": padded / (time.perf_counter() - t0), "tokens_seen": state["tokens_seen"],
+                      "tokens_per_s": padded / elapsed, "real_tokens_per_s": real / elapsed,
+                      "tokens_seen": state["tokens_seen"],
                       "target_ms": round(sum(spans[0::4]), 2), "drafter_ms": round(sum(spans[2::4]), 2)}
             log.write(record)
             bar.update(1)
