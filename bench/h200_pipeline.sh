@@ -37,6 +37,9 @@
 #   decode-step  bench/decode_step.py: the stream's decode step alone at fixed rows and context, graphs and eager,
 #                kernels by class, KV bandwidth (DECODE_ARGS; random SmolLM2-shaped weights: needs no model)
 #                                                                   -> "decode_step"
+#   target-forward bench/target_forward.py: the online target's right-padded forward at 23 new batch shapes, with
+#                cuDNN's SDPA allowed, without it, and with the layers compiled (random SmolLM2-shaped weights: needs
+#                no model)                                          -> "target_forward"
 #   loop-bench   bench/train_loop.py: the real loop (online, 60 steps; LOOP_ARGS adds options) against the bench
 #                step at the same drafter and tokens per step         -> "train_loop_smollm2"
 #   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
@@ -165,6 +168,8 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     decode-step)
       # shellcheck disable=SC2086
       phase decode-step python3 bench/decode_step.py ${DECODE_ARGS:-} ;;
+    target-forward)
+      phase target-forward python3 bench/target_forward.py ;;
     loop-bench)
       # shellcheck disable=SC2086
       phase loop-bench python3 bench/train_loop.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \

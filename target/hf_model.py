@@ -23,6 +23,10 @@ from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
 from target.aux_layers import TargetError, sglang_captured_outputs
 from target.compiled_layers import CompiledLayers
 
+# The right-padded forwards' attention backends: cuDNN's SDPA builds a plan per new shape (~100 ms on an H200), and
+# every padded batch length is a new one to it; flash attention runs as fast with no per-shape cost.
+RIGHT_PADDED_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
 
 @dataclass
 class TargetOutput:
@@ -106,11 +110,10 @@ class TargetModel:
         mask: under the causal mask a real token never sees the padding after it, while a padding mask makes HF
         build a 4-D mask every batch and keeps SDPA off its fused causal kernels (issue #20: the online target
         cost a fifth of the training loop's time). Padding positions come out finite and are never scored."""
-        # cuDNN's SDPA builds a plan per new shape (~100 ms on an H200), and every padded batch length is a new one
-        # to it; flash attention runs as fast with no per-shape cost (issue #20: 117 ms a step in the loop).
-        # On CUDA the layers run compiled (``target.compiled_layers``: the eager layer's small kernels took two
-        # thirds of the forward).
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        # SDPA without cuDNN (``RIGHT_PADDED_SDPA``; issue #20: 117 ms a step in the loop), and on CUDA the layers
+        # compiled (``target.compiled_layers``: the eager layer's small kernels took two thirds of the forward).
+        # bench/target_forward.py measures each.
+        with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
             if self.device.type != "cuda":
                 return self.forward(input_ids, aux_layer_ids, logits=False)
             return self.compiled_layers.run(lambda: self.forward(input_ids, aux_layer_ids, logits=False))
