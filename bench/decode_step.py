@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
+from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from common.step_clock import StepClock  # noqa: E402
 from target import batched  # noqa: E402
@@ -41,19 +42,9 @@ from target.batched import PAGE, BatchedTarget  # noqa: E402
 from target.continuous_batching import Stream  # noqa: E402
 from target.decode_graphs import DecodeGraphs  # noqa: E402
 
-# SmolLM2-135M-Instruct's shape (its config.json): the shipped config's target
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=8192,
-               tie_word_embeddings=True, rms_norm_eps=1e-5)
-
 
 def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> BatchedTarget:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    with device:
-        model = LlamaForCausalLM(LlamaConfig(**{**SMOLLM2, "num_hidden_layers": layers})).to(dtype)
-    return BatchedTarget(model)
+    return BatchedTarget(random_smollm2(layers, device, dtype))
 
 
 def timed(step, steps: int, cuda: bool) -> float:

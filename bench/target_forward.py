@@ -34,6 +34,7 @@ from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.random_smollm2 import random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from common.dtypes import torch_dtype  # noqa: E402
 from target.aux_layers import default_aux_layer_ids  # noqa: E402
@@ -44,16 +45,8 @@ WAYS = ("cudnn_allowed", "no_cudnn", "compiled")
 
 
 def smollm2_shaped(layers: int, device: torch.device, dtype: torch.dtype) -> TargetModel:
-    """SmolLM2-135M-Instruct's shape (hidden 576, 9 query and 3 key/value heads of 64, MLP 1536, vocab 49152) with
-    random weights and ``layers`` layers."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=layers, num_attention_heads=9,
-                      num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-                      tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-    return TargetModel(LlamaForCausalLM(cfg).to(device=device, dtype=dtype), tokenizer=None,
-                       name="random SmolLM2-135M shape", source_dir=None)
+    return TargetModel(random_smollm2(layers, device, dtype), tokenizer=None, name="random SmolLM2-135M shape",
+                       source_dir=None)
 
 
 def forward_by_way(target: TargetModel, way: str, aux_ids: tuple[int, ...]) -> Callable[[torch.Tensor], Any]:
