@@ -47,7 +47,8 @@ import heapq
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -400,13 +401,15 @@ class Stream:
         """One round of work (free the finished rows nobody continued, prefill continuations when due, admit
         into free rows, one decode step); the answers that finished in it."""
         start = time.perf_counter()
-        for row, _ in self.parked.values():
-            self._release_row(row)
-        self.parked.clear()
-        self._timed("release", start)
-        self._timed("continue", time.perf_counter(), self._continue)
+        with self._host_phase("release"):
+            for row, _ in self.parked.values():
+                self._release_row(row)
+            self.parked.clear()
+        with self._host_phase("continue"):
+            self._continue()
         if self.queue and (len(self.free) >= self.refill_at or self.live == 0):
-            self._timed("admit", time.perf_counter(), self._admit)
+            with self._host_phase("admit"):
+                self._admit()
         if self.live == 0:
             self._read_launched()  # a step launched before its rows ended: nothing of it is kept
             if self.queue and not self._admissible(self.queue[0]):
@@ -415,18 +418,19 @@ class Stream:
         else:
             if not self.queue and not self.continuing and 0 < self.live * 2 < self.last_live():
                 self._read_launched()  # rows move: the launched step's tokens are read by the rows it ran
-                self._timed("compact", time.perf_counter(), self.compact)
+                with self._host_phase("compact"):
+                    self.compact()
             self.step()
         done = list(self.done)
         self.done.clear()
         self.timing.poll_s += time.perf_counter() - start
         return done
 
-    def _timed(self, phase: str, start: float, work: Callable[[], None] | None = None) -> None:
-        """Add the host seconds since ``start`` (after running ``work``) to ``phase``, less its prefill forwards."""
-        prefill = self.timing.prefill_s
-        if work is not None:
-            work()
+    @contextmanager
+    def _host_phase(self, phase: str) -> Iterator[None]:
+        """Add the block's host seconds to ``phase``, less the prefill forwards run in it."""
+        start, prefill = time.perf_counter(), self.timing.prefill_s
+        yield
         self.timing.host_phases[phase] += time.perf_counter() - start - (self.timing.prefill_s - prefill)
 
     def stats(self) -> dict[str, Any]:
@@ -728,7 +732,8 @@ class Stream:
         the answers are the same). A row that ends at step k has run in step k + 1 too: its token there is
         dropped, and it wrote past what it holds (only the positions it holds are ever reused). Returns the
         tokens read."""
-        self._timed("pages", time.perf_counter(), self._pages_for_step)
+        with self._host_phase("pages"):
+            self._pages_for_step()
         launched = self._launch() if self.live else None
         produced = self._read_launched()
         self.launched = launched
@@ -772,21 +777,20 @@ class Stream:
         toks, margins = self.host.read(step.buffer, step.hi)
         wait = time.perf_counter() - t0
         self.timing.step(step.live, step.launch_s, step.launch_s + wait, step.device_s(), step.first_shape)
-        taking = time.perf_counter()
-        produced = 0
-        request, length, tokens, due, stops = self.request, self.length, self.tokens, self.due, self.stop_ids
-        for row, (tok, m, launched) in enumerate(zip(toks, margins, step.requests, strict=True)):
-            if launched is None or request[row] is not launched:
-                continue
-            produced += 1
-            length[row] += 1
-            if m is None and length[row] < due[row] and tok not in stops:  # no event: what _take would do
-                tokens[row].append(tok)
-            else:
-                self._take(row, tok, m)
-        self.produced += produced
-        self.steps += 1
-        self._timed("tokens", taking)
+        with self._host_phase("tokens"):
+            produced = 0
+            request, length, tokens, due, stops = self.request, self.length, self.tokens, self.due, self.stop_ids
+            for row, (tok, m, launched) in enumerate(zip(toks, margins, step.requests, strict=True)):
+                if launched is None or request[row] is not launched:
+                    continue
+                produced += 1
+                length[row] += 1
+                if m is None and length[row] < due[row] and tok not in stops:  # no event: what _take would do
+                    tokens[row].append(tok)
+                else:
+                    self._take(row, tok, m)
+            self.produced += produced
+            self.steps += 1
         return produced
 
     def last_live(self) -> int:
