@@ -58,10 +58,11 @@ def loop_figures(run_dir: Path, skip: int) -> dict[str, Any]:
     records = step_records(run_dir)
     seen = [0] + [r["tokens_seen"] for r in records]  # a run from step 0: --resume never
     real = [b - a for a, b in pairwise(seen)]
-    kept = records[min(skip, len(records) - 1):]
+    first = min(skip, len(records) - 1)
+    kept = records[first:]
     return {"loop_tokens_per_s": round(median_tokens_per_s(run_dir, skip), 1), "loop_steps": len(real),
             "loop_real_tokens_per_s": round(statistics.median(r["real_tokens_per_s"] for r in kept), 1),
-            "loop_real_tokens_per_step": statistics.median(real[min(skip, len(real) - 1):]),
+            "loop_real_tokens_per_step": statistics.median(real[first:]),
             "loop_target_ms": statistics.median(r["target_ms"] for r in kept),
             "loop_drafter_ms": statistics.median(r["drafter_ms"] for r in kept)}
 
