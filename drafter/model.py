@@ -123,6 +123,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     return out.to(q.dtype)
 
 
+def linear(x: Tensor, layer: nn.Linear, cols: slice = slice(None), add: Tensor | None = None) -> Tensor:
+    """``x @ layer.weight[:, cols].T``, plus ``add`` in the same matmul (rounded once): every matmul of the drafter
+    goes through here. Why one door: training attaches a ``route`` to a layer (``train.shared_weight_grad``)
+    that computes the same product with a backward of its own, and the drafter must not know about it."""
+    route = layer.__dict__.get("route")
+    if route is not None:
+        return route(x, cols, add)
+    w = layer.weight if cols == slice(None) else layer.weight[:, cols]  # whole: autocast caches its cast
+    if add is None:
+        return F.linear(x, w)
+    return add.reshape(-1, add.shape[-1]).addmm(x.reshape(-1, x.shape[-1]), w.t()).view(add.shape)
+
+
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None, Sequence[tuple[Tensor, Tensor]]], Tensor]
 
 
@@ -137,21 +150,19 @@ class DraftAttention(nn.Module):
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Heads of q, k, v from x (B, T, 2H) = [normed embeddings, normed hidden], q and k rotated."""
-        return self._heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+        return self._heads(linear(x, self.q_proj), linear(x, self.k_proj), linear(x, self.v_proj), cos, sin)
 
     def embed_part(self, e: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The normed embeddings' share of q, k and v: each projection's first H input columns applied to e."""
-        h = e.shape[-1]
-        return F.linear(e, self.q_proj.weight[:, :h]), F.linear(e, self.k_proj.weight[:, :h]), \
-            F.linear(e, self.v_proj.weight[:, :h])
+        h = slice(None, e.shape[-1])
+        return linear(e, self.q_proj, h), linear(e, self.k_proj, h), linear(e, self.v_proj, h)
 
     def qkv_split(self, embed_part: Sequence[Tensor], hidden: Tensor, cos: Tensor, sin: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor]:
         """``qkv`` with the embeddings' share given (``embed_part``, computed once for several calls) and the
         normed hidden (B, T, H) projected here: one matmul adding into each share (rounded once, as ``qkv``)."""
-        b, t, h = hidden.shape
-        flat = hidden.reshape(b * t, h)
-        q, k, v = (part.reshape(b * t, -1).addmm(flat, proj.weight[:, h:].t()).view(b, t, -1)
+        cols = slice(hidden.shape[-1], None)
+        q, k, v = (linear(hidden, proj, cols, add=part)
                    for part, proj in zip(embed_part, (self.q_proj, self.k_proj, self.v_proj), strict=True))
         return self._heads(q, k, v, cos, sin)
 
@@ -164,7 +175,7 @@ class DraftAttention(nn.Module):
 
     def out(self, o: Tensor) -> Tensor:
         b, _, t, _ = o.shape
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        return linear(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim), self.o_proj)
 
 
 class DraftMLP(nn.Module):
@@ -175,7 +186,7 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return linear(F.silu(linear(x, self.gate_proj)) * linear(x, self.up_proj), self.down_proj)
 
 
 class DraftLayer(nn.Module):
@@ -251,7 +262,7 @@ class Eagle3Drafter(nn.Module):
 
     def project_aux(self, aux: Tensor) -> Tensor:
         """(B, T, 3H) target aux states -> (B, T, H) first-step hidden."""
-        return self.fc(aux * self.aux_scale.to(aux.dtype)) if self.aux_scaled else self.fc(aux)
+        return linear(aux * self.aux_scale.to(aux.dtype) if self.aux_scaled else aux, self.fc)
 
     @torch.no_grad()
     def set_aux_scale(self, scale: Tensor) -> None:
@@ -303,9 +314,15 @@ class Eagle3Drafter(nn.Module):
         layer = self.midlayer
         return layer.self_attn.embed_part(layer.input_layernorm(self.embed_tokens(input_ids).to(dtype)))
 
+    def step_layers(self) -> list[nn.Linear]:
+        """The matmuls every draft step runs (all but ``fc``, which only the first step's hidden reads)."""
+        attn, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        return [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                self.lm_head]
+
     def logits(self, prenorm: Tensor) -> Tensor:
         """Draft-vocab logits (B, T, draft_vocab_size)."""
-        return self.lm_head(self.norm(prenorm))
+        return linear(self.norm(prenorm), self.lm_head)
 
     def to_target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -31,8 +31,9 @@ def model_and_batch(drafter, seed: int = 1) -> tuple[TTTModel, dict]:
 
 
 def loss_and_grads(model: TTTModel, batch: dict, cast_once: bool, monkeypatch) -> tuple[float, dict]:
+    monkeypatch.setattr("train.module.worth_routing", lambda *a: False)  # the one cast alone (no routed layers)
     if not cast_once:  # the step as it was: each Linear casts at each call (autocast's cache still shares them)
-        monkeypatch.setattr("train.module.matmul_weights_cast_once", lambda *a: _nothing())
+        monkeypatch.setattr("train.module.matmul_weights_cast_once", lambda *a, **k: _nothing())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         res = model(**batch)
     res.loss.backward()
@@ -96,6 +97,7 @@ def test_a_compiled_step_takes_the_cast_weights_without_recompiling(mapped, monk
     model, _ = model_and_batch(mapped)
     compiled = torch.compile(mapped.step, backend="aot_eager", dynamic=False)
     monkeypatch.setattr(mapped, "step", compiled)
+    monkeypatch.setattr("train.module.worth_routing", lambda *a: False)
     losses, graphs = {}, []
     base = torch._dynamo.utils.counters["stats"]["unique_graphs"]  # (a process-wide count)
     for name, m in (("eager", eager_model), ("compiled", model)):
@@ -139,8 +141,9 @@ def test_a_compiled_draft_step_casts_no_weight_of_its_own(mapped, monkeypatch, c
     model, batch = model_and_batch(mapped)
     backend = aot_autograd(fw_compiler=forward_graph, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
     monkeypatch.setattr(mapped, "step", torch.compile(mapped.step, backend=backend, dynamic=False))
+    monkeypatch.setattr("train.module.worth_routing", lambda *a: False)
     if not cast_once:
-        monkeypatch.setattr("train.module.matmul_weights_cast_once", lambda *a: _nothing())
+        monkeypatch.setattr("train.module.matmul_weights_cast_once", lambda *a, **k: _nothing())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(**batch).loss.backward()
     assert len(casts) == 4  # one graph per draft step (each sees one more step's keys)

@@ -1,7 +1,8 @@
 """The drafter wrapped as one module whose ``forward`` is a whole TTT step.
 
 accelerate / DDP / DeepSpeed hook ``forward`` (autocast, gradient sync), so the unrolled loss must run
-inside it, with the matmul weights cast once for all its draft steps (``train.weight_cast``). The teacher
+inside it, with the matmul weights cast once for all its draft steps (``train.weight_cast``), and the weights that
+outweigh their rows routed, one gradient matmul over all the steps' rows (``train.shared_weight_grad``). The teacher
 rows are a plain attribute, not a buffer: DDP would broadcast a buffer every step, and the optimizer must
 never see them.
 """
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from drafter.model import Eagle3Drafter, attention
+from train.shared_weight_grad import routed_weight_grads, worth_routing
 from train.ttt import TTTResult, sharpen, supervision, teacher_from_hidden, teacher_from_topk, ttt_forward
 from train.weight_cast import matmul_weights_cast_once
 
@@ -49,6 +51,9 @@ class TTTModel(nn.Module):
             else:
                 teacher = teacher_from_topk(topk_ids, topk_logprobs, d.t2d)
             sup = supervision(sharpen(teacher, self.teacher_temperature), target_argmax, loss_mask, d.t2d)
-        with matmul_weights_cast_once(d, input_ids.device.type):
+        device_type = input_ids.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
+        routed = [m for m in d.step_layers() if worth_routing(m, input_ids.numel())]
+        with routed_weight_grads(routed, compute), matmul_weights_cast_once(d, device_type, skip=routed):
             return ttt_forward(d, input_ids, aux.to(dtype), sup, self.ttt_length, self.decay,
                                attn_fn=self.attn_fn(input_ids.device))

@@ -12,7 +12,7 @@ autocast's cache already does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -20,10 +20,11 @@ from torch import nn
 
 
 @contextmanager
-def matmul_weights_cast_once(model: nn.Module, device_type: str) -> Iterator[int]:
-    """Within the block, each ``nn.Linear`` of ``model`` reads its weight cast (differentiably) to the autocast
-    dtype of ``device_type``; outside it, the parameters are back. Nothing changes without autocast, or where a
-    weight already has that dtype (DeepSpeed's bf16 engine). Yields how many weights were cast."""
+def matmul_weights_cast_once(model: nn.Module, device_type: str, skip: Collection[nn.Module] = ()) -> Iterator[int]:
+    """Within the block, each ``nn.Linear`` of ``model`` (but those in ``skip``, which cast their own:
+    ``train.shared_weight_grad``) reads its weight cast (differentiably) to the autocast dtype of ``device_type``;
+    outside it, the parameters are back. Nothing changes without autocast, or where a weight already has that
+    dtype (DeepSpeed's bf16 engine). Yields how many weights were cast."""
     if not torch.is_autocast_enabled(device_type):
         yield 0
         return
@@ -31,7 +32,7 @@ def matmul_weights_cast_once(model: nn.Module, device_type: str) -> Iterator[int
     swapped: list[tuple[nn.Linear, nn.Parameter]] = []
     try:
         for m in model.modules():
-            w = m._parameters.get("weight") if isinstance(m, nn.Linear) else None
+            w = m._parameters.get("weight") if isinstance(m, nn.Linear) and m not in skip else None
             if w is not None and w.dtype != dtype and w.is_floating_point():
                 m._parameters["weight"] = w.to(dtype)  # noqa: SLF001 (a plain tensor for the block: no Parameter)
                 swapped.append((m, w))
