@@ -40,6 +40,9 @@
 #   target-forward bench/target_forward.py: the online target's right-padded forward at 23 new batch shapes, with
 #                cuDNN's SDPA allowed, without it, and with the layers compiled (random SmolLM2-shaped weights: needs
 #                no model)                                          -> "target_forward"
+#   prefill-step bench/prefill_step.py: the stream's prefill forwards alone (first turns; continuations over their
+#                rows' pages) at fixed shapes: host and device ms, kernels by class (PREFILL_ARGS; random SmolLM2-shaped
+#                weights: needs no model)                          -> "prefill_step"
 #   loop-bench   bench/train_loop.py: the real loop (online, 60 steps; LOOP_ARGS adds options) against the bench
 #                step at the same drafter and tokens per step         -> "train_loop_smollm2"
 #   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
@@ -149,7 +152,8 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     gpu-tests)  # the tests that skip without CUDA (decode graphs = eager = generate; flex backward), tiny models
       phase gpu-tests python3 -m pytest -q -p no:cacheprovider -m "not real and not server" -rs \
         tests/test_target_decode_graphs.py tests/test_target_continuous_batching.py tests/test_train_ttt.py \
-        tests/test_common_queued_copy.py tests/test_train_target_ahead.py tests/test_target_compiled_layers.py ;;
+        tests/test_common_queued_copy.py tests/test_train_target_ahead.py tests/test_target_compiled_layers.py \
+        tests/test_train_shared_weight_grad.py ;;
     stop-check)  # the deadline's SIGTERM saves the step the trainer is on; the rerun resumes from it
       phase stop-check bash -c "rm -rf runs/stop-check && mkdir -p runs/stop-check && \
         ln -s ../smollm2-h200/conversations.jsonl runs/stop-check/conversations.jsonl && \
@@ -170,6 +174,9 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       phase decode-step python3 bench/decode_step.py ${DECODE_ARGS:-} ;;
     target-forward)
       phase target-forward python3 bench/target_forward.py ;;
+    prefill-step)
+      # shellcheck disable=SC2086
+      phase prefill-step python3 bench/prefill_step.py ${PREFILL_ARGS:-} ;;
     loop-bench)
       # shellcheck disable=SC2086
       phase loop-bench python3 bench/train_loop.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \

@@ -1,0 +1,133 @@
+"""The regeneration stream's prefill forwards at fixed shapes, on one GPU: the host's time, the device's, kernels.
+
+    python bench/prefill_step.py                                  # one H200 -> "prefill_step"
+    python bench/prefill_step.py --device cpu --layers 2 --shapes 2x8+0 2x8+16 --repeats 2   # plumbing only
+
+Why: in the multi-turn regeneration bench (``"regenerate"``, ninth session) a continuation prefill, a next turn's
+new tokens attending over the pages its conversation already holds, took 66 ms a forward: 358 forwards of 26 rows
+on average, 26 of the run's 124 engine seconds, for a few thousand tokens a forward that the H200 computes in a few
+ms. This runs such forwards alone, as the engine calls them (``Stream._prefill``: the rows' suffixes right-padded,
+padded again to ``suffix_shape``; logits at each row's last token), on a random-weight target of SmolLM2-135M's
+shape, over a pool where every row holds its prefix's pages:
+
+- a shape ``RxW+P``: R rows, W new tokens each, after P cached positions (P = 0: a fresh prefill, causal over its
+  own tokens, scaled_dot_product_attention; P > 0: the suffix kernel, flex attention over the row's pages);
+- ``first_ms``: the first forward at that shape, wall, synchronised (a compile or a cuDNN plan shows here);
+  ``again_ms``: the median of --repeats more; ``host_ms``: how long the call takes to return (the launches: when it
+  is close to ``again_ms`` the host, not the device, bounds the forward); ``kernel_ms`` and ``by_class_ms``: the
+  device's kernels (bench/kernel_profile.py);
+- fresh shapes run twice, with SDPA as the engine leaves it and without cuDNN (``target.hf_model.RIGHT_PADDED_SDPA``,
+  which fixed the online target's forward in the ninth session).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.nn.attention import sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.kernel_profile import kernel_times, summarize  # noqa: E402
+from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
+from bench.results import record  # noqa: E402
+from target.batched import PAGE, BatchedTarget, suffix_shape  # noqa: E402
+from target.hf_model import RIGHT_PADDED_SDPA  # noqa: E402
+
+# 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); the others
+# bracket it; 16x512+0 and 64x256+0: first turns
+DEFAULT_SHAPES = ["16x512+0", "64x256+0", "26x129+650", "26x256+1500", "128x129+650", "8x129+3000"]
+SHAPE_RE = re.compile(r"^(\d+)x(\d+)\+(\d+)$")
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``RxW+P`` -> (rows, width, prefix)."""
+    m = SHAPE_RE.match(text)
+    if not m or int(m[1]) < 1 or int(m[2]) < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: want ROWSxWIDTH+PREFIX, e.g. 26x129+650")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def forward_call(target: BatchedTarget, rows: int, width: int, prefix: int):
+    """The engine's prefill of ``rows`` rows holding ``prefix`` positions each, ``width`` new tokens a row, as a
+    function of no arguments, over a fresh pool sized for them."""
+    dev = target.device
+    continued = prefix > 0
+    b, w = suffix_shape(rows, width) if continued else (rows, width)
+    per_row = -(-(prefix + w + 1) // PAGE)
+    cache = target.new_paged_cache(b, 1 + b * per_row, max_len=per_row * PAGE, attention="flex")
+    for r in range(b):
+        assert cache.ensure(r, prefix + w + 1)
+    g = torch.Generator().manual_seed(rows * 7919 + width)
+    ids = torch.randint(0, target.embed.weight.shape[0], (b, w), generator=g).to(dev)
+    positions = (prefix + torch.arange(w))[None].expand(b, w).contiguous().to(dev)
+    index = torch.arange(b, device=dev)
+    at = torch.full((b,), w - 1, device=dev)
+
+    def call() -> torch.Tensor:
+        return target.forward(cache, index, ids, positions, fresh=not continued, logits_at=at).logits
+
+    return call
+
+
+def synced_ms(call, cuda: bool) -> tuple[float, float]:
+    """(wall ms to return, wall ms to finish) of one call."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    call()
+    returned = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+    return (returned - t0) * 1e3, (time.perf_counter() - t0) * 1e3
+
+
+def measure(target: BatchedTarget, shape: tuple[int, int, int], repeats: int, sdpa: str) -> dict:
+    rows, width, prefix = shape
+    cuda = target.device.type == "cuda"
+    ctx = sdpa_kernel(list(RIGHT_PADDED_SDPA)) if sdpa == "no_cudnn" else nullcontext()
+    with ctx:
+        call = forward_call(target, rows, width, prefix)
+        _, first = synced_ms(call, cuda)
+        runs = [synced_ms(call, cuda) for _ in range(repeats)]
+        prof = summarize(kernel_times(call, 2), top=8)
+    padded = suffix_shape(rows, width) if prefix else (rows, width)
+    return {"shape": f"{rows}x{width}+{prefix}", "rows": rows, "width": width, "prefix": prefix,
+            "padded": list(padded), "kernel": "suffix (flex)" if prefix else "fresh (sdpa)", "sdpa": sdpa,
+            "first_ms": round(first, 3), "again_ms": round(statistics.median(r[1] for r in runs), 3),
+            "host_ms": round(statistics.median(r[0] for r in runs), 3),
+            "tokens_per_s": round(rows * width / statistics.median(r[1] for r in runs) * 1e3, 1), **prof}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in DEFAULT_SHAPES])
+    ap.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    target = BatchedTarget(random_smollm2(args.layers, device, torch.bfloat16 if device.type == "cuda"
+                                          else torch.float32))
+    runs = []
+    for shape in args.shapes:
+        for sdpa in ("as_left", "no_cudnn") if shape[2] == 0 else ("as_left",):
+            runs.append(measure(target, shape, args.repeats, sdpa))
+            r = runs[-1]
+            print(f"{r['shape']} ({r['kernel']}, sdpa {sdpa}): first {r['first_ms']} ms, again {r['again_ms']} ms, "
+                  f"host {r['host_ms']} ms, kernels {r['kernel_ms']} ms {r['by_class_ms']}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    record("prefill_step", {"model": "SmolLM2-135M shape, random weights", "layers": args.layers, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
