@@ -38,7 +38,7 @@ from train import run_checkpoints
 from train.build import build_drafter, scale_aux_inputs, teacher_rows
 from train.data import TrainingData, to_device, training_data
 from train.module import TTTModel
-from train.optim import make_optimizer, make_scheduler, trainable
+from train.optim import clip_into_step, make_optimizer, make_scheduler, trainable
 from train.target_ahead import TargetAhead
 from train.ttt_metrics import Counts
 
@@ -290,8 +290,10 @@ def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bo
             if not accelerator.sync_gradients:
                 continue
             # The one wait of the step: the window's figures summed over processes, and the gradient norm (the same
-            # in every process after the all-reduce; None where DeepSpeed clips inside its own step).
-            grad_norm = accelerator.clip_grad_norm_(trainable(model), train_cfg.max_grad_norm)
+            # in every process after the all-reduce; None where DeepSpeed clips inside its own step). The clip itself
+            # runs inside the fused AdamW step where it can (train/optim.py says where).
+            grad_norm = clip_into_step(optimizer, trainable(model), train_cfg.max_grad_norm,
+                                       accelerator.clip_grad_norm_)
             host = torch.tensor([window_tokens, window_real, float(bool(stop))], dtype=torch.float64)
             summed = accelerator.reduce(torch.cat([torch.stack([window_nonfinite, window_loss]),
                                                    queued_to_device(host, accelerator.device)]), reduction="sum")
