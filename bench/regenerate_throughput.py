@@ -18,7 +18,11 @@ Figures, bench/results.json:
 - "regenerate": gen_tokens_per_s = the answer tokens written to conversations.jsonl (the run's summary,
   ``answer_tokens``) / the wall time of the command, start to exit (model load, compile and the tail of the
   last conversations included: not a best window), for the first --gpus entry; gen_tokens, seconds (of them
-  ``regenerate_step_s`` inside the regenerate step, ``outside_step_s`` the process's start, model load and exit),
+  ``regenerate_step_s`` inside the regenerate step, ``outside_step_s`` the process's start, model load and exit,
+  split by ``process_phases``, the summary's ``phases`` measured in the process: its startup (interpreter and
+  imports, prompts read, devices, backend: model load, resume), validate, close, and ``process_s``, its age when
+  the step returned; ``exit_s`` = seconds - process_s, the summary's writing and the interpreter's exit, CUDA's
+  teardown included; with several devices ``device_phases``, each worker's own),
   conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens,
   preemptions, and where its seconds went: prefill and decode forwards, its host work, the caller's, decode
   steps by live rows; printed as one line per device); exact_matches of --exact-prompts first turns answered
@@ -53,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import command_line, device_name, record  # noqa: E402
 from bench.runs import run  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
+from data_prep.regenerate import phase_text  # noqa: E402
 from eval.prompts import render  # noqa: E402
 from target.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
 from target.continuous_batching import generate  # noqa: E402
@@ -94,11 +99,24 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     engines = s["engine"] if len(devices) > 1 else {devices[0]: s["engine"]}
     for device, e in engines.items():
         print(f"  {device}: {engine_line(e)}", flush=True)
+    # After the summary (printed, written), the interpreter's exit and CUDA's teardown: only timed from outside.
+    exit_s = round(seconds - s["phases"]["process_s"], 2) if "process_s" in s["phases"] else None
+    print(f"  process: {process_line(s['phases'], exit_s)}", flush=True)
+    for r, phases in enumerate(s["device_phases"]):
+        print(f"  worker {r} ({devices[r]}): {process_line(phases, None)}", flush=True)
     return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
             "seconds": round(seconds, 2), "regenerate_step_s": round(s["seconds"], 2),
-            "outside_step_s": round(seconds - s["seconds"], 2), "conversations": s["written"], "answers": s["turns"],
+            "outside_step_s": round(seconds - s["seconds"], 2), "exit_s": exit_s, "process_phases": s["phases"],
+            **({"device_phases": s["device_phases"]} if s["device_phases"] else {}),
+            "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
             "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype}
+
+
+def process_line(phases: dict[str, float], exit_s: float | None) -> str:
+    """Where a regenerate process's seconds went (the summary's ``phases``), and its exit, in one line."""
+    return phase_text(phases) + (f", exit {exit_s} s (wall minus process)" if exit_s is not None
+                                 else "")
 
 
 def engine_line(e: dict[str, Any]) -> str:

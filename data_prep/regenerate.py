@@ -39,6 +39,7 @@ from tqdm import tqdm
 from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
 from common.files import JsonlAppender, cut_torn_tail
+from common.process_clock import process_age_s
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 from data_prep.step_failed import StepFailed
 
@@ -217,7 +218,11 @@ class RegenerateSummary:
     engine: dict[str, Any] = field(default_factory=dict)  # hf: the engine's run (rows, pages, steps, preempted, ...)
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
-    seconds: float = 0.0
+    seconds: float = 0.0  # the step: the stream (or the rounds; several devices: the workers and the merge)
+    # Where the process's seconds went, measured in it (``PHASES``); several devices: the parent's, and each
+    # worker's in device_phases (in the order of regenerate.devices)
+    phases: dict[str, float] = field(default_factory=dict)
+    device_phases: list[dict[str, float]] = field(default_factory=list)
     tried: int = 0  # this run: prompts attempted (written + failed)
     stopped: str | None = None  # why the run stopped early (too many failures in a row; per device when several)
     # Validation of the whole output file as it stands at the end:
@@ -257,9 +262,47 @@ class RegenerateSummary:
                   for reason, n in self.failed.items()]
         if self.stopped:
             lines.append(f"- stopped early: {self.stopped}")
+        if self.phases:
+            lines.append(f"- seconds by phase: {phase_text(self.phases)}")
+        lines += [f"  - device worker {r}: {phase_text(p)}" for r, p in enumerate(self.device_phases)]
         return "\n".join(lines)
 
     __str__ = to_markdown
+
+
+# The summary's ``phases`` (seconds, ms rounded; a key is absent where its part did not run, and the three that are
+# the process's age, from its start as the kernel records it (``common.process_clock``), off Linux): ``startup_s``,
+# its age when the step started, of it ``interpreter_and_imports_s``, its age at the step's call (the interpreter,
+# the imports, the config, the run-dir lock; in a device worker: its spawn, imports and task), then
+# ``prompts_read_s``, ``devices_s`` (hf: torch imported, the GPUs counted), ``backend_s``
+# (make_chat_backend: transformers imported, the tokenizer and model loaded, the engine built) and ``resume_s``
+# (the output's ids read back, the pending sorted; several devices: leftover part files merged first); then
+# ``step_s`` (= ``seconds``), ``validate_s``, ``close_s`` (the backend closed) and ``process_s``, the process's age
+# when the step returned. What comes after (the summary printed and written, the interpreter's exit, CUDA's
+# teardown) cannot be timed inside: bench/regenerate_throughput.py reports it as the command's wall time minus
+# process_s (``exit_s``).
+PHASES = ("startup_s", "interpreter_and_imports_s", "prompts_read_s", "devices_s", "backend_s", "resume_s",
+          "step_s", "validate_s", "close_s", "process_s")
+STARTUP_PARTS = PHASES[1:6]
+
+
+def _since(start: float) -> float:
+    return round(time.perf_counter() - start, 3)
+
+
+def _age(key: str) -> dict[str, float]:
+    """``{key: the process's age}``, or nothing where the kernel does not say (not Linux)."""
+    age = process_age_s()
+    return {} if age is None else {key: round(age, 3)}
+
+
+def phase_text(phases: dict[str, float]) -> str:
+    """``phases`` in one line: the startup, its parts in parentheses, then the rest in order."""
+    name = lambda k: k.removesuffix("_s").replace("_", " ")  # noqa: E731
+    parts = ", ".join(f"{name(k)} {phases[k]}" for k in STARTUP_PARTS if k in phases)
+    rest = ", ".join(f"{name(k)} {phases[k]} s" for k in PHASES[6:] if k in phases)
+    head = f"startup {phases['startup_s']} s" if "startup_s" in phases else "before the step"
+    return f"{head} ({parts}), {rest}"
 
 
 def percentiles(values: list[int]) -> dict[str, int]:
@@ -415,10 +458,12 @@ def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally) -> dict[
 
 
 def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend,
-               out_path: Path | None = None) -> RegenerateSummary:
+               out_path: Path | None = None, phases: dict[str, float] | None = None) -> RegenerateSummary:
     """The loop, for any backend: one stream over the conversations where the backend has one (hf), else
     rounds of conversations advanced a turn per backend call. ``out_path``: conversations.jsonl, or one
-    device's part file when several devices share the work."""
+    device's part file when several devices share the work. ``phases``: the caller's so far (``PHASES``); the
+    summary's go on from them."""
+    t = time.perf_counter()
     out_path = out_path or cfg.conversations_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done, torn = resume(out_path)
@@ -433,6 +478,8 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
         pending.sort(key=_prompt_chars)
     summary = RegenerateSummary(output=str(out_path), backend=backend.name, selected=len(prompts),
                                 already_done=len(prompts) - len(pending), torn_bytes_dropped=torn, written=0)
+    resume_s = _since(t)
+    summary.phases = _age("startup_s") | (phases or {}) | {"resume_s": resume_s}
     start = time.perf_counter()
     limit = cfg.regenerate.max_consecutive_failures
     with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
@@ -450,7 +497,10 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
             summary.stopped = (f"{tally.in_a_row} prompts in a row failed (regenerate.max_consecutive_failures="
                                f"{limit}); {len(pending) - summary.tried} not tried")
     summary.seconds = time.perf_counter() - start
+    summary.phases["step_s"] = round(summary.seconds, 3)
+    t = time.perf_counter()
     validate(out_path, [p["id"] for p in prompts], summary)
+    summary.phases["validate_s"] = _since(t)
     return summary
 
 
@@ -526,16 +576,36 @@ def _device_worker(tree: dict[str, Any], prompts: list[dict[str, Any]], device: 
     run-dir lock (it takes none: the parent holds it) and dies with the parent (``_worker_init``). Its failures
     are counted, not raised: the limits apply to all devices together (``check_failures`` in the parent); it
     stops its own share after max_consecutive_failures in a row."""
+    phases = _age("interpreter_and_imports_s")
     cfg = parse_config(tree)
     cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": device})})
+    t = time.perf_counter()
     backend = make_chat_backend(cfg.target, cfg.regenerate)
-    return regenerate(cfg, prompts, backend, Path(part)).to_dict()
+    phases["backend_s"] = _since(t)
+    try:
+        summary = regenerate(cfg, prompts, backend, Path(part), phases)
+    finally:
+        close_s = _close(backend)
+    summary.phases |= {"close_s": close_s} | _age("process_s")
+    return summary.to_dict()
 
 
-def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices: list[str]) -> RegenerateSummary:
-    """The prompts split over ``devices`` (one process and one part file each), merged at the end."""
+def _close(backend: ChatBackend) -> float:
+    """Close the backend where it has something to close (the openai one's threads); the seconds it took."""
+    t = time.perf_counter()
+    close = getattr(backend, "close", None)
+    if close is not None:
+        close()
+    return _since(t)
+
+
+def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices: list[str],
+                          phases: dict[str, float] | None = None) -> RegenerateSummary:
+    """The prompts split over ``devices`` (one process and one part file each), merged at the end. ``phases``:
+    the caller's so far (``PHASES``); the summary's go on from them, each worker's in ``device_phases``."""
     import multiprocessing as mp
 
+    t = time.perf_counter()
     out = cfg.conversations_path
     out.parent.mkdir(parents=True, exist_ok=True)
     merge_parts(out)  # leftovers of a killed run
@@ -543,6 +613,8 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
     pending = [p for p in prompts if p["id"] not in done]
     shares = [[p for p in pending if share_of(p["id"], len(devices)) == r] for r in range(len(devices))]
     tree = dump_config(cfg)
+    resume_s = _since(t)
+    phases = _age("startup_s") | (phases or {}) | {"resume_s": resume_s}
     start = time.perf_counter()
     # The workers die with this process (a pipeline killed with -9 takes its stages' workers along; the
     # run-dir lock they work under dies with it).
@@ -562,31 +634,41 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
                                 answer_tokens=sum(p["answer_tokens"] for p in parts),
                                 engine={dev: p["engine"] for dev, p in zip(devices, parts, strict=True)},
                                 tried=sum(p["tried"] for p in parts), stopped="; ".join(stopped) or None,
-                                seconds=time.perf_counter() - start)
+                                seconds=time.perf_counter() - start, device_phases=[p["phases"] for p in parts])
+    summary.phases = phases | {"step_s": round(summary.seconds, 3)}
     for p in parts:
         summary.failed.update(p["failed"])
         for reason, example in p["failure_examples"].items():
             summary.failure_examples.setdefault(reason, example)
+    t = time.perf_counter()
     validate(out, [p["id"] for p in prompts], summary)
+    summary.phases["validate_s"] = _since(t)
     return summary
 
 
 def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
     """Regenerate on one backend or over several devices; StepFailed when too many prompts failed."""
+    phases = _age("interpreter_and_imports_s")
+    t = time.perf_counter()
     # Read first: a bad input fails before the model loads.
     prompts = load_prompt_records(cfg.prompts_path, cfg.regenerate.num_prompts)
+    phases["prompts_read_s"] = _since(t)
+    t = time.perf_counter()
     devices = hf_devices(cfg)
+    phases["devices_s"] = _since(t)
     if len(devices) > 1:
-        summary = regenerate_on_devices(cfg, prompts, devices)
+        summary = regenerate_on_devices(cfg, prompts, devices, phases)
     else:
         if devices:
             cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": devices[0]})})
+        t = time.perf_counter()
         backend = make_chat_backend(cfg.target, cfg.regenerate)
+        phases["backend_s"] = _since(t)
         try:
-            summary = regenerate(cfg, prompts, backend)
+            summary = regenerate(cfg, prompts, backend, phases=phases)
         finally:
-            close = getattr(backend, "close", None)
-            if close is not None:
-                close()
+            close_s = _close(backend)
+        summary.phases["close_s"] = close_s
+    summary.phases |= _age("process_s")
     check_failures(cfg, summary)
     return summary

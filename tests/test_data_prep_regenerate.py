@@ -27,8 +27,9 @@ import yaml
 
 from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
+from common.process_clock import process_age_s
 from data_prep.backends import BackendError, HFChatBackend
-from data_prep.regenerate import RegenerateError, run_regenerate
+from data_prep.regenerate import PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
 from data_prep.step_failed import StepFailed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -344,6 +345,40 @@ def test_closed_port_exits_2_within_seconds(tmp_path: Path) -> None:
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("data_prep regenerate: error: ") and "prompts failed (connection_refused: " in last, last
     assert "stopped early" in last and "Connection refused" in last, last
+
+
+def assert_phases_add_up(phases: dict[str, float], expected: set[str]) -> None:
+    """The summary's seconds by phase: those expected (the process's age where the kernel gives it), none
+    negative, the startup's parts within the startup, and the process's age covering all of them in order."""
+    timed = process_age_s() is not None
+    assert set(phases) == {k for k in expected if timed or k not in ("startup_s", "interpreter_and_imports_s",
+                                                                      "process_s")}, phases
+    assert all(v >= 0 for v in phases.values()), phases
+    ms = 0.001 * len(phases)  # each figure is rounded to the ms
+    if timed:
+        assert phases.get("interpreter_and_imports_s", 1) > 0
+        assert sum(phases.get(k, 0) for k in STARTUP_PARTS) <= phases["startup_s"] + ms, phases
+    if "process_s" in phases:
+        after = sum(phases.get(k, 0) for k in ("step_s", "validate_s", "close_s"))
+        assert phases["startup_s"] + after <= phases["process_s"] + ms, phases
+
+
+def test_the_summary_says_where_the_process_seconds_went(tmp_path: Path, fake: Any) -> None:
+    """The command's summary splits its seconds by phase, measured in the process from its start; what the
+    process measured ends before the command's wall time does (the rest is its exit)."""
+    tree = config_tree(tmp_path, backend="openai", server_urls=[fake.url], concurrency=2, batch_size=2)
+    write_prompts(parse_config(tree), [[user(f"q{i}"), {"role": "assistant", "content": "a"}, user(f"r{i}")]
+                                       for i in range(3)])
+    started = time.perf_counter()
+    r = _regenerate_cli(tree, tmp_path)
+    wall = time.perf_counter() - started
+    assert r.returncode == 0, r.stderr
+    s = json.loads((tmp_path / "run" / "data_prep_summary.json").read_text())["regenerate"]
+    phases = s["phases"]
+    assert_phases_add_up(phases, set(PHASES))
+    assert phases["step_s"] == round(s["seconds"], 3) and s["device_phases"] == []
+    assert phases.get("process_s", 0) <= wall
+    assert "seconds by phase: startup " in r.stdout or "seconds by phase: before the step (" in r.stdout
 
 
 class EchoAuth(BaseHTTPRequestHandler):
@@ -902,6 +937,13 @@ def test_failure_limits_apply_to_all_devices_together(tmp_path: Path, fake: Any)
     summary = _on_two_devices(cfg)
     check_failures(cfg, summary)
     assert summary.failed == {"http_400": 1} and summary.tried == 12 and summary.written == 11
+    # The parent's seconds by phase, and each worker's own (spawned: its age is its own process's).
+    assert_phases_add_up(summary.phases, {"startup_s", "resume_s", "step_s", "validate_s"})
+    assert len(summary.device_phases) == 2
+    for worker in summary.device_phases:
+        assert_phases_add_up(worker, set(PHASES) - {"prompts_read_s", "devices_s"})
+        assert worker.get("process_s", 0) <= summary.phases["step_s"] + 0.01  # started and ended inside the step
+    assert "  - device worker 1: " in summary.to_markdown()
     assert summary.records == 11 and summary.missing == 1 and not list(cfg.root.glob("*.part-*"))
     # One failure on each device: 2 of 12 together is more than 0.1.
     cfg = openai_cfg(tmp_path / "two", [fake.url], max_failure_share=0.1)
