@@ -37,7 +37,7 @@ from torch import Tensor
 
 from common.cli import exception_line
 from common.queued_copy import queued_to_device
-from target.compile_guard import is_recompile_limit, no_uncompiled_fallback
+from target.compile_guard import CompileSwitch, is_recompile_limit, no_uncompiled_fallback
 
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
@@ -411,8 +411,40 @@ class BatchedOutput:
     aux: Tensor | None  # (B, T, 3H): outputs of the aux layers, in id order
 
 
+def attention_inputs(layer: torch.nn.Module, h: Tensor, cos: Tensor, sin: Tensor, heads: int, kv_heads: int,
+                     head_dim: int, apply_rope: Callable[..., tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """A decoder layer's queries, keys and values (B, heads|kv, T, d) for hidden states h (B, T, H): its input norm,
+    projections (qwen3's per-head norms) and rotation. With ``after_attention``, everything of a layer but the
+    attention and the cache writes: the two pieces ``BatchedTarget`` compiles on CUDA."""
+    b, t, _ = h.shape
+    x = layer.input_layernorm(h)
+    att = layer.self_attn
+    q = att.q_proj(x).view(b, t, heads, head_dim)
+    k = att.k_proj(x).view(b, t, kv_heads, head_dim)
+    v = att.v_proj(x).view(b, t, kv_heads, head_dim)
+    if getattr(att, "q_norm", None) is not None:  # qwen3: per-head RMSNorm before the rotation
+        q, k = att.q_norm(q), att.k_norm(k)
+    q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, v.transpose(1, 2)
+
+
+def after_attention(layer: torch.nn.Module, h: Tensor, o: Tensor) -> Tensor:
+    """The layer's output for input h (B, T, H) and attention output o (B, heads, T, d): the output projection and
+    the MLP, each added to the residual stream."""
+    b, heads, t, d = o.shape
+    h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, t, heads * d))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 class BatchedTarget:
-    """A loaded HF causal LM (one of ``SUPPORTED_MODEL_TYPES``) driven slot by slot."""
+    """A loaded HF causal LM (one of ``SUPPORTED_MODEL_TYPES``) driven slot by slot.
+
+    On CUDA a layer's work around its attention runs as two compiled pieces (``attention_inputs``,
+    ``after_attention``; dynamic shapes, shared by every layer and every batch shape after a graph or two). Why:
+    HF's eager layer is some 35 small kernels, and a prefill forward of SmolLM2-135M's 30 layers spent 40-60 ms on
+    the host launching them against 13-26 ms of kernels on an H200 (``"prefill_step"``, tenth session); fused, a
+    decode step's norms and casts shrink too. A compile that fails turns them off for the process
+    (``compile_guard.CompileSwitch``)."""
 
     def __init__(self, model: torch.nn.Module, aux_layer_ids: Sequence[int] = ()):
         reason = unsupported_reason(model)
@@ -433,10 +465,21 @@ class BatchedTarget:
         self.scaling = getattr(attn, "scaling", self.head_dim ** -0.5)
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.aux_layer_ids = list(aux_layer_ids)
+        self.pieces = CompileSwitch("the batched target's compiled layer pieces")
+        self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    def _piece(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, compiled on CUDA while ``pieces`` is on."""
+        if self.device.type != "cuda":
+            return fn(*args)
+        compiled = self._compiled.get(fn)
+        if compiled is None:
+            compiled = self._compiled[fn] = torch.compile(fn, dynamic=True)
+        return self.pieces.run(lambda: compiled(*args), lambda: fn(*args))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -515,16 +558,8 @@ class BatchedTarget:
                 gather = cache.page_table[rows][:, : -(-span // cache.page)].reshape(-1).long()
         keep: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
-            residual = h
-            x = layer.input_layernorm(h)
-            att = layer.self_attn
-            q = att.q_proj(x).view(b, t, self.heads, self.head_dim)
-            k = att.k_proj(x).view(b, t, self.kv_heads, self.head_dim)
-            v = att.v_proj(x).view(b, t, self.kv_heads, self.head_dim)
-            if getattr(att, "q_norm", None) is not None:  # qwen3: per-head RMSNorm before the rotation
-                q, k = att.q_norm(q), att.k_norm(k)
-            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, heads, T, d)
-            v = v.transpose(1, 2)
+            q, k, v = self._piece(attention_inputs, layer, h, cos, sin, self.heads, self.kv_heads, self.head_dim,
+                                  self.apply_rope)
             if paged:  # (kv, B*T, d) into the pool
                 cache.k[i].index_copy_(1, where, k.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
                 cache.v[i].index_copy_(1, where, v.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
@@ -548,8 +583,7 @@ class BatchedTarget:
                 layer_k[batch_index, :, positions] = k.transpose(1, 2)
                 layer_v[batch_index, :, positions] = v.transpose(1, 2)
                 o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask, self.scaling)
-            h = residual + att.o_proj(o.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = self._piece(after_attention, layer, h, o)
             if aux and i in self.aux_layer_ids:
                 keep[i] = h
         logits = None

@@ -8,9 +8,15 @@ names, once, what it falls back to.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+
+from common.cli import exception_line
+
+T = TypeVar("T")
 
 
 def no_uncompiled_fallback() -> Any:
@@ -28,3 +34,27 @@ def is_compile_failure(e: BaseException) -> bool:
     """Whether ``e`` came from compiling rather than from running: dynamo's own errors (an unsupported construct,
     a backend that failed) or its recompile limit."""
     return isinstance(e, torch._dynamo.exc.TorchDynamoException) or is_recompile_limit(e)
+
+
+class CompileSwitch:
+    """Whether an owner's compiled code still runs: until compiling it fails once (dynamo's errors or its recompile
+    limit, ``is_compile_failure``), then never again in this process, said once on stderr with what runs instead.
+    Anything that fails while running is raised."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.state = "compiled"  # or "off: <why>"
+
+    def run(self, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
+        """``compiled()`` under ``no_uncompiled_fallback`` while on; ``eager()`` once off (the call that turned it
+        off included: what the compiled call had done must be safe to redo eagerly)."""
+        if self.state == "compiled":
+            try:
+                with no_uncompiled_fallback():
+                    return compiled()
+            except Exception as e:  # noqa: BLE001 - only a compile failure falls back; anything else is raised
+                if not is_compile_failure(e):
+                    raise
+                self.state = f"off: {exception_line(e)}"
+                print(f"warning: {self.what} are {self.state}; eager from here on", file=sys.stderr)
+        return eager()

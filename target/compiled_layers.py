@@ -14,15 +14,13 @@ stderr; the forward then runs eagerly (``state``).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from common.cli import exception_line
-from target.compile_guard import is_compile_failure, no_uncompiled_fallback
+from target.compile_guard import CompileSwitch
 
 
 class CompiledLayers:
@@ -31,20 +29,18 @@ class CompiledLayers:
     def __init__(self, layers: torch.nn.ModuleList):
         self.layers = layers
         self.compiled: list[Callable[..., Any]] | None = None
-        self.state = "compiled"  # or "off: <why>"
+        self.switch = CompileSwitch("the target's compiled layers")
+
+    @property
+    def state(self) -> str:
+        return self.switch.state
 
     def run(self, fn: Callable[[], Any]) -> Any:
-        if self.state != "compiled":
+        return self.switch.run(lambda: self._swapped_run(fn), fn)
+
+    def _swapped_run(self, fn: Callable[[], Any]) -> Any:
+        with self._swapped():
             return fn()
-        try:
-            with self._swapped(), no_uncompiled_fallback():
-                return fn()
-        except Exception as e:  # noqa: BLE001 - only a compile failure falls back; anything else is raised
-            if not is_compile_failure(e):
-                raise
-            self.state = f"off: {exception_line(e)}"
-            print(f"warning: the target's compiled layers are {self.state}; eager from here on", file=sys.stderr)
-        return fn()
 
     @contextmanager
     def _swapped(self) -> Iterator[None]:

@@ -265,3 +265,34 @@ def test_a_page_table_flush_queues_its_copies_without_waiting_on_the_device_cuda
         assert cache.owner[held].tolist() == [row] * len(held)
         assert cache.logical[held].tolist() == list(range(len(held)))
     assert int((cache.owner >= 0).sum()) == sum(len(p) for p in cache.row_pages)
+
+
+@cuda
+def test_the_compiled_layer_pieces_give_the_eager_forward_and_stay_compiled_cuda() -> None:
+    """A prefill, a suffix over cached pages and decode steps of a few batch sizes with the pieces compiled: the
+    logits of the same forwards with the pieces off (eager), and the pieces still on after every shape."""
+    torch.manual_seed(0)
+    model = tiny().cuda()
+    out = {}
+    for name in ("compiled", "eager"):
+        t = BatchedTarget(model)
+        if name == "eager":
+            t.pieces.state = "off: the reference"
+        cache = t.new_paged_cache(rows=8, pages=40, max_len=512, attention="flex")
+        got = []
+        for b, width in ((8, 40), (3, 7)):
+            for r in range(b):
+                assert cache.ensure(r, 200)
+            ids = torch.randint(0, 100, (b, width), device="cuda", generator=torch.Generator("cuda").manual_seed(b))
+            pos = torch.arange(width, device="cuda")[None].expand(b, width).contiguous()
+            at = torch.full((b,), width - 1, device="cuda")
+            got.append(t.forward(cache, torch.arange(b, device="cuda"), ids, pos, fresh=True, logits_at=at).logits)
+            got.append(t.forward(cache, torch.arange(b, device="cuda"), ids, pos + width, fresh=False,
+                                 logits_at=at).logits)
+            got.append(t.forward(cache, slice(0, b), ids[:, :1], pos[:, :1] + 2 * width, fresh=False,
+                                 logits_at=torch.zeros(b, dtype=torch.long, device="cuda")).logits)
+        out[name] = got
+        if name == "compiled":
+            assert t.pieces.state == "compiled"
+    for a, b in zip(out["compiled"], out["eager"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
