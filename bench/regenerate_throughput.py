@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import command_line, device_name, record  # noqa: E402
 from bench.runs import run  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
-from data_prep.regenerate import phase_text  # noqa: E402
+from data_prep.regenerate import HOST_SAMPLES_ENV, host_samples_path, part_path, phase_text  # noqa: E402
 from eval.prompts import render  # noqa: E402
 from target.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
 from target.continuous_batching import generate  # noqa: E402
@@ -91,7 +91,9 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     start = time.perf_counter()
-    run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_path)], log=run_dir / "regenerate.log")
+    samples = run_dir / "host_samples.json"
+    run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_path)],
+        env={HOST_SAMPLES_ENV: str(samples)}, log=run_dir / "regenerate.log")
     seconds = time.perf_counter() - start
     s = json.loads((run_dir / "data_prep_summary.json").read_text())["regenerate"]
     print(f"regenerate on {gpus} device(s): {s['written']} conversations, {s['answer_tokens']} answer tokens in "
@@ -104,13 +106,27 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     print(f"  process: {process_line(s['phases'], exit_s)}", flush=True)
     for r, phases in enumerate(s["device_phases"]):
         print(f"  worker {r} ({devices[r]}): {process_line(phases, None)}", flush=True)
+    host = host_samples(samples, run_dir, cfg, len(devices))
+    for where in host[0]["own"][:8] if host else []:
+        print(f"  host samples (own): {where['share']:.1%} {where['where']}", flush=True)
     return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
             "seconds": round(seconds, 2), "regenerate_step_s": round(s["seconds"], 2),
             "outside_step_s": round(seconds - s["seconds"], 2), "exit_s": exit_s, "process_phases": s["phases"],
             **({"device_phases": s["device_phases"]} if s["device_phases"] else {}),
             "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
-            "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype}
+            "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype,
+            "host_samples": host}
+
+
+def host_samples(wanted: Path, run_dir: Path, cfg: Any, devices: int) -> list[dict[str, Any]]:
+    """The regenerate step's host samples (``common.stack_sampler``, one summary per device): where the main thread
+    of each engine spent its time in the run just timed."""
+    if devices == 1:
+        paths = [wanted]
+    else:
+        paths = [host_samples_path(wanted, part_path(cfg.conversations_path, r), cfg) for r in range(devices)]
+    return [json.loads(p.read_text()) for p in paths if p.exists()]
 
 
 def process_line(phases: dict[str, float], exit_s: float | None) -> str:

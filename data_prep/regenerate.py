@@ -30,6 +30,7 @@ import json
 import os
 import time
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,15 @@ from tqdm import tqdm
 
 from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
-from common.files import JsonlAppender, cut_torn_tail
+from common.files import JsonlAppender, cut_torn_tail, write_json_atomic
 from common.process_clock import process_age_s
+from common.stack_sampler import StackSampler
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 from data_prep.step_failed import StepFailed
 
+# A file path: the step runs under common.stack_sampler and its summary is written there (bench/regenerate_throughput.py
+# sets it: where the host's seconds go in the real run, at no cost to it)
+HOST_SAMPLES_ENV = "EAGLE3_HOST_SAMPLES"
 PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
 
@@ -482,8 +487,10 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
     summary.phases = _age("startup_s") | (phases or {}) | {"resume_s": resume_s}
     start = time.perf_counter()
     limit = cfg.regenerate.max_consecutive_failures
+    samples = os.environ.get(HOST_SAMPLES_ENV)
+    sampling = StackSampler() if samples else nullcontext()
     with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
-                                         unit=" conv") as bar:
+                                         unit=" conv") as bar, sampling as sampler:
         out = JsonlAppender(f)
         tally = _Tally(summary, out, limit, bar)
         try:
@@ -498,10 +505,17 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                                f"{limit}); {len(pending) - summary.tried} not tried")
     summary.seconds = time.perf_counter() - start
     summary.phases["step_s"] = round(summary.seconds, 3)
+    if sampler is not None:
+        write_json_atomic(host_samples_path(Path(samples), out_path, cfg), sampler.summary())
     t = time.perf_counter()
     validate(out_path, [p["id"] for p in prompts], summary)
     summary.phases["validate_s"] = _since(t)
     return summary
+
+
+def host_samples_path(wanted: Path, out_path: Path, cfg: RunConfig) -> Path:
+    """Where a run's host samples go: ``wanted`` itself, or beside it per part file when devices share the run."""
+    return wanted if out_path == cfg.conversations_path else wanted.with_name(f"{wanted.stem}-{out_path.stem}.json")
 
 
 def _prompt_chars(p: dict[str, Any]) -> int:

@@ -29,7 +29,7 @@ from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
 from common.process_clock import process_age_s
 from data_prep.backends import BackendError, HFChatBackend
-from data_prep.regenerate import PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
+from data_prep.regenerate import HOST_SAMPLES_ENV, PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
 from data_prep.step_failed import StepFailed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -379,6 +379,19 @@ def test_the_summary_says_where_the_process_seconds_went(tmp_path: Path, fake: A
     assert phases["step_s"] == round(s["seconds"], 3) and s["device_phases"] == []
     assert phases.get("process_s", 0) <= wall
     assert "seconds by phase: startup " in r.stdout or "seconds by phase: before the step (" in r.stdout
+
+
+def test_host_samples_of_the_step_go_where_the_env_var_says(tmp_path: Path, fake: Any) -> None:
+    """With $EAGLE3_HOST_SAMPLES the step's main thread is sampled and the summary written there: samples taken,
+    the regenerate loop among the inclusive functions."""
+    tree = config_tree(tmp_path, backend="openai", server_urls=[fake.url], concurrency=2, batch_size=2)
+    write_prompts(parse_config(tree), [[user(f"q{i}")] for i in range(4)])
+    out = tmp_path / "samples.json"
+    r = _regenerate_cli(tree, tmp_path, env={HOST_SAMPLES_ENV: str(out)})
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["samples"] >= 1 and got["interval_s"] > 0
+    assert any(w["where"].endswith("regenerate.py _rounds") for w in got["inclusive"]), got["inclusive"]
 
 
 class EchoAuth(BaseHTTPRequestHandler):
