@@ -1,11 +1,11 @@
-"""Where a GPU step's time goes, by kernel: one home for the profiler summaries of bench/train_step_profile.py and
-bench/decode_step.py.
+"""Where a GPU step's time goes, by kernel: one home for the profiler summaries of bench/train_step_profile.py,
+bench/decode_step.py and bench/prefill_step.py.
 
-A step is run ``repeats`` times under ``torch.profiler`` (CUDA activity only) and each kernel's device time is
-summed and divided by ``repeats``: ms per step, per kernel name, then per coarse class (``KERNEL_CLASSES``, first
-match wins, matched on the lower-cased name). The classes are a reading aid; the top kernels keep their names, so a
-reader can check what a class holds. On a CPU the profiler records no kernels: the summary says so (tests run the
-plumbing there).
+A step is run ``repeats`` times under ``torch.profiler`` (CUDA activity only) and each kernel's device time and
+launches are summed and divided by ``repeats``: ms and launches per step, per kernel name, then ms per coarse class
+(``KERNEL_CLASSES``, first match wins, matched on the lower-cased name). The classes are a reading aid; the top
+kernels keep their names, so a reader can check what a class holds. On a CPU the profiler records no kernels: the
+summary says so (tests run the plumbing there).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def kernel_class(name: str) -> str:
     return next((cls for cls, pattern in KERNEL_CLASSES if re.search(pattern, low)), "elementwise_other")
 
 
-def kernel_times(step: Callable[[], Any], repeats: int) -> dict[str, float]:
-    """Device ms per call of ``step`` by kernel name (``repeats`` calls profiled, synchronised at the end)."""
+def kernel_times(step: Callable[[], Any], repeats: int) -> dict[str, tuple[float, float]]:
+    """Per kernel name, (device ms, launches) per call of ``step`` (``repeats`` calls profiled, synchronised at the
+    end). The launches tell a kernel run once a step from one run at every draft step or layer."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
@@ -46,25 +47,30 @@ def kernel_times(step: Callable[[], Any], repeats: int) -> dict[str, float]:
             step()
         if cuda:
             torch.cuda.synchronize()
-    times: dict[str, float] = {}
+    times: dict[str, tuple[float, float]] = {}
     for e in prof.events():
         us = getattr(e, "device_time", None)
         if us is None:
             us = getattr(e, "cuda_time", 0.0)
         if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and us:
-            times[e.name] = times.get(e.name, 0.0) + us / 1e3 / repeats
+            ms, calls = times.get(e.name, (0.0, 0.0))
+            times[e.name] = (ms + us / 1e3 / repeats, calls + 1 / repeats)
     return times
 
 
-def summarize(times: dict[str, float], top: int = 12) -> dict[str, Any]:
+NAME_CHARS = 200  # of a kernel's name kept: templated names carry their dtypes and functors past 120
+
+
+def summarize(times: dict[str, tuple[float, float]], top: int = 12) -> dict[str, Any]:
     """The figures a profile records: total kernel ms per step, ms per class (largest first), the ``top`` kernels
-    (name cut to 120 characters, class, ms) and how many kernel names there were."""
+    (name cut to ``NAME_CHARS``, class, ms, launches per step) and how many kernel names there were."""
     by_class: dict[str, float] = {}
-    for name, ms in times.items():
+    for name, (ms, _) in times.items():
         cls = kernel_class(name)
         by_class[cls] = by_class.get(cls, 0.0) + ms
-    ranked = sorted(times.items(), key=lambda kv: -kv[1])[:top]
-    return {"kernel_ms": round(sum(times.values()), 3), "kernels": len(times),
+    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_ms": round(sum(ms for ms, _ in times.values()), 3), "kernels": len(times),
             "by_class_ms": {k: round(v, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [{"name": n[:120], "class": kernel_class(n), "ms": round(ms, 3)} for n, ms in ranked],
+            "top_kernels": [{"name": n[:NAME_CHARS], "class": kernel_class(n), "ms": round(ms, 3),
+                             "calls": round(calls, 2)} for n, (ms, calls) in ranked],
             "profiled": bool(times)}

@@ -71,7 +71,7 @@ def profile_step(name: str, batch: int, seq: int, ttt: int, steps: int, warmup: 
             "model_ms_at_peak": round(flops / (PEAK_TFLOPS * 1e12) * 1e3, 2),
             "mfu": round(flops / (step_ms / 1e3) / (PEAK_TFLOPS * 1e12), 4) if device.type == "cuda" else None,
             "steps_timed": steps, "profile_steps": profile_steps,
-            **summarize(kernel_times(one_step, profile_steps), top=15)}
+            **summarize(kernel_times(one_step, profile_steps), top=40)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """bench/kernel_profile.py's reading aids: real kernel names (Inductor's fused Triton kernels, cuBLAS/nvjet GEMMs,
 ATen's fused AdamW and copy kernels) land in the class a reader of a profile expects, first match winning, and
-``summarize`` adds up, ranks and cuts names as recorded. A wrong class would mislabel where a step's time goes."""
+``summarize`` adds up, ranks, cuts names and keeps each kernel's launches per step as recorded. A wrong class would
+mislabel where a step's time goes."""
 
 from __future__ import annotations
 
@@ -49,9 +50,10 @@ def test_kernel_names_land_in_their_class(name: str, cls: str) -> None:
 
 
 def test_summarize_adds_up_ranks_and_cuts_names() -> None:
-    long_gemm = "sm90_xmma_gemm_" + "x" * 200
-    times = {"triton_poi_fused_mul_silu_0": 0.5, long_gemm: 3.0, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": 2.0,
-             "triton_tem_fused_flex_attention_0": 1.25, "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": 0.1234}
+    long_gemm = "sm90_xmma_gemm_" + "x" * 300
+    times = {"triton_poi_fused_mul_silu_0": (0.5, 7.0), long_gemm: (3.0, 14.0),
+             "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": (2.0, 1.0), "triton_tem_fused_flex_attention_0": (1.25, 7.0),
+             "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": (0.1234, 3.5)}
     s = summarize(times, top=3)
     assert s["profiled"] is True and s["kernels"] == 5
     assert s["kernel_ms"] == pytest.approx(6.873)
@@ -59,8 +61,10 @@ def test_summarize_adds_up_ranks_and_cuts_names() -> None:
     assert list(s["by_class_ms"]) == ["gemm", "attention", "elementwise_other", "norm"]  # largest first
     assert [k["ms"] for k in s["top_kernels"]] == [3.0, 2.0, 1.25]
     first = s["top_kernels"][0]
-    assert first["name"] == long_gemm[:120] and len(first["name"]) == 120 and first["class"] == "gemm"
-    assert s["top_kernels"][2] == {"name": "triton_tem_fused_flex_attention_0", "class": "attention", "ms": 1.25}
+    assert first["name"] == long_gemm[:200] and len(first["name"]) == 200 and first["class"] == "gemm"
+    assert first["calls"] == 14.0
+    assert s["top_kernels"][2] == {"name": "triton_tem_fused_flex_attention_0", "class": "attention", "ms": 1.25,
+                                   "calls": 7.0}
 
 
 def test_nothing_profiled_says_so() -> None:
