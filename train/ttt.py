@@ -25,7 +25,12 @@ from torch import Tensor
 
 from drafter.model import AttentionFn, Eagle3Drafter, attention, causal_mask
 
-CE_CHUNK_ROWS = 1024  # rows of the (rows, draft_vocab) logits handled at a time by the soft CE
+CE_CHUNK_ROWS = 1024  # rows of the (rows, draft_vocab) logits handled at a time by the soft CE (eager: CPU)
+# On CUDA the chunk functions are fused compiled kernels that read the logits without an fp32 copy of them, so a
+# chunk bounds no memory there; each chunk only costs a compiled call on the host (dynamo's guards, AOT's wrapper:
+# 0.2-0.5 ms each on an H200, tenth session) and a copy of its gradient into the whole. The SmolLM2 loop's 16,384
+# rows were 16 chunks, 224 compiled calls a step over 7 draft steps; now one a draft step each way.
+CUDA_CE_CHUNK_ROWS = 1 << 16
 
 
 @dataclass
@@ -124,12 +129,12 @@ def _kernels(device: torch.device):
 
 def _chunks(b: int, rows: int, t: int, offset: int, device: torch.device
             ) -> list[tuple[int, int, Tensor, Tensor]]:
-    """(first, end, logit rows, teacher rows) per chunk of CE_CHUNK_ROWS of the flattened (b * rows) logits:
-    logit row r is batch r // rows, position offset + r % rows of the (b * t)-row teacher. A last chunk of one
-    row joins the one before it. The bounds come as host ints: reading them off the device index would wait
+    """(first, end, logit rows, teacher rows) per chunk (``CE_CHUNK_ROWS``; ``CUDA_CE_CHUNK_ROWS`` on CUDA) of the
+    flattened (b * rows) logits: logit row r is batch r // rows, position offset + r % rows of the (b * t)-row
+    teacher. A last chunk of one row joins the one before it. The bounds come as host ints: reading them off the device index would wait
     for the GPU at every chunk of every TTT step's backward."""
     total = b * rows
-    bounds = list(range(0, total, CE_CHUNK_ROWS)) + [total]
+    bounds = list(range(0, total, CUDA_CE_CHUNK_ROWS if device.type == "cuda" else CE_CHUNK_ROWS)) + [total]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
         del bounds[-2]
     out = []
@@ -140,8 +145,9 @@ def _chunks(b: int, rows: int, t: int, offset: int, device: torch.device
 
 
 class _SoftCE(torch.autograd.Function):
-    """sum_rows w * CE(p, softmax(z)) in row chunks: no fp32 copy of the whole (rows, Vd) logits is
-    alive at once; backward reuses the forward's logsumexp."""
+    """sum_rows w * CE(p, softmax(z)) in row chunks: eager (CPU), no fp32 copy of the whole (rows, Vd) logits is
+    alive at once; compiled (CUDA), one chunk a call (``CUDA_CE_CHUNK_ROWS``). Backward reuses the forward's
+    logsumexp."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, probs: Tensor, weight: Tensor, offset: int) -> Tensor:
@@ -166,9 +172,9 @@ class _SoftCE(torch.autograd.Function):
         _, grad_fn = _kernels(logits.device)
         b, rows, v = logits.shape
         z, p, w = logits.reshape(b * rows, v), probs.reshape(-1, v), (weight * grad).reshape(-1)
-        out = torch.empty_like(z)
-        for a, e, zrow, prow in _chunks(b, rows, probs.shape[1], ctx.offset, logits.device):
-            out[a:e] = grad_fn(z, p, zrow, prow, lse[a:e], w[a:e])
+        parts = [grad_fn(z, p, zrow, prow, lse[a:e], w[a:e])
+                 for a, e, zrow, prow in _chunks(b, rows, probs.shape[1], ctx.offset, logits.device)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # one chunk: its gradient is the whole, uncopied
         return out.view_as(logits), None, None, None
 
 
