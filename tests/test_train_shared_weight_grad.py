@@ -159,3 +159,27 @@ def test_cuda_bf16_route_matches_autograd(mapped, monkeypatch) -> None:  # noqa:
     assert got[0].dtype == torch.float32
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0.03, atol=0.03 * float(b.abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output matmul of bf16 rows is CUDA's")
+def test_cuda_bf16_column_ranges_are_written_in_place_as_autograd_sums() -> None:
+    """q, k and v's pattern on CUDA: the embeddings' columns once, the hidden's at every step (the share added); the
+    two ranges tile the weight, so each range's fp32 matmul writes straight into its strided columns."""
+    torch.manual_seed(0)
+    layer = nn.Linear(512, 256, bias=False, device="cuda")
+    e = torch.randn(2, 64, 256, device="cuda", requires_grad=True)
+    x = torch.randn(2, 64, 256, device="cuda", requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        share, h, out = linear(e, layer, slice(None, 256)), x, 0
+        for _ in range(3):
+            h = linear(h, layer, slice(256, None), add=share)
+            out = out + h.float().square().mean()
+        return out
+
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = torch.autograd.grad(loss(), [layer.weight, e, x])
+        with routed_weight_grads([layer], torch.bfloat16):
+            got = torch.autograd.grad(loss(), [layer.weight, e, x])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0.03, atol=0.03 * float(b.abs().max()))

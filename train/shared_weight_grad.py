@@ -44,6 +44,19 @@ def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else torch.mm(a, b).float()
 
 
+def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``out = a @ b`` written in place (``out`` may be a column slice: cuBLAS takes its row stride), accumulated in
+    fp32 as ``_mm_fp32``."""
+    if a.dtype == out.dtype:
+        torch.mm(a, b, out=out)
+    elif a.is_cuda and out.dtype == torch.float32 and _MM_OUT_DTYPE:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
+    elif a.is_cuda:
+        out.copy_(torch.mm(a, b))
+    else:
+        torch.mm(a.float(), b.float(), out=out)
+
+
 class WeightUses:
     """One routed layer's compute copy of its weight (cast once) and the rows of its uses so far."""
 
@@ -75,15 +88,23 @@ class WeightUses:
 
     def gradient(self) -> Tensor:
         """The master weight's gradient: per column range, its uses' output gradients by their inputs, all rows
-        in one matmul; columns no use read are zero."""
+        in one matmul. Ranges that tile the columns (q, k and v: the embeddings' half, the hidden's) are written
+        in place, the matmul's output strided into its columns; columns no use read are zero, and overlapping
+        ranges add up."""
         groups = self.kept
         self.kept = {}
-        full = (0, self.weight.shape[1])
-        if list(groups) == [full]:
-            return _mm_fp32(*_stacked(groups[full])).to(self.param.dtype)
-        grad = self.param.new_zeros(self.param.shape)
+        width = self.weight.shape[1]
+        if list(groups) == [(0, width)]:
+            return _mm_fp32(*_stacked(groups[(0, width)])).to(self.param.dtype)
+        ranges = sorted(groups)
+        tiled = ranges[0][0] == 0 and ranges[-1][1] == width and all(
+            b == c for (_, b), (c, _) in zip(ranges, ranges[1:], strict=False))
+        grad = self.param.new_empty(self.param.shape) if tiled else self.param.new_zeros(self.param.shape)
         for (a, b), pairs in groups.items():
-            grad[:, a:b] = _mm_fp32(*_stacked(pairs))
+            if tiled:
+                _mm_into(grad[:, a:b], *_stacked(pairs))
+            else:
+                grad[:, a:b] += _mm_fp32(*_stacked(pairs))
         return grad
 
 
