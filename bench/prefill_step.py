@@ -16,8 +16,9 @@ shape, over a pool where every row holds its prefix's pages:
   ``again_ms``: the median of --repeats more; ``host_ms``: how long the call takes to return (the launches: when it
   is close to ``again_ms`` the host, not the device, bounds the forward); ``kernel_ms`` and ``by_class_ms``: the
   device's kernels (bench/kernel_profile.py);
-- fresh shapes run twice, with SDPA as the engine leaves it and without cuDNN (``target.hf_model.RIGHT_PADDED_SDPA``,
-  which fixed the online target's forward in the ninth session).
+- the tenth session's first run also ran each fresh shape with SDPA as the engine then left it: cuDNN's attention
+  built a plan at each new shape (64x256+0: 77.6 ms on the first call against 28.4 ms without cuDNN), so the
+  engine's fresh prefill now runs SDPA without it, as the online target's forward does.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ import re
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,7 +38,6 @@ from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from target.batched import PAGE, BatchedTarget, suffix_shape  # noqa: E402
-from target.hf_model import RIGHT_PADDED_SDPA  # noqa: E402
 
 # 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); the others
 # bracket it; 16x512+0 and 64x256+0: first turns
@@ -89,18 +87,16 @@ def synced_ms(call, cuda: bool) -> tuple[float, float]:
     return (returned - t0) * 1e3, (time.perf_counter() - t0) * 1e3
 
 
-def measure(target: BatchedTarget, shape: tuple[int, int, int], repeats: int, sdpa: str) -> dict:
+def measure(target: BatchedTarget, shape: tuple[int, int, int], repeats: int) -> dict:
     rows, width, prefix = shape
     cuda = target.device.type == "cuda"
-    ctx = sdpa_kernel(list(RIGHT_PADDED_SDPA)) if sdpa == "no_cudnn" else nullcontext()
-    with ctx:
-        call = forward_call(target, rows, width, prefix)
-        _, first = synced_ms(call, cuda)
-        runs = [synced_ms(call, cuda) for _ in range(repeats)]
-        prof = summarize(kernel_times(call, 2), top=8)
+    call = forward_call(target, rows, width, prefix)
+    _, first = synced_ms(call, cuda)
+    runs = [synced_ms(call, cuda) for _ in range(repeats)]
+    prof = summarize(kernel_times(call, 2), top=8)
     padded = suffix_shape(rows, width) if prefix else (rows, width)
     return {"shape": f"{rows}x{width}+{prefix}", "rows": rows, "width": width, "prefix": prefix,
-            "padded": list(padded), "kernel": "suffix (flex)" if prefix else "fresh (sdpa)", "sdpa": sdpa,
+            "padded": list(padded), "kernel": "suffix (flex)" if prefix else "fresh (sdpa)",
             "first_ms": round(first, 3), "again_ms": round(statistics.median(r[1] for r in runs), 3),
             "host_ms": round(statistics.median(r[0] for r in runs), 3),
             "tokens_per_s": round(rows * width / statistics.median(r[1] for r in runs) * 1e3, 1), **prof}
@@ -118,13 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                                           else torch.float32))
     runs = []
     for shape in args.shapes:
-        for sdpa in ("as_left", "no_cudnn") if shape[2] == 0 else ("as_left",):
-            runs.append(measure(target, shape, args.repeats, sdpa))
-            r = runs[-1]
-            print(f"{r['shape']} ({r['kernel']}, sdpa {sdpa}): first {r['first_ms']} ms, again {r['again_ms']} ms, "
-                  f"host {r['host_ms']} ms, kernels {r['kernel_ms']} ms {r['by_class_ms']}", flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        runs.append(measure(target, shape, args.repeats))
+        r = runs[-1]
+        print(f"{r['shape']} ({r['kernel']}): first {r['first_ms']} ms, again {r['again_ms']} ms, "
+              f"host {r['host_ms']} ms, kernels {r['kernel_ms']} ms {r['by_class_ms']}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     record("prefill_step", {"model": "SmolLM2-135M shape, random weights", "layers": args.layers, "runs": runs})
     return 0
 

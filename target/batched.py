@@ -34,10 +34,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import sdpa_kernel
 
 from common.cli import exception_line
 from common.queued_copy import queued_to_device
 from target.compile_guard import CompileSwitch, is_recompile_limit, no_uncompiled_fallback
+from target.hf_model import RIGHT_PADDED_SDPA
 
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
@@ -566,9 +568,10 @@ class BatchedTarget:
             elif fresh:
                 cache.k[i, rows, :, :t] = k
                 cache.v[i, rows, :, :t] = v
-            if fresh:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                                   enable_gqa=self.kv_heads != self.heads)
+            if fresh:  # without cuDNN: it builds a plan per new shape, 50-100 ms each (``"prefill_step"``)
+                with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                                       enable_gqa=self.kv_heads != self.heads)
             elif kind == "decode":  # the query heads sharing a kv head folded into the query axis, as below
                 o = flex_decode(q.reshape(b, self.kv_heads, groups, self.head_dim), cache.k[i], cache.v[i],
                                 block_mask, self.scaling).reshape(b, self.heads, 1, self.head_dim)
