@@ -131,8 +131,8 @@ def _chunks(b: int, rows: int, t: int, offset: int, device: torch.device
             ) -> list[tuple[int, int, Tensor, Tensor]]:
     """(first, end, logit rows, teacher rows) per chunk (``CE_CHUNK_ROWS``; ``CUDA_CE_CHUNK_ROWS`` on CUDA) of the
     flattened (b * rows) logits: logit row r is batch r // rows, position offset + r % rows of the (b * t)-row
-    teacher. A last chunk of one row joins the one before it. The bounds come as host ints: reading them off the device index would wait
-    for the GPU at every chunk of every TTT step's backward."""
+    teacher. A last chunk of one row joins the one before it. The bounds come as host ints: reading them off the
+    device index would wait for the GPU at every chunk of every TTT step's backward."""
     total = b * rows
     bounds = list(range(0, total, CUDA_CE_CHUNK_ROWS if device.type == "cuda" else CE_CHUNK_ROWS)) + [total]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1:
