@@ -36,17 +36,10 @@ def worth_routing(layer: nn.Linear, rows: int) -> bool:
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")  # torch >= 2.8
 
 
-def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` accumulated and returned in fp32: cuBLAS writes bf16 inputs' product in fp32 directly (without
-    that overload, an older torch, rounded to bf16 once); the CPU has no such kernel and multiplies fp32 copies."""
-    if not a.is_cuda or a.dtype == torch.float32:
-        return torch.mm(a.float(), b.float())
-    return torch.mm(a, b, out_dtype=torch.float32) if _MM_OUT_DTYPE else torch.mm(a, b).float()
-
-
 def _mm_into(out: Tensor, a: Tensor, b: Tensor) -> None:
     """``out = a @ b`` written in place (``out`` may be a column slice: cuBLAS takes its row stride), accumulated in
-    fp32 as ``_mm_fp32``."""
+    fp32: cuBLAS writes bf16 inputs' product in fp32 directly (without that overload, an older torch, it is rounded
+    to bf16 once); the CPU has no such kernel and multiplies fp32 copies."""
     if a.dtype == out.dtype:
         torch.mm(a, b, out=out)
     elif a.is_cuda and out.dtype == torch.float32 and _MM_OUT_DTYPE:
@@ -88,14 +81,12 @@ class WeightUses:
 
     def gradient(self) -> Tensor:
         """The master weight's gradient: per column range, its uses' output gradients by their inputs, all rows
-        in one matmul. Ranges that tile the columns (q, k and v: the embeddings' half, the hidden's) are written
-        in place, the matmul's output strided into its columns; columns no use read are zero, and overlapping
-        ranges add up."""
+        in one matmul. Ranges that tile the columns (all of them at once; q, k and v: the embeddings' half, the
+        hidden's) are written in place, the matmul's output strided into its columns; columns no use read are
+        zero, and overlapping ranges add up."""
         groups = self.kept
         self.kept = {}
         width = self.weight.shape[1]
-        if list(groups) == [(0, width)]:
-            return _mm_fp32(*_stacked(groups[(0, width)])).to(self.param.dtype)
         ranges = sorted(groups)
         tiled = ranges[0][0] == 0 and ranges[-1][1] == width and all(
             b == c for (_, b), (c, _) in zip(ranges, ranges[1:], strict=False))
@@ -104,7 +95,9 @@ class WeightUses:
             if tiled:
                 _mm_into(grad[:, a:b], *_stacked(pairs))
             else:
-                grad[:, a:b] += _mm_fp32(*_stacked(pairs))
+                part = grad.new_empty(grad.shape[0], b - a)
+                _mm_into(part, *_stacked(pairs))
+                grad[:, a:b] += part
         return grad
 
 
