@@ -591,26 +591,30 @@ def _device_worker(tree: dict[str, Any], prompts: list[dict[str, Any]], device: 
     are counted, not raised: the limits apply to all devices together (``check_failures`` in the parent); it
     stops its own share after max_consecutive_failures in a row."""
     phases = _age("interpreter_and_imports_s")
-    cfg = parse_config(tree)
-    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": device})})
+    summary = _on_one_backend(parse_config(tree), prompts, phases, device, Path(part))
+    summary.phases |= _age("process_s")
+    return summary.to_dict()
+
+
+def _on_one_backend(cfg: RunConfig, prompts: list[dict[str, Any]], phases: dict[str, float],
+                    device: str | None = None, out_path: Path | None = None) -> RegenerateSummary:
+    """The step on one backend (the target on ``device`` when given), built and closed here (the openai one has
+    threads to close): ``phases`` goes on with backend_s, the step's own, and close_s."""
+    if device is not None:
+        cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": device})})
     t = time.perf_counter()
     backend = make_chat_backend(cfg.target, cfg.regenerate)
     phases["backend_s"] = _since(t)
     try:
-        summary = regenerate(cfg, prompts, backend, Path(part), phases)
+        summary = regenerate(cfg, prompts, backend, out_path, phases)
     finally:
-        close_s = _close(backend)
-    summary.phases |= {"close_s": close_s} | _age("process_s")
-    return summary.to_dict()
-
-
-def _close(backend: ChatBackend) -> float:
-    """Close the backend where it has something to close (the openai one's threads); the seconds it took."""
-    t = time.perf_counter()
-    close = getattr(backend, "close", None)
-    if close is not None:
-        close()
-    return _since(t)
+        t = time.perf_counter()
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+        close_s = _since(t)
+    summary.phases["close_s"] = close_s
+    return summary
 
 
 def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices: list[str],
@@ -673,16 +677,7 @@ def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
     if len(devices) > 1:
         summary = regenerate_on_devices(cfg, prompts, devices, phases)
     else:
-        if devices:
-            cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": devices[0]})})
-        t = time.perf_counter()
-        backend = make_chat_backend(cfg.target, cfg.regenerate)
-        phases["backend_s"] = _since(t)
-        try:
-            summary = regenerate(cfg, prompts, backend, phases=phases)
-        finally:
-            close_s = _close(backend)
-        summary.phases["close_s"] = close_s
+        summary = _on_one_backend(cfg, prompts, phases, devices[0] if devices else None)
     summary.phases |= _age("process_s")
     check_failures(cfg, summary)
     return summary
