@@ -14,8 +14,7 @@ stderr; the forward then runs eagerly (``state``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,20 +35,16 @@ class CompiledLayers:
         return self.switch.state
 
     def run(self, fn: Callable[[], Any]) -> Any:
-        return self.switch.run(lambda: self._swapped_run(fn), fn)
+        return self.switch.run(lambda: self._swapped(fn), fn)
 
-    def _swapped_run(self, fn: Callable[[], Any]) -> Any:
-        with self._swapped():
-            return fn()
-
-    @contextmanager
-    def _swapped(self) -> Iterator[None]:
+    def _swapped(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with each layer's compiled forward in place of its own, for this call only."""
         if self.compiled is None:
             self.compiled = [torch.compile(layer.forward, dynamic=True) for layer in self.layers]
         try:
             for layer, forward in zip(self.layers, self.compiled, strict=True):
                 layer.forward = forward
-            yield
+            return fn()
         finally:
             for layer in self.layers:
                 layer.__dict__.pop("forward", None)
