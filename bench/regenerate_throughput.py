@@ -106,7 +106,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     print(f"  process: {process_line(s['phases'], exit_s)}", flush=True)
     for r, phases in enumerate(s["device_phases"]):
         print(f"  worker {r} ({devices[r]}): {process_line(phases, None)}", flush=True)
-    host = host_samples(samples, run_dir, cfg, len(devices))
+    host = host_samples(samples, cfg, len(devices))
     for where in host[0]["own"][:8] if host else []:
         print(f"  host samples (own): {where['share']:.1%} {where['where']}", flush=True)
     return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
@@ -119,13 +119,14 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             "host_samples": host}
 
 
-def host_samples(wanted: Path, run_dir: Path, cfg: Any, devices: int) -> list[dict[str, Any]]:
+def host_samples(wanted: Path, cfg: Any, devices: int) -> list[dict[str, Any]]:
     """The regenerate step's host samples (``common.stack_sampler``, one summary per device): where the main thread
-    of each engine spent its time in the run just timed."""
-    if devices == 1:
-        paths = [wanted]
-    else:
-        paths = [host_samples_path(wanted, part_path(cfg.conversations_path, r), cfg) for r in range(devices)]
+    of each engine spent its time in the run just timed. A summary the run did not write is said, not skipped."""
+    outs = [cfg.conversations_path] if devices == 1 else [part_path(cfg.conversations_path, r) for r in range(devices)]
+    paths = [host_samples_path(wanted, out, cfg) for out in outs]
+    for p in paths:
+        if not p.exists():
+            print(f"  host samples: {p} was not written", flush=True)
     return [json.loads(p.read_text()) for p in paths if p.exists()]
 
 
