@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from common.cli import exception_line
 
@@ -22,6 +23,14 @@ T = TypeVar("T")
 def no_uncompiled_fallback() -> Any:
     """Past dynamo's recompile limit, raise (``is_recompile_limit``) rather than run uncompiled."""
     return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+def no_duck_sizing() -> Any:
+    """Trace with every dynamic size a symbol of its own. Dynamo's duck sizing gives sizes that are equal at trace
+    time one symbol (a batch of 3 rows and 3 kv heads, 64 rows and a head of 64) and guards on the equality, so each
+    call where they differ compiles again: seconds each on an H200, and a step toward the recompile limit. Read at
+    trace time only, so a call that traces nothing pays only the patch (~20 us)."""
+    return fx_config.patch(use_duck_shape=False)
 
 
 def is_recompile_limit(e: BaseException) -> bool:
@@ -46,11 +55,11 @@ class CompileSwitch:
         self.state = "compiled"  # or "off: <why>"
 
     def run(self, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
-        """``compiled()`` under ``no_uncompiled_fallback`` while on; ``eager()`` once off (the call that turned it
-        off included: what the compiled call had done must be safe to redo eagerly)."""
+        """``compiled()`` under ``no_uncompiled_fallback`` and ``no_duck_sizing`` while on; ``eager()`` once off (the
+        call that turned it off included: what the compiled call had done must be safe to redo eagerly)."""
         if self.state == "compiled":
             try:
-                with no_uncompiled_fallback():
+                with no_uncompiled_fallback(), no_duck_sizing():
                     return compiled()
             except Exception as e:  # noqa: BLE001 - only a compile failure falls back; anything else is raised
                 if not is_compile_failure(e):
