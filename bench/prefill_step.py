@@ -7,7 +7,7 @@ Why: in the multi-turn regeneration bench (``"regenerate"``, ninth session) a co
 new tokens attending over the pages its conversation already holds, took 66 ms a forward: 358 forwards of 26 rows
 on average, 26 of the run's 124 engine seconds, for a few thousand tokens a forward that the H200 computes in a few
 ms. This runs such forwards alone, as the engine calls them (``Stream._prefill``: the rows' suffixes right-padded,
-padded again to ``suffix_shape``; logits at each row's last token), on a random-weight target of SmolLM2-135M's
+padded again to ``prefill_shape``; logits at each row's last token), on a random-weight target of SmolLM2-135M's
 shape, over a pool where every row holds its prefix's pages:
 
 - a shape ``RxW+P``: R rows, W new tokens each, after P cached positions (P = 0: a fresh prefill, causal over its
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
-from target.batched import PAGE, BatchedTarget, suffix_shape  # noqa: E402
+from target.batched import PAGE, BatchedTarget, prefill_shape  # noqa: E402
 
 # 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); the others
 # bracket it; 16x512+0 and 64x256+0: first turns
@@ -58,7 +58,7 @@ def forward_call(target: BatchedTarget, rows: int, width: int, prefix: int):
     function of no arguments, over a fresh pool sized for them."""
     dev = target.device
     continued = prefix > 0
-    b, w = suffix_shape(rows, width) if continued else (rows, width)
+    b, w = prefill_shape(rows, width)
     per_row = -(-(prefix + w + 1) // PAGE)
     cache = target.new_paged_cache(b, 1 + b * per_row, max_len=per_row * PAGE, attention="flex")
     for r in range(b):
@@ -94,7 +94,7 @@ def measure(target: BatchedTarget, shape: tuple[int, int, int], repeats: int) ->
     _, first = synced_ms(call, cuda)
     runs = [synced_ms(call, cuda) for _ in range(repeats)]
     prof = summarize(kernel_times(call, 2), top=8)
-    padded = suffix_shape(rows, width) if prefix else (rows, width)
+    padded = prefill_shape(rows, width)
     return {"shape": f"{rows}x{width}+{prefix}", "rows": rows, "width": width, "prefix": prefix,
             "padded": list(padded), "kernel": "suffix (flex)" if prefix else "fresh (sdpa)",
             "first_ms": round(first, 3), "again_ms": round(statistics.median(r[1] for r in runs), 3),

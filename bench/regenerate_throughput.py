@@ -23,16 +23,16 @@ Figures, bench/results.json:
   imports, prompts read, devices, backend: model load, resume), validate, close, and ``process_s``, its age when
   the step returned; ``exit_s`` = seconds - process_s, the summary's writing and the interpreter's exit, CUDA's
   teardown included; with several devices ``device_phases``, each worker's own),
-  conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens,
-  preemptions, and where its seconds went: prefill and decode forwards, its host work, the caller's, decode
-  steps by live rows; printed as one line per device); exact_matches of --exact-prompts first turns answered
-  in fp32 by the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``: the
-  engine alone (in this process) on N first turns with each paged-attention kernel (flex: each row reads its
-  own pages; gather: a rectangle up to the furthest row), flex both with its decode step replayed from CUDA
-  graphs (``flex_graphs``, the engine's default on CUDA) and run eagerly (``flex_eager``,
-  $EAGLE3_DECODE_GRAPHS=0): generated tokens/s, decode steps and those replayed from graphs each, and how many
-  answers agree with ``flex_graphs``'; with --baseline-prompts N,
-  plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
+  conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens, preemptions, and
+  where its seconds went: prefill and decode forwards, its host work, the caller's, decode steps by live rows; printed
+  as one line per device; its ``timeline``, second by second: decoded tokens, live rows, prefill seconds, plotted in
+  regenerate_timeline.png beside the results file); exact_matches of --exact-prompts first turns answered in fp32 by
+  the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``: the engine alone (in
+  this process) on N first turns with each paged-attention kernel (flex: each row reads its own pages; gather: a
+  rectangle up to the furthest row), flex both with its decode step replayed from CUDA graphs (``flex_graphs``, the
+  engine's default on CUDA) and run eagerly (``flex_eager``, $EAGLE3_DECODE_GRAPHS=0): generated tokens/s, decode
+  steps and those replayed from graphs each, and how many answers agree with ``flex_graphs``'; with --baseline-prompts
+  N, plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
 - "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
   regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
 """
@@ -54,7 +54,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import command_line, device_name, record  # noqa: E402
+from bench.results import command_line, device_name, record, results_path  # noqa: E402
 from bench.runs import run  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
 from data_prep.regenerate import HOST_SAMPLES_ENV, host_samples_path, part_path, phase_text  # noqa: E402
@@ -109,6 +109,10 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     host = host_samples(samples, cfg, len(devices))
     for where in host[0]["own"][:8] if host else []:
         print(f"  host samples (own): {where['share']:.1%} {where['where']}", flush=True)
+    png = results_path().with_name("regenerate_timeline.png")
+    plot_timeline(engines, f"{gpus} device(s), {s['written']} conversations, {s['answer_tokens'] / seconds:.0f} tok/s "
+                  f"end to end ({seconds:.0f} s)", png)
+    print(f"  timeline: {png}", flush=True)
     return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
             "seconds": round(seconds, 2), "regenerate_step_s": round(s["seconds"], 2),
             "outside_step_s": round(seconds - s["seconds"], 2), "exit_s": exit_s, "process_phases": s["phases"],
@@ -117,6 +121,34 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
             "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype,
             "host_samples": host}
+
+
+def plot_timeline(engines: dict[str, dict[str, Any]], title: str, path: Path) -> None:
+    """Each engine's run second by second (``Stream.stats``'s ``timeline``): decoded tokens/s, live rows and the
+    share of each second spent in prefill forwards. Where a run's time goes over its course: the full-batch start,
+    the tail of the longest conversations, and the compiles and prefills that stall the decode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    share = ax2.twinx()
+    for device, e in engines.items():
+        t = e["timeline"]
+        xs = [i * t["bin_s"] for i in range(len(t["tokens"]))]
+        ax.plot(xs, [n / t["bin_s"] for n in t["tokens"]], lw=0.8, label=f"{device}: decoded tokens/s")
+        ax2.plot(xs, t["live_rows"], lw=0.8, label=f"{device}: live rows (most in the second)")
+        share.fill_between(xs, 0, [min(p / t["bin_s"], 1.0) for p in t["prefill_s"]], step="mid", alpha=0.25,
+                           color="tab:red", label=f"{device}: share of the second in prefill forwards (right)")
+    ax.set(ylabel="tokens/s", title=f"regeneration, second by second: {title}")
+    ax2.set(xlabel="seconds since the engine started", ylabel="rows")
+    share.set(ylim=(0, 1), ylabel="prefill share")
+    ax.legend(fontsize=8)
+    ax2.legend(handles=ax2.get_legend_handles_labels()[0] + share.get_legend_handles_labels()[0], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def host_samples(wanted: Path, cfg: Any, devices: int) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -342,16 +343,17 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: f
 
 def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float, enable_gqa: bool) -> Tensor:
     """The suffix prefill's flex call, its own code object (see ``_decode_attention``). Dynamic shapes keep it
-    to one graph for every suffix the engine pads (``suffix_shape``)."""
+    to one graph for every suffix the engine pads (``prefill_shape``)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def suffix_shape(rows: int, width: int) -> tuple[int, int]:
-    """The (rows, width) a suffix prefill is padded to: at least 2 rows and more than one query block. Dynamo
-    specialises sizes 0 and 1, so unpadded suffixes fall into 6 shape classes, 6 compiles of several seconds
-    each on an H200 (a B=1 or T=1 or one-block suffix each its own); padded they share one graph."""
+def prefill_shape(rows: int, width: int) -> tuple[int, int]:
+    """The (rows, width) a prefill is padded to on CUDA: at least 2 rows and more than one query block. Dynamo
+    specialises sizes 0 and 1, so unpadded suffixes fell into 6 shape classes, 6 compiles of several seconds
+    each on an H200 (a B=1 or T=1 or one-block suffix each its own); padded they share one graph, and so do a fresh
+    prefill's compiled layers."""
     return max(rows, 2), max(width, FLEX_Q_BLOCK + 1)
 
 
@@ -374,13 +376,14 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
 
 def flex_suffix(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
     """Flex attention of suffix queries q (B, heads, T, d) over the pooled k, v (kv, S, d), grouped query heads
-    by flex itself. On CUDA compiled with dynamic shapes (``_suffix_attention``). On a CPU uncompiled:
-    inductor's CPU template fails to build this kernel with dynamic shapes (torch 2.13: a C++ compile error),
-    and the mask is exact for every key, so the eager kernel gives the same answer (CPU tests check the mask
-    and tables)."""
+    by flex itself. Called eagerly on CUDA it runs its own kernel, compiled with dynamic shapes
+    (``_suffix_attention``); traced inside a compiled layer (``suffix_layer``) it is part of that graph. On a CPU
+    uncompiled: inductor's CPU template fails to build this kernel with dynamic shapes (torch 2.13: a C++ compile
+    error), and the mask is exact for every key, so the eager kernel gives the same answer (CPU tests check the
+    mask and tables)."""
     global _compiled_suffix
     gqa = q.shape[1] != k.shape[0]
-    if not q.is_cuda:
+    if not q.is_cuda or torch.compiler.is_compiling():
         return _suffix_attention(q, k[None], v[None], block_mask, scale, gqa)
     if _compiled_suffix is None:
         _compiled_suffix = torch.compile(_suffix_attention, dynamic=True)
@@ -417,7 +420,8 @@ def attention_inputs(layer: torch.nn.Module, h: Tensor, cos: Tensor, sin: Tensor
                      head_dim: int, apply_rope: Callable[..., tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
     """A decoder layer's queries, keys and values (B, heads|kv, T, d) for hidden states h (B, T, H): its input norm,
     projections (qwen3's per-head norms) and rotation. With ``after_attention``, everything of a layer but the
-    attention and the cache writes: the two pieces ``BatchedTarget`` compiles on CUDA."""
+    attention and the cache writes: the pieces ``BatchedTarget`` compiles on CUDA (a prefill's in one call a layer,
+    ``fresh_layer`` and ``suffix_layer``)."""
     b, t, _ = h.shape
     x = layer.input_layernorm(h)
     att = layer.self_attn
@@ -438,15 +442,40 @@ def after_attention(layer: torch.nn.Module, h: Tensor, o: Tensor) -> Tensor:
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def fresh_layer(layer: torch.nn.Module, nxt: torch.nn.Module, h: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
+                sin: Tensor, heads: int, kv_heads: int, head_dim: int, apply_rope: Callable[..., tuple[Tensor, Tensor]],
+                scale: float) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """A fresh prefill's layer from its queries, keys and values on (causal attention over its own tokens, then
+    ``after_attention``), and layer ``nxt``'s queries, keys and values: on CUDA one compiled call a layer, where the
+    two pieces and the attention were three calls of 0.2-0.5 ms each on the host (``"prefill_step"``, tenth
+    session: 90 calls held 42 of a 51 ms forward). The keys and values are written to the cache between calls."""
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=kv_heads != heads)
+    h = after_attention(layer, h, o)
+    return h, attention_inputs(nxt, h, cos, sin, heads, kv_heads, head_dim, apply_rope)
+
+
+def suffix_layer(layer: torch.nn.Module, nxt: torch.nn.Module, h: Tensor, q: Tensor, k_pool: Tensor, v_pool: Tensor,
+                 block_mask: Any, cos: Tensor, sin: Tensor, heads: int, kv_heads: int, head_dim: int,
+                 apply_rope: Callable[..., tuple[Tensor, Tensor]], scale: float
+                 ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """``fresh_layer`` for a suffix prefilled after its row's cached prefix: flex attention over the pooled keys and
+    values of this layer (the suffix's own written there first), the rest of the layer, the next one's inputs."""
+    o = flex_suffix(q, k_pool, v_pool, block_mask, scale)
+    h = after_attention(layer, h, o)
+    return h, attention_inputs(nxt, h, cos, sin, heads, kv_heads, head_dim, apply_rope)
+
+
 class BatchedTarget:
     """A loaded HF causal LM (one of ``SUPPORTED_MODEL_TYPES``) driven slot by slot.
 
-    On CUDA a layer's work around its attention runs as two compiled pieces (``attention_inputs``,
-    ``after_attention``; dynamic shapes, shared by every layer and every batch shape after a graph or two). Why:
-    HF's eager layer is some 35 small kernels, and a prefill forward of SmolLM2-135M's 30 layers spent 40-60 ms on
-    the host launching them against 13-26 ms of kernels on an H200 (``"prefill_step"``, tenth session); fused, a
-    decode step's norms and casts shrink too. A compile that fails turns them off for the process
-    (``compile_guard.CompileSwitch``)."""
+    On CUDA a layer's work around its attention runs compiled (dynamic shapes, shared by every layer and every batch
+    shape after a graph or two): a decode step's as two pieces (``attention_inputs``, ``after_attention``) around its
+    flex kernel, inside the step's CUDA graph; a prefill's as one call a layer, its attention included, that also
+    makes the next layer's queries, keys and values (``fresh_layer``, ``suffix_layer``), with the cache writes between
+    calls. Why: HF's eager layer is some 35 small kernels, and a prefill forward of SmolLM2-135M's 30 layers spent
+    40-60 ms on the host launching them against 13-26 ms of kernels on an H200; as three compiled calls a layer it
+    still spent 40-50 ms, 0.2-0.5 ms a call (``"prefill_step"``, tenth session). A compile that fails turns them
+    off for the process (``compile_guard.CompileSwitch``)."""
 
     def __init__(self, model: torch.nn.Module, aux_layer_ids: Sequence[int] = ()):
         reason = unsupported_reason(model)
@@ -559,36 +588,47 @@ class BatchedTarget:
             if paged:  # each row's first pages, in order: whole pages are copied (memcpy-sized pieces)
                 gather = cache.page_table[rows][:, : -(-span // cache.page)].reshape(-1).long()
         keep: dict[int, Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._piece(attention_inputs, layer, h, cos, sin, self.heads, self.kv_heads, self.head_dim,
-                                  self.apply_rope)
-            if paged:  # (kv, B*T, d) into the pool
-                cache.k[i].index_copy_(1, where, k.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
-                cache.v[i].index_copy_(1, where, v.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
-            elif fresh:
-                cache.k[i, rows, :, :t] = k
-                cache.v[i, rows, :, :t] = v
-            if fresh:  # without cuDNN: it builds a plan per new shape, 50-100 ms each (``"prefill_step"``)
-                with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                                       enable_gqa=self.kv_heads != self.heads)
-            elif kind == "decode":  # the query heads sharing a kv head folded into the query axis, as below
-                o = flex_decode(q.reshape(b, self.kv_heads, groups, self.head_dim), cache.k[i], cache.v[i],
-                                block_mask, self.scaling).reshape(b, self.heads, 1, self.head_dim)
-            elif kind == "suffix":
-                o = flex_suffix(q, cache.k[i], cache.v[i], block_mask, self.scaling)
-            elif paged:
-                layer_k = cache.rows_rectangle(cache.k[i], gather, b)
-                layer_v = cache.rows_rectangle(cache.v[i], gather, b)
-                o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask, self.scaling)
-            else:
-                layer_k, layer_v = cache.k[i, rows], cache.v[i, rows]  # views (rows is a slice)
-                layer_k[batch_index, :, positions] = k.transpose(1, 2)
-                layer_v[batch_index, :, positions] = v.transpose(1, 2)
-                o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask, self.scaling)
-            h = self._piece(after_attention, layer, h, o)
-            if aux and i in self.aux_layer_ids:
-                keep[i] = h
+        shape = (self.heads, self.kv_heads, self.head_dim, self.apply_rope)
+        layers = len(self.layers)
+        qkv: tuple[Tensor, Tensor, Tensor] | None = None  # this layer's, when the previous layer's call made them
+        # A fresh prefill's SDPA without cuDNN: it builds a plan per new shape, 50-100 ms each (``"prefill_step"``).
+        with sdpa_kernel(list(RIGHT_PADDED_SDPA)) if fresh else nullcontext():
+            for i, layer in enumerate(self.layers):
+                q, k, v = qkv if qkv is not None else self._piece(attention_inputs, layer, h, cos, sin, *shape)
+                if paged:  # (kv, B*T, d) into the pool
+                    cache.k[i].index_copy_(1, where, k.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
+                    cache.v[i].index_copy_(1, where, v.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
+                elif fresh:
+                    cache.k[i, rows, :, :t] = k
+                    cache.v[i, rows, :, :t] = v
+                if fresh or kind == "suffix":
+                    # One call for the rest of this layer and the next one's inputs. The last layer's makes layer
+                    # 0's and drops them (~1 % of a forward): one graph serves every layer, where a last layer of
+                    # its own would be a second compile.
+                    nxt = self.layers[(i + 1) % layers]
+                    if fresh:
+                        h, qkv = self._piece(fresh_layer, layer, nxt, h, q, k, v, cos, sin, *shape, self.scaling)
+                    else:
+                        h, qkv = self._piece(suffix_layer, layer, nxt, h, q, cache.k[i], cache.v[i], block_mask, cos,
+                                             sin, *shape, self.scaling)
+                else:
+                    if kind == "decode":  # the query heads sharing a kv head folded into the query axis, as below
+                        o = flex_decode(q.reshape(b, self.kv_heads, groups, self.head_dim), cache.k[i], cache.v[i],
+                                        block_mask, self.scaling).reshape(b, self.heads, 1, self.head_dim)
+                    elif paged:
+                        layer_k = cache.rows_rectangle(cache.k[i], gather, b)
+                        layer_v = cache.rows_rectangle(cache.v[i], gather, b)
+                        o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask,
+                                                      self.scaling)
+                    else:
+                        layer_k, layer_v = cache.k[i, rows], cache.v[i, rows]  # views (rows is a slice)
+                        layer_k[batch_index, :, positions] = k.transpose(1, 2)
+                        layer_v[batch_index, :, positions] = v.transpose(1, 2)
+                        o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask,
+                                                      self.scaling)
+                    h = self._piece(after_attention, layer, h, o)
+                if aux and i in self.aux_layer_ids:
+                    keep[i] = h
         logits = None
         if logits_at is not None:
             logits = self.lm_head(self.final_norm(h[torch.arange(b, device=h.device), logits_at]))

@@ -57,7 +57,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.batching import length_batches
-from target.batched import PAGE, BatchedTarget, suffix_shape
+from target.batched import PAGE, BatchedTarget, prefill_shape
 from target.decode_graphs import DecodeGraphs
 from target.loops import check_window, loop_start, may_loop
 
@@ -84,6 +84,7 @@ CONTINUE_BYTES = 1 << 30
 CPU_CONTINUE_BYTES = 1 << 26
 LIVE_ROW_BUCKETS = (8, 64, 512)  # stats: decode steps by live rows, <= each and above the last
 HOST_PHASES = ("release", "continue", "admit", "compact", "pages", "tokens")  # stats: engine_host_s_by_phase
+TIMELINE_BIN_S = 1.0  # stats: the run's timeline, in bins of this many seconds
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,32 @@ class _Timing:
                 "engine_host_s_by_phase": {k: round(v, 2) for k, v in self.host_phases.items()},
                 "steps_by_live_rows": dict(zip(names, self.live_steps, strict=True)),
                 "decode_s_by_live_rows": {n: round(x, 2) for n, x in zip(names, self.live_decode_s, strict=True)}}
+
+
+@dataclass
+class _Timeline:
+    """The run in bins of ``bin_s`` seconds, each poll counted in the bin it ended in: tokens decoded, the most live
+    rows, prefill seconds. Why: a multi-turn run's tail (its longest conversations, a few rows a step) can take as
+    long as its full-batch start, and totals do not show it (bench/regenerate_throughput.py plots this)."""
+
+    bin_s: float = TIMELINE_BIN_S
+    tokens: list[int] = field(default_factory=list)
+    live_rows: list[int] = field(default_factory=list)
+    prefill_s: list[float] = field(default_factory=list)
+
+    def add(self, at: float, tokens: int, live: int, prefill_s: float) -> None:
+        i = int(at / self.bin_s)
+        while len(self.tokens) <= i:
+            self.tokens.append(0)
+            self.live_rows.append(0)
+            self.prefill_s.append(0.0)
+        self.tokens[i] += tokens
+        self.live_rows[i] = max(self.live_rows[i], live)
+        self.prefill_s[i] += prefill_s
+
+    def stats(self) -> dict[str, Any]:
+        return {"bin_s": self.bin_s, "tokens": self.tokens, "live_rows": self.live_rows,
+                "prefill_s": [round(x, 3) for x in self.prefill_s]}
 
 
 def plan_rows(target: BatchedTarget, wanted: int, cpu_rows: int, rows: int | None = None) -> int:
@@ -355,6 +382,7 @@ class Stream:
         self.produced = self.steps = self.preempted = self.discarded = self.prefilled = self._order = 0
         self.reused = self.continued = 0
         self.timing = _Timing()
+        self.timeline = _Timeline()
         self.shapes: set[int] = set()  # padded batch sizes decoded so far (flex compiles one kernel each)
         self.started = time.perf_counter()
 
@@ -400,7 +428,7 @@ class Stream:
     def poll(self) -> list[tuple[Hashable, Generated]]:
         """One round of work (free the finished rows nobody continued, prefill continuations when due, admit
         into free rows, one decode step); the answers that finished in it."""
-        start = time.perf_counter()
+        start, produced, prefill = time.perf_counter(), self.produced, self.timing.prefill_s
         with self._host_phase("release"):
             for row, _ in self.parked.values():
                 self._release_row(row)
@@ -423,7 +451,9 @@ class Stream:
             self.step()
         done = list(self.done)
         self.done.clear()
-        self.timing.poll_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.timing.poll_s += end - start
+        self.timeline.add(end - self.started, self.produced - produced, self.live, self.timing.prefill_s - prefill)
         return done
 
     @contextmanager
@@ -436,14 +466,17 @@ class Stream:
     def stats(self) -> dict[str, Any]:
         """What the run did, for summaries and benchmarks: tokens (``prefill_tokens`` prefilled,
         ``reused_prefix_tokens`` taken from a row's cache instead, in ``continued`` requests), where the
-        seconds went (``_Timing.stats``), and the decode steps replayed from CUDA graphs (``DecodeGraphs.stats``)."""
+        seconds went (``_Timing.stats``), the decode steps replayed from CUDA graphs (``DecodeGraphs.stats``),
+        whether the target's compiled layer pieces stayed compiled (a compile failure turns them off, said once),
+        and the run second by second (``_Timeline``)."""
         seconds = time.perf_counter() - self.started
         return {"rows": self.rows, "pages": self.cache.pages, "page_positions": self.cache.page,
                 "attention": self.cache.attention, "suffix_attention": self.cache.suffix_kernel,
                 "steps": self.steps, "decoded_tokens": self.produced,
                 "prefill_tokens": self.prefilled, "reused_prefix_tokens": self.reused, "continued": self.continued,
                 "preempted": self.preempted, "discarded_tokens": self.discarded, "seconds": round(seconds, 2),
-                **self.timing.stats(seconds), **self.decode.stats()}
+                "compiled_pieces": self.t.pieces.state, **self.timing.stats(seconds), **self.decode.stats(),
+                "timeline": self.timeline.stats()}
 
     def tokens_per_s(self) -> float:
         return self.produced / max(time.perf_counter() - self.started, 1e-9)
@@ -561,8 +594,8 @@ class Stream:
         n = len(group)
         continued = any(reuse for _, _, reuse in group)
         padded, width = group, max(len(r.prompt) - reuse for _, r, reuse in group)
-        if continued and self.cache.suffix_kernel == "flex":  # one compiled shape class (``suffix_shape``)
-            b, width = suffix_shape(n, width)
+        if self.t.device.type == "cuda":  # one compiled shape class (``prefill_shape``)
+            b, width = prefill_shape(n, width)
             padded = group + group[:1] * (b - n)  # a repeated row writes the same keys twice
         starts = [reuse for _, _, reuse in padded]
         lens = [len(r.prompt) - reuse for _, r, reuse in padded]

@@ -1,7 +1,7 @@
 """bench/prefill_step.py's CPU plumbing on a one-layer target: one "prefill_step" object with a run per shape, a
-fresh prefill (SDPA) or a continuation (the suffix kernel) at the engine's padded shape (``suffix_shape``: at least
-2 rows and one query block plus one); the first call's time, the median again and the time to return; no kernel
-profile on a CPU. A malformed shape is refused by name."""
+fresh prefill (SDPA) or a continuation (the suffix kernel) at the shape the engine pads to on CUDA
+(``prefill_shape``: at least 2 rows and one query block plus one); the first call's time, the median again and the
+time to return; no kernel profile on a CPU. A malformed shape is refused by name."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_the_cpu_plumbing_records_a_run_per_shape(bench_results) -> None:
     assert obj["device"].startswith("cpu") and obj["date"] and obj["command"] and obj["layers"] == 1
     runs = obj["runs"]
     assert [(r["shape"], r["kernel"]) for r in runs] == [("2x8+0", "fresh (sdpa)"), ("1x5+130", "suffix (flex)")]
-    assert runs[0]["padded"] == [2, 8] and runs[1]["padded"] == [2, 129]
+    assert runs[0]["padded"] == [2, 129] and runs[1]["padded"] == [2, 129]
     for r in runs:
         assert r["first_ms"] > 0 and r["again_ms"] >= r["host_ms"] > 0 and r["tokens_per_s"] > 0
         assert r["profiled"] is False and r["kernel_ms"] == 0

@@ -164,6 +164,10 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     assert list(steps) == list(seconds) == ["<=8", "<=64", "<=512", ">512"]
     assert sum(steps.values()) == s["steps"] and steps["<=8"] > 0 and steps["<=64"] > 0  # 12 rows, then fewer
     assert steps["<=512"] == steps[">512"] == 0 and abs(sum(seconds.values()) - s["decode_s"]) < 0.05
+    line = s["timeline"]  # the run second by second: every token and prefill second in one bin, rows at most 12
+    assert len(line["tokens"]) == len(line["live_rows"]) == len(line["prefill_s"]) >= int(s["seconds"] / line["bin_s"])
+    assert sum(line["tokens"]) == s["decoded_tokens"] and abs(sum(line["prefill_s"]) - s["prefill_s"]) < 0.05
+    assert max(line["live_rows"]) == 12 and s["compiled_pieces"] == "compiled"  # (compiled on CUDA only)
 
 
 def test_per_prompt_budgets_and_stop_tokens() -> None:
