@@ -47,6 +47,10 @@ from target.hf_model import RIGHT_PADDED_SDPA
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 FLEX_Q_BLOCK = 128  # flex attention's query block (a suffix's queries, in blocks of this many)
 PAGE = 128  # positions per page of a PagedKVCache: flex attention's key block, so a row reads whole pages of its own
+# Compiles of the decode step's flex kernel a process may make: one per padded batch size and pool, so a process
+# that builds several streams (an eval's references, a module of CUDA tests) adds up to four each, and dynamo's
+# default limit of 8 sent the third stream's decode to gather. Called only eagerly and at CUDA graph captures.
+DECODE_COMPILES = 64
 ATTENTION_ENV = "EAGLE3_PAGED_ATTENTION"  # "flex" or "gather": overrides the device's default (benchmarks A/B them)
 
 
@@ -370,7 +374,7 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
     if _compiled_flex is None:
         compile_flex_decode()
     assert _compiled_flex is not None
-    with no_uncompiled_fallback():
+    with no_uncompiled_fallback(), torch._dynamo.config.patch(recompile_limit=DECODE_COMPILES):
         return _compiled_flex(q, k[None], v[None], block_mask=block_mask, scale=scale)
 
 

@@ -57,6 +57,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.batching import length_batches
+from common.queued_copy import queued_to_device
 from target.batched import PAGE, BatchedTarget, prefill_shape
 from target.decode_graphs import DecodeGraphs
 from target.loops import check_window, loop_start, may_loop
@@ -367,6 +368,8 @@ class Stream:
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.last = torch.zeros(n, dtype=torch.long, device=dev)
         self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a row serving a request
+        self.stopped_rows: list[int] = []  # rows whose alive flag and
+        self.freed_rows: list[int] = []  # rows whose pos go to 0 before the next forward (``_apply_row_flags``)
         # last and pos are updated in place, never rebound: a decode graph reads them where it was captured
         self.decode = DecodeGraphs(target, self.cache, self.last, self.pos)
         self.host = _HostTokens(n, dev, margins)
@@ -603,18 +606,21 @@ class Stream:
         for j, (_, r, reuse) in enumerate(padded):
             ids[j, : lens[j]] = torch.tensor(r.prompt[reuse:])
         end = max(len(r.prompt) for _, r, _ in group)
-        positions = (torch.tensor(starts)[:, None] + torch.arange(width)[None]).clamp_(max=end).to(dev)
-        index = torch.tensor([row for row, _, _ in padded], device=dev)
-        at = torch.tensor(lens, device=dev) - 1
+        # Inputs queued behind the decode step still on the device (a pageable copy would wait for it first).
+        positions = queued_to_device((torch.tensor(starts)[:, None] + torch.arange(width)[None]).clamp_(max=end), dev)
+        index = queued_to_device(torch.tensor([row for row, _, _ in padded]), dev)
+        at = queued_to_device(torch.tensor(lens) - 1, dev)
+        self._apply_row_flags()  # before this group's rows get theirs below
         t0 = time.perf_counter()
-        out = self.t.forward(self.cache, index, ids.to(dev), positions, fresh=not continued, logits_at=at)
+        out = self.t.forward(self.cache, index, queued_to_device(ids, dev), positions, fresh=not continued,
+                             logits_at=at)
         logits = out.logits[:n]
         first = self.pick(logits)
         self._sync()
         self.timing.prefill(time.perf_counter() - t0, continued=continued)
         margins = self._margins(logits, n)
         index, starts, lens = index[:n], starts[:n], lens[:n]
-        self.pos[index] = torch.tensor([len(r.prompt) for _, r, _ in group], device=dev)
+        self.pos[index] = queued_to_device(torch.tensor([len(r.prompt) for _, r, _ in group]), dev)
         self.last[index] = first
         self.alive[index] = 1
         self.prefilled += sum(lens)
@@ -749,15 +755,29 @@ class Stream:
         assert r is not None
         self.owed -= self._owed(row, r)
         self.request[row], self.tokens[row], self.margins[row] = None, [], []
-        self.alive[row] = 0
+        self.stopped_rows.append(row)  # its alive flag goes to 0 before the next forward (``_apply_row_flags``)
         self.live -= 1
 
     def _release_row(self, row: int) -> None:
         """Free a row that serves nothing: its pages back to the pool, the row back to the free heap."""
         self.cache.release(row)
         self.length[row] = 0
-        self.pos[row] = 0  # a free row below the last live one still runs: its writes go to the scratch page
+        self.freed_rows.append(row)  # pos 0: a free row below the last live one still runs, writing to the scratch page
         heapq.heappush(self.free, row)
+
+    def _apply_row_flags(self) -> None:
+        """Zero the alive flags of the rows that stopped and the positions of the rows freed since the last forward,
+        in two fills queued behind the device's work. Written one element at a time from the host, each waited for
+        the device (the step launched one ahead): that one line was 30 % of the engine's host time in an H200 run's
+        host samples (issue #20). Runs before anything reads or writes the flags: a forward, a prefill's own
+        flags, a compaction."""
+        dev = self.t.device
+        if self.stopped_rows:
+            self.alive.index_fill_(0, queued_to_device(torch.tensor(self.stopped_rows), dev), 0)
+            self.stopped_rows = []
+        if self.freed_rows:
+            self.pos.index_fill_(0, queued_to_device(torch.tensor(self.freed_rows), dev), 0)
+            self.freed_rows = []
 
     def step(self) -> int:
         """Launch one decode token for every row up to the last live one, then read the tokens of the step
@@ -778,6 +798,7 @@ class Stream:
         hi = self.last_live() + 1
         b = decode_rows(hi, self.rows, self.buckets)
         cuda = self.t.device.type == "cuda"
+        self._apply_row_flags()
         t0 = time.perf_counter()
         start: Any = None
         if cuda:
@@ -843,6 +864,7 @@ class Stream:
         if not moves:
             return
         dev = self.t.device
+        self._apply_row_flags()
         srcs, dsts = [s for s, _ in moves], [d for _, d in moves]
         self.cache.move_rows(srcs, dsts)
         src, dst = torch.tensor(srcs, device=dev), torch.tensor(dsts, device=dev)

@@ -270,7 +270,9 @@ def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> 
 def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failure: str, monkeypatch, capsys) -> None:
     """A flex suffix kernel that does not build, or that meets dynamo's recompile limit after it ran (then dynamo
     would run flex uncompiled, whose dense scores do not fit on a GPU): suffixes gather from then on (one
-    warning), the decode step keeps flex, and every turn is still greedy's."""
+    warning), the decode step keeps flex, and every turn is still greedy's. The kernel called on its own, as it is
+    on a CPU and on CUDA once the compiled layers are off (on CUDA it is otherwise traced into the compiled
+    ``suffix_layer``, where a failure turns the layers off first: test_target_decode_graphs)."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
     import target.batched as bt
@@ -290,6 +292,7 @@ def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failu
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
     stream = Stream(BatchedTarget(model), STOPS, max_len=200, cpu_rows=3, attention="flex")
+    stream.t.pieces.state = "off: the test drives the suffix kernel called on its own"
     seen = converse(stream, prompts(5, 3, 40, seed=8), 2, lambda i: 12)
     s = stream.stats()
     assert s["attention"] == "flex" and s["continued"] == 5 and all_free(stream)

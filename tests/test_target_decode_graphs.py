@@ -268,6 +268,29 @@ def test_a_page_table_flush_queues_its_copies_without_waiting_on_the_device_cuda
 
 
 @cuda
+def test_rows_that_stop_or_are_freed_queue_their_flags_without_waiting_cuda() -> None:
+    """A row that stops (its alive flag) or is freed (its position) reaches the device in fills queued behind the
+    step on its way: one element written from the host waited for that step, a third of the engine's host time in
+    an H200 run (issue #20). The flags land before the next forward reads them."""
+    stream = Stream(BatchedTarget(tiny().cuda()), STOPS, max_len=120, rows=4, attention="flex")
+    for i, p in enumerate(prompts(4, 3, 20, seed=9)):
+        stream.submit(i, p, 50)
+    stream.poll()
+    stream.poll()  # a step is on its way
+    live = [r for r in range(4) if stream.request[r] is not None]
+    assert live and stream.launched is not None
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for row in live:
+            stream._preempt(row)  # stops serving (alive) and frees the row (pos)
+        stream._apply_row_flags()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert stream.alive[live].tolist() == [0] * len(live) and stream.pos[live].tolist() == [0] * len(live)
+    assert not stream.stopped_rows and not stream.freed_rows
+
+
+@cuda
 def test_the_compiled_layer_pieces_give_the_eager_forward_and_stay_compiled_cuda() -> None:
     """A prefill, a suffix over cached pages and decode steps of a few batch sizes with the pieces compiled: the
     logits of the same forwards with the pieces off (eager), and the pieces still on after every shape."""
