@@ -443,19 +443,23 @@ def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally) -> dict[
         stream.submit(batch)
 
     open_more()
-    for n, (key, completion) in enumerate(stream.results(), 1):
-        conv = open_[key]
-        conv.accept(completion)
-        if conv.wants_more():
-            stream.submit([(key, conv.request(), conv.tools)])
-        else:
-            del open_[key]
-            tally.settle(conv)
-            if tally.stop:
-                break
+    for finished in stream.results():
+        follow_ups = []  # submitted together: tokenized in one batch
+        for key, completion in finished:
+            conv = open_[key]
+            conv.accept(completion)
+            if conv.wants_more():
+                follow_ups.append((key, conv.request(), conv.tools))
+            else:
+                del open_[key]
+                tally.settle(conv)
+                if tally.stop:
+                    break
+        if tally.stop:
+            break
+        stream.submit(follow_ups)
         open_more()
-        if n % 64 == 0:
-            tally.bar.set_postfix(tok_s=round(stream.tokens_per_s()), open=len(open_), refresh=False)
+        tally.bar.set_postfix(tok_s=round(stream.tokens_per_s()), open=len(open_), refresh=False)
     stats = stream.stats()
     if "caller_s_by_part" in stats:
         stats["caller_s_by_part"]["write_s"] = round(tally.out.seconds, 2)

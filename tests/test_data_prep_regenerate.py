@@ -780,11 +780,11 @@ class ScriptedStream:
     def submit(self, items: list[tuple[Any, list[dict[str, str]], Any]]) -> None:
         self.queue += items
 
-    def results(self) -> Iterator[tuple[Any, Any]]:
+    def results(self) -> Iterator[list[tuple[Any, Any]]]:
         while self.queue:
             key, chat, tools = self.queue.pop(0)
             self.lines_seen.append((key, self.out.read_bytes().count(b"\n") if self.out.exists() else 0))
-            yield key, self.backend.complete([chat], [tools])[0]
+            yield [(key, self.backend.complete([chat], [tools])[0])]
 
     def tokens_per_s(self) -> float:
         return 0.0
