@@ -27,7 +27,6 @@ import argparse
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
+from bench.wall_clock import synced  # noqa: E402
 from target.batched import PAGE, BatchedTarget, prefill_shape  # noqa: E402
 
 # 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); the others
@@ -75,31 +75,19 @@ def forward_call(target: BatchedTarget, rows: int, width: int, prefix: int):
     return call
 
 
-def synced_ms(call, cuda: bool) -> tuple[float, float]:
-    """(wall ms to return, wall ms to finish) of one call."""
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    call()
-    returned = time.perf_counter()
-    if cuda:
-        torch.cuda.synchronize()
-    return (returned - t0) * 1e3, (time.perf_counter() - t0) * 1e3
-
-
 def measure(target: BatchedTarget, shape: tuple[int, int, int], repeats: int) -> dict:
     rows, width, prefix = shape
-    cuda = target.device.type == "cuda"
     call = forward_call(target, rows, width, prefix)
-    _, first = synced_ms(call, cuda)
-    runs = [synced_ms(call, cuda) for _ in range(repeats)]
+    first = synced(call, target.device).finished_s * 1e3
+    runs = [synced(call, target.device) for _ in range(repeats)]
+    again = statistics.median(r.finished_s for r in runs) * 1e3
     prof = summarize(kernel_times(call, 2), top=8)
     padded = prefill_shape(rows, width)
     return {"shape": f"{rows}x{width}+{prefix}", "rows": rows, "width": width, "prefix": prefix,
             "padded": list(padded), "kernel": "suffix (flex)" if prefix else "fresh (sdpa)",
-            "first_ms": round(first, 3), "again_ms": round(statistics.median(r[1] for r in runs), 3),
-            "host_ms": round(statistics.median(r[0] for r in runs), 3),
-            "tokens_per_s": round(rows * width / statistics.median(r[1] for r in runs) * 1e3, 1), **prof}
+            "first_ms": round(first, 3), "again_ms": round(again, 3),
+            "host_ms": round(statistics.median(r.returned_s for r in runs) * 1e3, 3),
+            "tokens_per_s": round(rows * width / again * 1e3, 1), **prof}
 
 
 def main(argv: list[str] | None = None) -> int:

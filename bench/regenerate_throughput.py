@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import command_line, device_name, record, results_path  # noqa: E402
 from bench.runs import run  # noqa: E402
+from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
 from data_prep.regenerate import HOST_SAMPLES_ENV, host_samples_path, part_path, phase_text  # noqa: E402
 from eval.prompts import render  # noqa: E402
@@ -258,16 +259,6 @@ def plain_generate(target: TargetModel, prompts: list[list[int]], max_new: int, 
     return out
 
 
-def timed(fn, device: torch.device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return result, time.perf_counter() - t
-
-
 AB_VARIANTS = {"flex_graphs": {ATTENTION_ENV: "flex", GRAPHS_ENV: "1"},
                "flex_eager": {ATTENTION_ENV: "flex", GRAPHS_ENV: "0"},
                "gather": {ATTENTION_ENV: "gather"}}  # the environment each variant runs under
@@ -285,8 +276,9 @@ def attention_ab(target: TargetModel, prompts: list[list[int]], max_new: int) ->
         stats: dict[str, Any] = {}
         try:
             generate(engine, prompts[:8], 8, stops, desc=f"warm-up {name}")
-            got, seconds = timed(lambda n=name, s=stats: generate(engine, prompts, max_new, stops, desc=n, stats=s),
-                                 target.device)
+            timed = synced(lambda n=name, s=stats: generate(engine, prompts, max_new, stops, desc=n, stats=s),
+                           target.device)
+            got, seconds = timed.result, timed.finished_s
         finally:
             for key in env:
                 del os.environ[key]
@@ -301,7 +293,8 @@ def attention_ab(target: TargetModel, prompts: list[list[int]], max_new: int) ->
 
 
 def baseline(target: TargetModel, prompts: list[list[int]], max_new: int, batch: int) -> dict[str, Any]:
-    plain, seconds = timed(lambda: plain_generate(target, prompts, max_new, batch), target.device)
+    timed = synced(lambda: plain_generate(target, prompts, max_new, batch), target.device)
+    plain, seconds = timed.result, timed.finished_s
     return {"baseline_prompts": len(prompts), "baseline_batch": batch,
             "baseline_gen_tokens_per_s": round(sum(map(len, plain)) / seconds, 1)}
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.random_smollm2 import random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
+from bench.wall_clock import synced  # noqa: E402
 from common.dtypes import torch_dtype  # noqa: E402
 from target.aux_layers import default_aux_layer_ids  # noqa: E402
 from target.hf_model import RIGHT_PADDED_SDPA, TargetModel  # noqa: E402
@@ -60,16 +60,6 @@ def forward_by_way(target: TargetModel, way: str, aux_ids: tuple[int, ...]) -> C
     return plain if way == "cudnn_allowed" else without_cudnn
 
 
-def timed_ms(fn: Callable[[torch.Tensor], Any], ids: torch.Tensor, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn(ids)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
-
-
 def measure(target: TargetModel, tokens: int, lengths: list[int], device: torch.device) -> dict[str, Any]:
     """Each way meets each length as a new shape: ``tokens // length + i`` rows for the i-th way."""
     n = target.num_layers  # a plumbing run's few layers: the first ones
@@ -81,8 +71,8 @@ def measure(target: TargetModel, tokens: int, lengths: list[int], device: torch.
         first, again = [], []
         for length in lengths:
             ids = torch.randint(0, target.vocab_size, (max(1, tokens // length) + i, length), generator=g).to(device)
-            first.append(round(timed_ms(fn, ids, device), 2))
-            again.append(round(timed_ms(fn, ids, device), 2))
+            first.append(round(synced(lambda f=fn, x=ids: f(x), device).finished_s * 1e3, 2))
+            again.append(round(synced(lambda f=fn, x=ids: f(x), device).finished_s * 1e3, 2))
         out[way] = {"first_ms_median": round(statistics.median(first), 2),
                     "again_ms_median": round(statistics.median(again), 2),
                     "first_ms": first, "again_ms": again}
