@@ -32,7 +32,9 @@ input and copied to pinned host memory without a wait), and only then are the pr
 booked (``Stream.step``). The host's bookkeeping, and the caller's work between polls, overlap the device's next
 step; on a GPU both were as long as the small steps themselves (issue #20). A row that ends at step k has run
 in step k + 1 too: that token is dropped, and its write lands past the positions the row holds (pages are given
-one position ahead, so it always has one). A CPU runs each step as it is launched: the same code, no overlap.
+one position ahead, so it always has one). A prefill's first tokens come the same way (``_Firsts``): its rows go
+live when it is launched, and its picks are taken into them when the next decode step has been launched, before
+any of that step's tokens. A CPU runs each step as it is launched: the same code, no overlap.
 
 ``Stream.stats`` splits the run's seconds into prefill forwards, decode (the host's: launching steps and waiting
 for their tokens), the engine's own host work and the caller's time between polls, with the decode steps' own
@@ -57,7 +59,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.batching import length_batches
-from common.queued_copy import queued_to_device
+from common.queued_copy import queued_to_device, queued_to_host
 from target.batched import PAGE, BatchedTarget, prefill_shape
 from target.decode_graphs import DecodeGraphs
 from target.loops import check_window, loop_start, may_loop
@@ -149,9 +151,9 @@ class _Continuation:
 
 @dataclass
 class _Timing:
-    """Where the run's seconds go: prefill forwards timed to their device's end (one synchronisation where the
-    engine waits for their tokens anyway), decode steps as the host spends them (launch, then the wait for their
-    tokens a step later) and on the device (CUDA events), ``poll`` wall time, and decode steps by live rows."""
+    """Where the run's seconds go: prefill forwards and decode steps as the host spends them (the launch, then the
+    wait for their tokens a step later), decode steps on the device too (CUDA events), ``poll`` wall time, and
+    decode steps by live rows."""
 
     prefill_s: float = 0.0
     continue_prefill_s: float = 0.0  # of prefill_s: suffixes after a row's cached prefix
@@ -305,6 +307,20 @@ class _Launched:
         return self.start.elapsed_time(self.done) / 1e3 if self.done is not None else self.launch_s
 
 
+@dataclass
+class _Firsts:
+    """A prefill's first answer tokens on their way to the host (pinned copies, queued): taken into the rows by the
+    next ``_read_launched``, so the host launches the next decode step while the device still runs the prefill, as
+    it does with decode steps; waiting for each prefill's tokens took a fifth of the H200 full run's wall time."""
+
+    rows: list[tuple[int, _Request]]  # each row and the request it was prefilled for
+    tokens: Tensor
+    margins: Tensor | None
+    done: Any  # a CUDA event after the copies (None on a CPU, where they are done)
+    continued: bool
+    launch_s: float
+
+
 class _HostTokens:
     """Two host buffers for decode steps' tokens and margins, pinned on CUDA, used in turn: step k + 1's copy
     goes to the other buffer while the host still reads step k's."""
@@ -374,6 +390,7 @@ class Stream:
         self.decode = DecodeGraphs(target, self.cache, self.last, self.pos)
         self.host = _HostTokens(n, dev, margins)
         self.launched: _Launched | None = None  # the decode step whose tokens the next step reads
+        self.firsts: list[_Firsts] = []  # prefills whose first tokens the next step reads (``_take_firsts``)
         self.live = 0
         self.top = 0  # no live row above it (last_live walks down from it: rows go live only in _prefill)
         self.refill_at = max(1, n // 8)
@@ -420,7 +437,7 @@ class Stream:
 
     @property
     def busy(self) -> bool:
-        return bool(self.queue or self.live or self.continuing or self.parked or self.launched)
+        return bool(self.queue or self.live or self.continuing or self.parked or self.launched or self.firsts)
 
     def run(self) -> Iterator[tuple[Hashable, Generated]]:
         """Step until nothing is queued, live or held, yielding (key, answer) as answers finish; requests
@@ -616,29 +633,44 @@ class Stream:
                              logits_at=at)
         logits = out.logits[:n]
         first = self.pick(logits)
-        self._sync()
-        self.timing.prefill(time.perf_counter() - t0, continued=continued)
-        margins = self._margins(logits, n)
-        index, starts, lens = index[:n], starts[:n], lens[:n]
+        index = index[:n]
         self.pos[index] = queued_to_device(torch.tensor([len(r.prompt) for _, r, _ in group]), dev)
         self.last[index] = first
-        self.alive[index] = 1
+        self.alive.index_fill_(0, index, 1)
+        margins = self._margin_tensor(logits)
+        done: Any = None
+        tokens, margins = queued_to_host(first), None if margins is None else queued_to_host(margins.reshape(n))
+        if dev.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self.firsts.append(_Firsts([(row, r) for row, r, _ in group], tokens, margins, done, continued,
+                                   time.perf_counter() - t0))
+        starts, lens = starts[:n], lens[:n]
         self.prefilled += sum(lens)
         self.reused += sum(starts)
         self.continued += sum(s > 0 for s in starts)
-        for (row, r, _), tok, m in zip(group, first.tolist(), margins, strict=True):
+        for row, r, _ in group:
             self.request[row], self.tokens[row], self.margins[row] = r, [], []
             self.length[row] = len(r.prompt)
             self._order += 1
             self.admitted[row] = self._order
             self.live += 1
             self.top = max(self.top, row)
-            self._take(row, tok, m)
 
-    def _sync(self) -> None:
-        """Wait for the device (CUDA) so a forward's time is its own; the caller reads its tokens next anyway."""
-        if self.t.device.type == "cuda":
-            torch.cuda.synchronize(self.t.device)
+    def _take_firsts(self) -> None:
+        """Take the pending prefills' first answer tokens into the rows that still serve the request they were
+        prefilled for, waiting for each prefill's device work (its time is the prefill's); before any decode step's
+        tokens of these rows, which all come later."""
+        firsts, self.firsts = self.firsts, []
+        for f in firsts:
+            t0 = time.perf_counter()
+            if f.done is not None:
+                f.done.synchronize()
+            self.timing.prefill(f.launch_s + time.perf_counter() - t0, continued=f.continued)
+            margins = f.margins.tolist() if f.margins is not None else [None] * len(f.rows)
+            for (row, r), tok, m in zip(f.rows, f.tokens.tolist(), margins, strict=True):
+                if self.request[row] is r:  # else preempted meanwhile: it starts again from scratch
+                    self._take(row, tok, m)
 
     def _pages_for_step(self) -> None:
         """Give every row whose position after next starts a page that page (the step launched next writes at a
@@ -679,11 +711,6 @@ class Stream:
         self._release_row(row)
 
     # decoding
-
-    def _margins(self, logits: Tensor, rows: int) -> list[float | None]:
-        """Top-1 minus top-2 logit per row (one topk over the batch's logits), when asked for."""
-        margins = self._margin_tensor(logits)
-        return [None] * rows if margins is None else margins.reshape(rows).tolist()
 
     def _margin_tensor(self, logits: Tensor) -> Tensor | None:
         if not self.want_margins:
@@ -822,6 +849,7 @@ class Stream:
     def _read_launched(self) -> int:
         """Take the launched step's tokens into the rows that still serve what they served at its launch; the
         tokens taken."""
+        self._take_firsts()
         step, self.launched = self.launched, None
         if step is None:
             return 0
@@ -876,7 +904,8 @@ class Stream:
         self.needs_page = [dict(moves).get(r, r) for r in self.needs_page]
         self.top = len(live) - 1
         freed = torch.arange(len(live), self.rows, device=dev)
-        self.pos[freed], self.alive[freed] = 0, 0
+        self.pos.index_fill_(0, freed, 0)
+        self.alive.index_fill_(0, freed, 0)
         self.free = [s for s in range(self.rows) if self.request[s] is None]
         heapq.heapify(self.free)
 

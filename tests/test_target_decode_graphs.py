@@ -291,6 +291,33 @@ def test_rows_that_stop_or_are_freed_queue_their_flags_without_waiting_cuda() ->
 
 
 @cuda
+def test_a_prefill_is_launched_without_waiting_and_its_first_tokens_come_with_the_next_step_cuda() -> None:
+    """A prefill queues its inputs, forward, picks and their copies to the host without a synchronising call, its
+    rows go live at once, and the next step takes its first tokens (waiting for them took a fifth of the H200 full
+    run's wall time); the answers are greedy's."""
+    model = tiny().cuda()
+    ps = prompts(8, 3, 30, seed=10)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=120, rows=8, attention="flex")
+    for i, p in enumerate(ps[:4]):
+        stream.submit(i, p, 20)
+    answers = dict(stream.poll())  # the first prefill (its compiles) and decode step
+    for i, p in enumerate(ps[4:], 4):
+        stream.submit(i, p, 20)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stream._admit()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert stream.firsts and stream.live == 8 and all(not stream.tokens[r] for r, _ in stream.firsts[0].rows)
+    stream.step()
+    assert not stream.firsts and all(stream.tokens[r] or stream.request[r] is None for r in range(4, 8))
+    while stream.busy:
+        answers.update(stream.poll())
+    for i, p in enumerate(ps):
+        assert (answers[i].tokens, answers[i].finish_reason) == plain_greedy(model, p, 20)
+
+
+@cuda
 def test_the_compiled_layer_pieces_give_the_eager_forward_and_stay_compiled_cuda() -> None:
     """A prefill, a suffix over cached pages and decode steps of a few batch sizes with the pieces compiled: the
     logits of the same forwards with the pieces off (eager), and the pieces still on after every shape."""
