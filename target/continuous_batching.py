@@ -384,8 +384,8 @@ class Stream:
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
         self.last = torch.zeros(n, dtype=torch.long, device=dev)
         self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a row serving a request
-        self.stopped_rows: list[int] = []  # rows whose alive flag and
-        self.freed_rows: list[int] = []  # rows whose pos go to 0 before the next forward (``_apply_row_flags``)
+        self.stopped_rows: list[int] = []  # rows whose alive flag goes to 0 before the next forward, and
+        self.freed_rows: list[int] = []  # rows whose pos does (``_apply_row_flags``)
         # last and pos are updated in place, never rebound: a decode graph reads them where it was captured
         self.decode = DecodeGraphs(target, self.cache, self.last, self.pos)
         self.host = _HostTokens(n, dev, margins)
