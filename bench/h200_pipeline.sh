@@ -19,7 +19,8 @@
 #   data-quality bench/data_quality.py: the first 1,200 prompts regenerated without and with stop_loops
 #                                                                   -> "data_quality" (conversations kept in $RUN/dq)
 #   regen-bench  bench/regenerate_throughput.py: the regenerate command end to end (REGEN_CONVERSATIONS, default
-#                4000; REGEN_PROMPTS, default the multi-turn prompts when unpacked, else $RUN's; REGEN_BENCH_ARGS
+#                every prompt of the file: the shipped config's whole set, the bar's measure, ~330 s on one H200;
+#                REGEN_PROMPTS, default the multi-turn prompts when unpacked, else $RUN's; REGEN_BENCH_ARGS
 #                adds options)                                      -> "regenerate", with 2 GPUs "ddp_scaling"
 #   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when a previous session's
 #                conversations are carried (.gpu/conversations/conversations.jsonl.gz, which `out` returns with
@@ -134,7 +135,7 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       gpus=$(python3 -c 'import torch; print(*range(1, min(torch.cuda.device_count(), 2) + 1))')
       prompts=${REGEN_PROMPTS:-$( [ -f $RUN-mt/prompts.jsonl ] && echo $RUN-mt/prompts.jsonl || echo $RUN/prompts.jsonl )}
       phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file "$prompts" \
-        --conversations ${REGEN_CONVERSATIONS:-4000} --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
+        --conversations "${REGEN_CONVERSATIONS:-$(wc -l < "$prompts")}" --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
       carried=.gpu/conversations/conversations.jsonl.gz
       if [ ! -f $RUN/.regenerated ] && [ -f $carried ]; then
