@@ -185,9 +185,10 @@ class HFChatStream:
         Together, so that the caller submits their follow-ups in one batch: tokenized one at a time they took 37
         of a full H200 run's 308 s (issue #20, host samples)."""
         while self.ready or self.engine.busy:
-            if self.ready:
-                yield list(self.ready)
+            if self.ready:  # taken before the caller sees them: what it submits meanwhile may join ``ready``
+                answered = list(self.ready)
                 self.ready.clear()
+                yield answered
             self.answered.clear()  # their follow-ups came while the last poll's answers were handed out
             finished = self.engine.poll()
             if not finished:

@@ -1038,3 +1038,20 @@ def test_device_workers_die_with_the_regenerating_process(tmp_path: Path) -> Non
                 os.kill(w, signal.SIGKILL)
         srv.shutdown()
         srv.server_close()
+
+
+def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path: Path, smollm2, monkeypatch) -> None:
+    """First turns too long for the context are answered at once, without the engine (``prompt_exceeds_context``),
+    in a batch. While the caller handles that batch it opens more conversations, which may be too long as well:
+    every prompt is tried, none is lost between the batch and the next."""
+    from data_prep.backends import make_chat_backend
+    from data_prep.regenerate import load_prompt_records, regenerate
+    from target import hf_model
+
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg: smollm2)
+    cfg = make_cfg(tmp_path, max_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
+                   max_consecutive_failures=100)
+    write_prompts(cfg, [[user(f"{i} " + "a long question about the weather in every city " * 6)] for i in range(7)])
+    backend = make_chat_backend(cfg.target, cfg.regenerate)
+    summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
+    assert summary.tried == 7 and summary.failed == {"prompt_exceeds_context": 7}
