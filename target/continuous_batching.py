@@ -895,7 +895,7 @@ class Stream:
         self._apply_row_flags()
         srcs, dsts = [s for s, _ in moves], [d for _, d in moves]
         self.cache.move_rows(srcs, dsts)
-        src, dst = torch.tensor(srcs, device=dev), torch.tensor(dsts, device=dev)
+        src, dst = queued_to_device(torch.tensor(srcs), dev), queued_to_device(torch.tensor(dsts), dev)
         self.pos[dst], self.last[dst], self.alive[dst] = self.pos[src], self.last[src], self.alive[src]
         for s, d in moves:
             self.request[d], self.tokens[d], self.margins[d] = self.request[s], self.tokens[s], self.margins[s]
