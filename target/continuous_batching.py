@@ -183,13 +183,20 @@ class _Timing:
         self.live_decode_s[i] += seconds
 
     def prefill(self, seconds: float, continued: bool) -> None:
-        """One prefill forward: fresh prompts, or suffixes after their rows' cached prefixes."""
+        """One prefill forward launched, in ``seconds`` (a compile's included): fresh prompts, or suffixes after
+        their rows' cached prefixes."""
         self.prefill_s += seconds
         self.prefill_forwards += 1
         if continued:
             self.continue_first_s += seconds if not self.continue_forwards else 0.0
             self.continue_prefill_s += seconds
             self.continue_forwards += 1
+
+    def prefill_wait(self, seconds: float, continued: bool) -> None:
+        """The wait for a launched prefill's first tokens (at the next step's read): the prefill's seconds too."""
+        self.prefill_s += seconds
+        if continued:
+            self.continue_prefill_s += seconds
 
     def stats(self, seconds: float) -> dict[str, Any]:
         names = [f"<={edge}" for edge in LIVE_ROW_BUCKETS] + [f">{LIVE_ROW_BUCKETS[-1]}"]
@@ -318,7 +325,6 @@ class _Firsts:
     margins: Tensor | None
     done: Any  # a CUDA event after the copies (None on a CPU, where they are done)
     continued: bool
-    launch_s: float
 
 
 class _HostTokens:
@@ -643,8 +649,8 @@ class Stream:
         if dev.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        self.firsts.append(_Firsts([(row, r) for row, r, _ in group], tokens, margins, done, continued,
-                                   time.perf_counter() - t0))
+        self.firsts.append(_Firsts([(row, r) for row, r, _ in group], tokens, margins, done, continued))
+        self.timing.prefill(time.perf_counter() - t0, continued=continued)
         starts, lens = starts[:n], lens[:n]
         self.prefilled += sum(lens)
         self.reused += sum(starts)
@@ -666,7 +672,7 @@ class Stream:
             t0 = time.perf_counter()
             if f.done is not None:
                 f.done.synchronize()
-            self.timing.prefill(f.launch_s + time.perf_counter() - t0, continued=f.continued)
+            self.timing.prefill_wait(time.perf_counter() - t0, continued=f.continued)
             margins = f.margins.tolist() if f.margins is not None else [None] * len(f.rows)
             for (row, r), tok, m in zip(f.rows, f.tokens.tolist(), margins, strict=True):
                 if self.request[row] is r:  # else preempted meanwhile: it starts again from scratch
