@@ -209,7 +209,7 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     out)
       if [ -n "${OUT:-}" ]; then
         cp "$BENCH_RESULTS" "$OUT/results.json" 2>/dev/null
-        cp runs/learning_curve.png runs/regenerate_timeline.png "$OUT/" 2>/dev/null
+        cp runs/learning_curve.png runs/regenerate_timeline*.png "$OUT/" 2>/dev/null
         best=$(readlink -f $RUN/checkpoints/best 2>/dev/null)
         if [ -z "$best" ] && [ -f runs/bench-ablations/keep.json ]; then  # the ablations' best row by mean tau
           best=$(python3 -c "import json, glob

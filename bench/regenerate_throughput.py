@@ -26,13 +26,13 @@ Figures, bench/results.json:
   conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens, preemptions, and
   where its seconds went: prefill and decode forwards, its host work, the caller's, decode steps by live rows; printed
   as one line per device; its ``timeline``, second by second: decoded tokens, live rows, prefill seconds, plotted in
-  regenerate_timeline.png beside the results file); exact_matches of --exact-prompts first turns answered in fp32 by
-  the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``: the engine alone (in
-  this process) on N first turns with each paged-attention kernel (flex: each row reads its own pages; gather: a
-  rectangle up to the furthest row), flex both with its decode step replayed from CUDA graphs (``flex_graphs``, the
-  engine's default on CUDA) and run eagerly (``flex_eager``, $EAGLE3_DECODE_GRAPHS=0): generated tokens/s, decode
-  steps and those replayed from graphs each, and how many answers agree with ``flex_graphs``'; with --baseline-prompts
-  N, plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
+  regenerate_timeline.png beside the results file, -2gpus.png for two); exact_matches of --exact-prompts first turns
+  answered in fp32 by the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``:
+  the engine alone (in this process) on N first turns with each paged-attention kernel (flex: each row reads its own
+  pages; gather: a rectangle up to the furthest row), flex both with its decode step replayed from CUDA graphs
+  (``flex_graphs``, the engine's default on CUDA) and run eagerly (``flex_eager``, $EAGLE3_DECODE_GRAPHS=0): generated
+  tokens/s, decode steps and those replayed from graphs each, and how many answers agree with ``flex_graphs``'; with
+  --baseline-prompts N, plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
 - "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
   regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
 """
@@ -110,7 +110,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     host = host_samples(samples, cfg, len(devices))
     for where in host[0]["own"][:8] if host else []:
         print(f"  host samples (own): {where['share']:.1%} {where['where']}", flush=True)
-    png = results_path().with_name("regenerate_timeline.png")
+    png = results_path().with_name("regenerate_timeline.png" if gpus == 1 else f"regenerate_timeline-{gpus}gpus.png")
     plot_timeline(engines, f"{gpus} device(s), {s['written']} conversations, {s['answer_tokens'] / seconds:.0f} tok/s "
                   f"end to end ({seconds:.0f} s)", png)
     print(f"  timeline: {png}", flush=True)
