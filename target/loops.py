@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def check_window(min_repeat_tokens: int, max_period: int, every: int) -> int:
@@ -30,22 +29,29 @@ def check_window(min_repeat_tokens: int, max_period: int, every: int) -> int:
 
 def trailing_runs(tokens: Sequence[int] | np.ndarray, max_period: int = 256) -> np.ndarray:
     """``runs[p - 1]``: how many of the last positions t have tokens[t] == tokens[t - p], for p = 1..max_period
-    (at most len - 1). Vectorised over p, and only for the periods where the last token repeats (the others
-    have a run of 0), which are few in text that does not loop."""
-    a = np.asarray(tokens, dtype=np.int64)
-    n = len(a)
+    (at most len - 1). Only the periods where the last token repeats can have a run (the others have 0); of
+    those, the smallest whose run is not yet known is measured, and its run gives its multiples' at once: a run
+    r of period p makes the last r + p tokens p-periodic, so a multiple q <= r + p of p runs r + p - q (its
+    first mismatch is p's). A loop of period p has every multiple of p as a candidate, so a looping answer
+    costs a few measures instead of one per candidate (the engine checks every live row every few tokens)."""
+    n = len(tokens)
     periods = min(max_period, n - 1)
     runs = np.zeros(max(periods, 0), dtype=np.int64)
     if periods < 1:
         return runs
+    # fromiter: a list's conversion is most of a check's cost, and this one takes about half asarray's time
+    a = tokens if isinstance(tokens, np.ndarray) else np.fromiter(tokens, dtype=np.int64, count=n)
     rev = a[::-1]  # rev[j] = tokens[n - 1 - j]; a run of period p: rev[j] == rev[j + p] for j = 0, 1, ...
-    cands = np.flatnonzero(rev[1:periods + 1] == rev[0]) + 1  # periods whose run is at least 1
-    if len(cands) == 0:
-        return runs
-    # Row p of the shifted view is rev[p : p + n]; the -1 padding (no token id) ends every run by j = n - p.
-    shifted = sliding_window_view(np.concatenate([rev, np.full(periods, -1, dtype=np.int64)]), n)[cands]
-    equal = shifted == rev[None, :]  # (candidates, n)
-    runs[cands - 1] = np.argmin(equal, axis=1)  # the first mismatch = the run's length
+    known = np.zeros(periods + 1, dtype=bool)
+    for p in (np.flatnonzero(rev[1:periods + 1] == rev[0]) + 1).tolist():  # periods whose run is at least 1
+        if known[p]:
+            continue
+        differ = rev[p:] != rev[:n - p]
+        first = int(differ.argmax())
+        r = first if differ[first] else n - p  # no mismatch: the run reaches the first token
+        multiples = np.arange(p, min(periods, r + p) + 1, p)
+        runs[multiples - 1] = r + p - multiples
+        known[multiples] = True
     return runs
 
 

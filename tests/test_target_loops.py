@@ -146,6 +146,24 @@ def test_runs_are_vectorised_over_periods_and_match_a_plain_loop() -> None:
             assert runs[p - 1] == r, (tokens, p)
 
 
+def test_runs_of_looping_tails_and_their_multiples_match_a_plain_loop() -> None:
+    """The runs a measured period gives its multiples (r + p - q) against the plain loop, on tails that loop
+    (blocks with repeated tokens inside, cut anywhere, noise after) and as lists or arrays."""
+    rng = random.Random(5)
+    for _ in range(400):
+        block = [rng.randrange(5) for _ in range(rng.randrange(1, 30))]
+        tokens = ([rng.randrange(5) for _ in range(rng.randrange(0, 60))] + block * rng.randrange(1, 15)
+                  + block[:rng.randrange(len(block) + 1)] + [rng.randrange(5) for _ in range(rng.randrange(0, 3))])
+        max_period = rng.choice([4, 64, 256])
+        for given in (tokens, np.array(tokens, dtype=np.int64)):
+            runs = trailing_runs(given, max_period)
+            for p in range(1, min(max_period, len(tokens) - 1) + 1):
+                r = 0
+                while r < len(tokens) - p and tokens[-1 - r] == tokens[-1 - r - p]:
+                    r += 1
+                assert runs[p - 1] == r, (tokens, p)
+
+
 def test_the_character_measure_of_issue_18() -> None:
     intro = "".join(chr(65 + i % 26) + str(i) for i in range(40))  # no 64-char window twice
     loop = "I am a loop of more than sixty-four characters, said again and again. "
