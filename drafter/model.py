@@ -90,10 +90,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        """Normalised in fp32, out in ``x``'s dtype. Why the last cast: under bf16 autocast over fp32 master
+        weights ``weight * x`` is fp32, and everything downstream inherited it: RoPE, q and k, attention, and the
+        inputs of the routed matmuls (``train.shared_weight_grad``), each cast to bf16 before its matmul and its
+        gradient back to fp32 after, eager kernels between the compiled step's graphs (52 of each a step at the
+        K2.5 shape). The matmuls read the same bf16 values as before; RoPE and attention now run on bf16 q and k,
+        as serving does (bf16 weights), and a norm's output gradients from its several matmuls sum in bf16."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight * x.to(dtype)).to(dtype)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,

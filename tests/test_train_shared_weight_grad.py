@@ -8,15 +8,21 @@ weights of the K2.5 drafter at 2,048 rows and none of the SmolLM2 drafter's at 1
 from __future__ import annotations
 
 import copy
+import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 from test_train_ttt import mapped  # noqa: F401 (a fixture)
 from test_train_weight_cast import model_and_batch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from drafter.model import linear
 from train.shared_weight_grad import routed_weight_grads, worth_routing
+
+REPO = str(Path(__file__).resolve().parents[1])
 
 
 def grads_of(model, batch: dict, routed: bool, monkeypatch, autocast: bool, micro_batches: int = 1
@@ -183,3 +189,41 @@ def test_cuda_bf16_column_ranges_are_written_in_place_as_autograd_sums() -> None
             got = torch.autograd.grad(loss(), [layer.weight, e, x])
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0.03, atol=0.03 * float(b.abs().max()))
+
+
+class _Casts(TorchDispatchMode):
+    """Every dtype-changing copy of a step, as (caller's file:function, source dtype, result dtype, numel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, torch.dtype, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 (torch's own)
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].dtype != out.dtype:
+            frame = sys._getframe(1)  # the first frame of ours (train/, drafter/): "" for the autograd engine's
+            while frame and not frame.f_code.co_filename.startswith(REPO):
+                frame = frame.f_back
+            where = f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}" if frame else ""
+            self.seen.append((where, args[0].dtype, out.dtype, out.numel()))
+        return out
+
+
+def test_a_bf16_step_casts_each_weight_once_and_no_activation_at_the_routes(mapped, monkeypatch) -> None:  # noqa: F811
+    """Under bf16 autocast the routed matmuls read bf16 activations: RMSNorm returns its input's dtype. Its fp32
+    output (fp32 master weight times bf16) had every routed matmul cast its input to bf16 and its input's gradient
+    back to fp32 (here 31 of each a step; 52 at the K2.5 shape, eager kernels between the compiled graphs: the
+    ``bfloat16_copy`` and ``direct_copy_kernel_cuda ... lambda(float)`` lines of bench/results.json). What remains:
+    one cast of each matmul weight, one of fc's gradient."""
+    model, batch = model_and_batch(mapped)
+    monkeypatch.setattr("train.module.worth_routing", lambda *a: True)
+    weights = {m.weight.numel() for m in mapped.modules() if isinstance(m, nn.Linear)}
+    with _Casts() as casts:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res = model(**batch)
+        res.loss.backward()
+    at_routes = [c for c in casts.seen if c[0].startswith("shared_weight_grad.py:") and c[0].endswith(("forward",
+                                                                                                      "backward"))]
+    assert at_routes == []
+    weight_casts = Counter((c[1], c[2]) for c in casts.seen if c[3] in weights)
+    assert weight_casts == {(torch.float32, torch.bfloat16): 9, (torch.bfloat16, torch.float32): 1}, casts.seen
