@@ -10,8 +10,9 @@ ms. This runs such forwards alone, as the engine calls them (``Stream._prefill``
 padded again to ``prefill_shape``; logits at each row's last token), on a random-weight target of SmolLM2-135M's
 shape, over a pool where every row holds its prefix's pages:
 
-- a shape ``RxW+P``: R rows, W new tokens each, after P cached positions (P = 0: a fresh prefill, causal over its
-  own tokens, scaled_dot_product_attention; P > 0: the suffix kernel, flex attention over the row's pages);
+- a shape ``RxW+P``: R rows, W new tokens each, after P cached positions (P = 0: a fresh prefill; every prefill
+  runs the suffix kernel, flex attention over the row's pages, a fresh one after an empty prefix, as the engine
+  runs them since the twelfth session; ``kernel`` says which ran);
 - ``first_ms``: the first forward at that shape, wall, synchronised (a compile or a cuDNN plan shows here);
   ``again_ms``: the median of --repeats more; ``host_ms``: how long the call takes to return (the launches: when it
   is close to ``again_ms`` the host, not the device, bounds the forward); ``kernel_ms`` and ``by_class_ms``: the
@@ -37,7 +38,7 @@ from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
-from target.batched import PAGE, BatchedTarget, prefill_shape  # noqa: E402
+from target.batched import PAGE, BatchedTarget, flex_kind, prefill_shape  # noqa: E402
 
 # 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); the others
 # bracket it; 16x512+0 and 64x256+0: first turns
@@ -55,7 +56,7 @@ def parse_shape(text: str) -> tuple[int, int, int]:
 
 def forward_call(target: BatchedTarget, rows: int, width: int, prefix: int):
     """The engine's prefill of ``rows`` rows holding ``prefix`` positions each, ``width`` new tokens a row, as a
-    function of no arguments, over a fresh pool sized for them."""
+    function of no arguments, over a fresh pool sized for them; and the attention it runs (``flex_kind``)."""
     dev = target.device
     continued = prefix > 0
     b, w = prefill_shape(rows, width)
@@ -72,19 +73,20 @@ def forward_call(target: BatchedTarget, rows: int, width: int, prefix: int):
     def call() -> torch.Tensor:
         return target.forward(cache, index, ids, positions, fresh=not continued, logits_at=at).logits
 
-    return call
+    kind = flex_kind(cache, index, ids, fresh=not continued)
+    return call, f"{kind} (flex)" if kind else "fresh (sdpa)"
 
 
 def measure(target: BatchedTarget, shape: tuple[int, int, int], repeats: int) -> dict:
     rows, width, prefix = shape
-    call = forward_call(target, rows, width, prefix)
+    call, kernel = forward_call(target, rows, width, prefix)
     first = synced(call, target.device).finished_s * 1e3
     runs = [synced(call, target.device) for _ in range(repeats)]
     again = statistics.median(r.finished_s for r in runs) * 1e3
     prof = summarize(kernel_times(call, 2), top=8)
     padded = prefill_shape(rows, width)
     return {"shape": f"{rows}x{width}+{prefix}", "rows": rows, "width": width, "prefix": prefix,
-            "padded": list(padded), "kernel": "suffix (flex)" if prefix else "fresh (sdpa)",
+            "padded": list(padded), "kernel": kernel,
             "first_ms": round(first, 3), "again_ms": round(again, 3),
             "host_ms": round(statistics.median(r.returned_s for r in runs) * 1e3, 3),
             "tokens_per_s": round(rows * width / again * 1e3, 1), **prof}

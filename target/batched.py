@@ -398,10 +398,16 @@ def flex_suffix(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
 def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, fresh: bool) -> str | None:
     """Which flex kernel a forward runs over a paged cache under flex: "decode" (one token for rows [0, B)),
     "suffix" (tokens after each row's cached prefix, any rows; unless that kernel failed to build), or None
-    (a fresh prefill, causal over its own tokens; anything under gather)."""
-    if not isinstance(cache, PagedKVCache) or cache.attention != "flex" or fresh:
+    (anything under gather, or once the suffix kernel fell back: then a fresh prefill is causal over its own
+    tokens by SDPA).
+
+    A fresh prefill is a suffix after an empty prefix: its keys go to the pool first as a continuation's do, and
+    the suffix mask keeps it causal. Why not SDPA over its own tokens: that is a second compiled graph a layer
+    (``fresh_layer``), and on a fresh H200 the two prefill graphs' compiles held the engine's first 45 s (26 s and
+    19 s of a 268 s run, eleventh session's full regeneration), the suffix graph alone serves both."""
+    if not isinstance(cache, PagedKVCache) or cache.attention != "flex":
         return None
-    if ids.shape[1] == 1 and isinstance(rows, slice):
+    if ids.shape[1] == 1 and isinstance(rows, slice) and not fresh:
         return "decode"
     return "suffix" if cache.suffix_kernel == "flex" else None
 
@@ -596,7 +602,7 @@ class BatchedTarget:
         layers = len(self.layers)
         qkv: tuple[Tensor, Tensor, Tensor] | None = None  # this layer's, when the previous layer's call made them
         # A fresh prefill's SDPA without cuDNN: it builds a plan per new shape, 50-100 ms each (``"prefill_step"``).
-        with sdpa_kernel(list(RIGHT_PADDED_SDPA)) if fresh else nullcontext():
+        with sdpa_kernel(list(RIGHT_PADDED_SDPA)) if fresh and kind is None else nullcontext():
             for i, layer in enumerate(self.layers):
                 q, k, v = qkv if qkv is not None else self._piece(attention_inputs, layer, h, cos, sin, *shape)
                 if paged:  # (kv, B*T, d) into the pool
@@ -610,7 +616,7 @@ class BatchedTarget:
                     # 0's and drops them (~1 % of a forward): one graph serves every layer, where a last layer of
                     # its own would be a second compile.
                     nxt = self.layers[(i + 1) % layers]
-                    if fresh:
+                    if kind != "suffix":
                         h, qkv = self._piece(fresh_layer, layer, nxt, h, q, k, v, cos, sin, *shape, self.scaling)
                     else:
                         h, qkv = self._piece(suffix_layer, layer, nxt, h, q, cache.k[i], cache.v[i], block_mask, cos,

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from target import batched as bt
 from target import continuous_batching as cb
 from target.batched import BatchedTarget, UnsupportedTargetError
 from target.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
@@ -126,8 +127,14 @@ def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch) -> None:
     compile takes tens of seconds). Inductor's CPU kernel skips the blocks the mask leaves out as the GPU's
     does, so a wrong block list would show here. Two turns each: the second decodes over a row whose pages were
     cut to the reused prefix and extended, its suffix prefilled by flex's suffix kernel (dynamic shapes: every
-    group of suffixes has its own rows and width), then read by the decode kernel."""
+    group of suffixes has its own rows and width), then read by the decode kernel. First turns are prefilled by
+    the suffix kernel too, after an empty prefix (never ``fresh_layer``)."""
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
+
+    def fresh_layer(*args: object) -> None:
+        raise AssertionError("a fresh prefill over flex pages runs the suffix kernel (one prefill graph on CUDA)")
+
+    monkeypatch.setattr(bt, "fresh_layer", fresh_layer)
     model = tiny()
     ps = prompts(10, 3, 150, seed=5)
     stream = Stream(BatchedTarget(model), STOPS, max_len=260, cpu_rows=4, attention="flex")
@@ -249,7 +256,6 @@ def test_a_looping_answer_keeps_the_asked_tokens_of_its_copies() -> None:
 
 
 def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> None:
-    import target.batched as bt
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel for this torch")
@@ -275,7 +281,6 @@ def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failu
     ``suffix_layer``, where a failure turns the layers off first: test_target_decode_graphs)."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
-    import target.batched as bt
 
     layers = tiny().config.num_hidden_layers
     real, calls = bt.flex_suffix, {"n": 0}
