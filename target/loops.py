@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 
 def check_window(min_repeat_tokens: int, max_period: int, every: int) -> int:
@@ -27,23 +28,31 @@ def check_window(min_repeat_tokens: int, max_period: int, every: int) -> int:
     return max(min_repeat_tokens, max_period) + max_period + every
 
 
-def trailing_runs(tokens: Sequence[int] | np.ndarray, max_period: int = 256) -> np.ndarray:
+def trailing_runs(tokens: Sequence[int] | np.ndarray, max_period: int = 256, floor: int = 1) -> np.ndarray:
     """``runs[p - 1]``: how many of the last positions t have tokens[t] == tokens[t - p], for p = 1..max_period
-    (at most len - 1). Only the periods where the last token repeats can have a run (the others have 0); of
-    those, the smallest whose run is not yet known is measured, and its run gives its multiples' at once: a run
-    r of period p makes the last r + p tokens p-periodic, so a multiple q <= r + p of p runs r + p - q (its
-    first mismatch is p's). A loop of period p has every multiple of p as a candidate, so a looping answer
-    costs a few measures instead of one per candidate (the engine checks every live row every few tokens)."""
+    (at most len - 1); with ``floor`` > 1, a run shorter than ``floor`` may read 0 (``loop_start`` needs only
+    the runs that can count). Only the periods where the last token repeats can have a run; those whose run
+    reaches ``floor`` are found at once (their last ``floor`` tokens compared in one array operation: few pass
+    in text that does not loop, however common its last token, e.g. code's indentation). Of those, the smallest
+    whose run is not yet known is measured, and its run gives its multiples' at once: a run r of period p makes
+    the last r + p tokens p-periodic, so a multiple q <= r + p of p runs r + p - q (its first mismatch is p's).
+    A loop of period p has every multiple of p as a candidate, so a looping tail costs a measure or two."""
     n = len(tokens)
     periods = min(max_period, n - 1)
     runs = np.zeros(max(periods, 0), dtype=np.int64)
     if periods < 1:
         return runs
-    # fromiter: a list's conversion is most of a check's cost, and this one takes about half asarray's time
+    # fromiter: a list's conversion is a large part of a check's cost, and this one takes about half asarray's time
     a = tokens if isinstance(tokens, np.ndarray) else np.fromiter(tokens, dtype=np.int64, count=n)
     rev = a[::-1]  # rev[j] = tokens[n - 1 - j]; a run of period p: rev[j] == rev[j + p] for j = 0, 1, ...
+    cands = np.flatnonzero(rev[1:periods + 1] == rev[0]) + 1  # periods whose run is at least 1
+    if floor > 1:
+        cands = cands[cands <= n - floor]  # a run of p is at most n - p
+        if len(cands):
+            windows = sliding_window_view(rev, floor)[cands]  # (candidates, floor): rev[p : p + floor]
+            cands = cands[(windows == rev[:floor]).all(axis=1)]
     known = np.zeros(periods + 1, dtype=bool)
-    for p in (np.flatnonzero(rev[1:periods + 1] == rev[0]) + 1).tolist():  # periods whose run is at least 1
+    for p in cands.tolist():
         if known[p]:
             continue
         differ = rev[p:] != rev[:n - p]
@@ -82,7 +91,7 @@ def loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, 
     copy of the block), or None when the answer does not end in one. A period p counts when its trailing run
     covers at least max(min_repeat_tokens, p) tokens; of those, the p with the longest run wins (ties: the
     smallest p)."""
-    runs = trailing_runs(tokens, max_period)
+    runs = trailing_runs(tokens, max_period, floor=min_repeat_tokens)
     if len(runs) == 0:
         return None
     periods = np.arange(1, len(runs) + 1)
