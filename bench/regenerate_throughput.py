@@ -80,7 +80,10 @@ def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:
 
 def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gpus: int, out: Path) -> dict[str, Any]:
     """The regenerate command on the first ``n`` prompts over ``gpus`` devices, in a fresh run dir: its wall
-    time and what its summary says it wrote."""
+    time and what its summary says it wrote. Its compiles start from empty caches (inductor's and Triton's, in the
+    run dir), as on a fresh machine, whatever ran before it there: ``bench/prefill_step.py`` compiles the engine's
+    prefill layers at SmolLM2's shape, and the eleventh session's full run, which followed it on one machine, spent
+    about 20 s less in its compiles than the twelfth's on a machine where nothing had compiled."""
     run_dir = out / f"gpus-{gpus}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -93,8 +96,10 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     cfg_path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     start = time.perf_counter()
     samples = run_dir / "host_samples.json"
+    caches = run_dir / "compile-caches"
     run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_path)],
-        env={HOST_SAMPLES_ENV: str(samples)}, log=run_dir / "regenerate.log")
+        env={HOST_SAMPLES_ENV: str(samples), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+             "TRITON_CACHE_DIR": str(caches / "triton")}, log=run_dir / "regenerate.log")
     seconds = time.perf_counter() - start
     s = json.loads((run_dir / "data_prep_summary.json").read_text())["regenerate"]
     print(f"regenerate on {gpus} device(s): {s['written']} conversations, {s['answer_tokens']} answer tokens in "
@@ -121,7 +126,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
             "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype,
-            "host_samples": host}
+            "host_samples": host, "compile_caches": "empty at start"}
 
 
 def plot_timeline(engines: dict[str, dict[str, Any]], title: str, path: Path) -> None:
