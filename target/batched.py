@@ -293,8 +293,10 @@ class PagedKVCache:
         return visible
 
     def suffix_block_mask(self, rows: Tensor, positions: Tensor) -> Any:
-        """Flex attention's block mask for suffixes of ``rows`` at ``positions`` (B, T): every query block reads
-        all the pages its row holds (the table's nonzero entries: page 0 is scratch), the mask keeps it causal."""
+        """Flex attention's block mask for suffixes of ``rows`` at ``positions`` (B, T): each query block reads its
+        row's pages (the table's nonzero entries, in position order: page 0 is scratch) up to the one holding its
+        last query's position, and the mask keeps it causal within them. A block's later pages hold only keys after
+        all its queries: a fresh prefill (an empty prefix) would read twice the keys it can see."""
         from torch.nn.attention.flex_attention import BlockMask
 
         b, t = positions.shape
@@ -305,7 +307,10 @@ class PagedKVCache:
         if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
             table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
         q_blocks = -(-t // FLEX_Q_BLOCK)
-        return BlockMask.from_kv_blocks(held.view(b, 1, 1).expand(b, 1, q_blocks).contiguous(),
+        last_query = positions[:, :1] + torch.arange(1, q_blocks + 1, device=positions.device) * FLEX_Q_BLOCK - 1
+        reach = torch.div(last_query, self.page, rounding_mode="floor") + 1  # (B, q_blocks): pages up to it
+        counts = torch.minimum(held[:, None], reach).to(torch.int32)
+        return BlockMask.from_kv_blocks(counts.view(b, 1, q_blocks),
                                         table.view(b, 1, 1, -1).expand(b, 1, q_blocks, -1).contiguous(),
                                         BLOCK_SIZE=(FLEX_Q_BLOCK, self.page), mask_mod=self.suffix_mask_mod,
                                         seq_lengths=(t, self.k.shape[2]), compute_q_blocks=False)

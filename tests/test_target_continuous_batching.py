@@ -561,3 +561,31 @@ def test_a_decode_block_mask_reads_every_visible_key_and_skips_the_mask_only_whe
             assert visible[p * cache.page:(p + 1) * cache.page].all()
         assert int(visible.sum()) == int(cache.query_pos[b]) + 1
         assert len(full) == (int(cache.query_pos[b]) // cache.page if full_blocks else 0)
+
+
+def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees() -> None:
+    """A suffix prefill's blocks, checked against the mask itself (eager flex ignores a block mask's sparsity): each
+    query block lists its row's pages up to its last query's, which are exactly the pages holding a key one of its
+    queries sees. A fresh prefill (empty prefix), suffixes after a prefix mid-page and at a page's end, one padded
+    past what its row holds; queries over three blocks, tables not in row order."""
+    from target.batched import FLEX_Q_BLOCK, PagedKVCache
+
+    cache = PagedKVCache(1, 1, 4, rows=4, pages=200, max_len=512, dtype=torch.float32, device=torch.device("cpu"),
+                         attention="flex", page=8)
+    t = 2 * FLEX_Q_BLOCK + 30
+    starts, lengths = [0, 13, 7, 40], [t, t, t, 50]  # row 3's suffix is 50 tokens, padded to t
+    for r, (s, n) in enumerate(zip(starts, lengths, strict=True)):
+        assert cache.ensure(r, s + n)
+    cache.release(0), cache.ensure(0, t)  # row 0's pages come back in another order
+    cache.flush()
+    rows = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    positions = torch.tensor([starts[r] for r in rows.tolist()])[:, None] + torch.arange(t)
+    mask = cache.suffix_block_mask(rows, positions)
+    keys = torch.arange(cache.k.shape[2])
+    for b in range(len(rows)):
+        visible = cache.suffix_mask_mod(torch.tensor(b), torch.tensor(0), torch.arange(t)[:, None], keys[None, :])
+        for j in range(-(-t // FLEX_Q_BLOCK)):
+            seen = visible[j * FLEX_Q_BLOCK:(j + 1) * FLEX_Q_BLOCK].any(0)
+            needed = set((keys[seen] // cache.page).tolist())
+            listed = mask.kv_indices[b, 0, j, : int(mask.kv_num_blocks[b, 0, j])].tolist()
+            assert set(listed) == needed and len(listed) == len(needed), (b, j)
