@@ -19,8 +19,14 @@ GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 if [ ! -f .whl/.complete ]; then
   # Its last step builds deepspeed's wheel from the sdist, which fails where the building python lacks torch; no
   # phase of the SmolLM2 pipeline uses deepspeed (the K2.5 configs' ZeRO-2 does), so that failure is reported only.
-  bash ../shared/device/fetch-wheels.sh .whl || ls .whl/deepspeed-*.whl >/dev/null 2>&1 \
-    || echo "warning: no deepspeed wheel in .whl (the H200 SmolLM2 phases do not use it)" >&2
+  if ! bash ../shared/device/fetch-wheels.sh .whl; then
+    # Only the deepspeed build may fail here: the wheels it downloads first must all be there.
+    for w in pydantic pydantic_core annotated_types typing_inspection typing_extensions hjson datasets dill \
+             multiprocess gguf; do
+      ls .whl/"$w"-*.whl >/dev/null 2>&1 || { echo "error: .whl has no $w wheel: fetch-wheels.sh failed" >&2; exit 1; }
+    done
+    echo "warning: no deepspeed wheel in .whl (the H200 SmolLM2 phases do not use it)" >&2
+  fi
   python3 -m pip download -q --no-deps --only-binary=:all: -d .whl specforge==0.2.0 pytest pluggy iniconfig pygments
   touch .whl/.complete
 fi

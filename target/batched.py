@@ -409,7 +409,7 @@ def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, 
     A fresh prefill is a suffix after an empty prefix: its keys go to the pool first as a continuation's do, and
     the suffix mask keeps it causal. Why not SDPA over its own tokens: that is a second compiled graph a layer
     (``fresh_layer``), and on a fresh H200 the two prefill graphs' compiles held the engine's first 45 s (26 s and
-    19 s of a 268 s run, eleventh session's full regeneration), the suffix graph alone serves both."""
+    19 s of a 268 s run, the twelfth session's full regeneration); the suffix graph alone serves both."""
     if not isinstance(cache, PagedKVCache) or cache.attention != "flex":
         return None
     if ids.shape[1] == 1 and isinstance(rows, slice) and not fresh:
