@@ -115,7 +115,10 @@ class PagedKVCache:
     k, v: (layers, kv_heads, pages * page, head_dim). Row r's position p lives at
     ``page_table[r, p // page] * page + p % page``. Page 0 is scratch: every table entry a row has not been
     given points there, so a free row, or a prefill's padding past a row's pages, writes there, and no live
-    row reads it (``owner`` says whose a page is; the attention masks by it). Which pages a row holds is kept
+    row reads it (``owner`` says whose a page is; the attention masks by it). The table has a column past the
+    ``max_pages`` a row may hold, always scratch's: a row that used all ``max_len`` positions moves to position
+    ``max_len`` in the step launched before its end was read, and steps that run it while it waits for its
+    follow-up write there (``Stream.step``). Which pages a row holds is kept
     on the host, so the engine allocates without waiting on the device; ``flush`` copies the rows that
     changed to the device tables (``forward`` calls it)."""
 
@@ -127,7 +130,7 @@ class PagedKVCache:
         shape = (layers, kv_heads, pages * page, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.page_table = torch.zeros(rows, self.max_pages, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(rows, self.max_pages + 1, dtype=torch.int32, device=device)
         self.owner = torch.full((pages,), -1, dtype=torch.int32, device=device)  # the row holding each page
         self.logical = torch.zeros(pages, dtype=torch.int32, device=device)  # its index in that row's table
         self.query_pos = torch.zeros(rows, dtype=torch.long, device=device)  # a decode step's positions (flex)
@@ -243,7 +246,7 @@ class PagedKVCache:
             self._freed = []
         rows = sorted(self._dirty)
         self._dirty = set()
-        table = torch.zeros(len(rows), self.max_pages, dtype=torch.int32)
+        table = torch.zeros(len(rows), self.page_table.shape[1], dtype=torch.int32)
         held, owners, logical = [], [], []
         for i, r in enumerate(rows):
             table[i, : len(self.row_pages[r])] = torch.tensor(self.row_pages[r], dtype=torch.int32)
@@ -257,7 +260,8 @@ class PagedKVCache:
             self.logical[index] = queued_to_device(torch.tensor(logical, dtype=torch.int32), dev)
 
     def addresses(self, rows: Tensor | slice, positions: Tensor) -> Tensor:
-        """Where (B, T) ``positions`` of ``rows`` live along the pooled position axis."""
+        """Where (B, T) ``positions`` (at most ``max_len``: scratch's) of ``rows`` live along the pooled position
+        axis."""
         pages = self.page_table[rows].gather(1, torch.div(positions, self.page, rounding_mode="floor"))
         return pages.long() * self.page + positions % self.page
 
@@ -304,8 +308,7 @@ class PagedKVCache:
         self.suffix_start[:b] = positions[:, 0]
         table = self.page_table[rows]
         held = (table != 0).sum(1, dtype=torch.int32)
-        if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
-            table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
+        table = self._kv_columns(table)
         q_blocks = -(-t // FLEX_Q_BLOCK)
         last_query = positions[:, :1] + torch.arange(1, q_blocks + 1, device=positions.device) * FLEX_Q_BLOCK - 1
         reach = torch.div(last_query, self.page, rounding_mode="floor") + 1  # (B, q_blocks): pages up to it
@@ -314,6 +317,16 @@ class PagedKVCache:
                                         table.view(b, 1, 1, -1).expand(b, 1, q_blocks, -1).contiguous(),
                                         BLOCK_SIZE=(FLEX_Q_BLOCK, self.page), mask_mod=self.suffix_mask_mod,
                                         seq_lengths=(t, self.k.shape[2]), compute_q_blocks=False)
+
+    def _kv_columns(self, table: Tensor) -> Tensor:
+        """Page-table rows as a block mask's key block indices: as they are on CUDA; on a CPU one column per page of
+        the pool, which inductor's CPU kernel wants (zeros added, or only zeros cut: no row holds more pages than the
+        pool has besides scratch)."""
+        if self.k.device.type == "cuda":
+            return table
+        if table.shape[1] >= self.pages:
+            return table[:, : self.pages]
+        return torch.cat([table, table.new_zeros(table.shape[0], self.pages - table.shape[1])], 1)
 
     def block_mask(self, b: int, q_len: int) -> Any:
         """Flex attention's block mask for a decode step of rows [0, b) at ``query_pos``: each row's pages up to
@@ -324,14 +337,12 @@ class PagedKVCache:
 
         query_page = torch.div(self.query_pos[:b], self.page, rounding_mode="floor").to(torch.int32)
         table = self.page_table[:b]
-        if self.k.device.type != "cuda":  # inductor's CPU kernel wants one column per page of the pool
-            table = torch.cat([table, table.new_zeros(b, self.pages - self.max_pages)], 1)
-        indices = table.reshape(b, 1, 1, -1)
+        indices = self._kv_columns(table).reshape(b, 1, 1, -1)
         shape = {"BLOCK_SIZE": (FLEX_Q_BLOCK, self.page), "mask_mod": self.mask_mod,
                  "seq_lengths": (q_len, self.k.shape[2]), "compute_q_blocks": False}
         if not self.full_blocks:
             return BlockMask.from_kv_blocks((query_page + 1).view(b, 1, 1), indices, **shape)
-        own = F.pad(table.gather(1, query_page[:, None].long()), (0, table.shape[1] - 1)).reshape(b, 1, 1, -1)
+        own = F.pad(table.gather(1, query_page[:, None].long()), (0, indices.shape[-1] - 1)).reshape(b, 1, 1, -1)
         return BlockMask.from_kv_blocks(torch.ones_like(query_page).view(b, 1, 1), own, query_page.view(b, 1, 1),
                                         indices, **shape)
 

@@ -816,7 +816,8 @@ class Stream:
         """Launch one decode token for every row up to the last live one, then read the tokens of the step
         launched before it (the host's bookkeeping of step k runs while the device computes step k + 1; at T = 0
         the answers are the same). A row that ends at step k has run in step k + 1 too: its token there is
-        dropped, and it wrote past what it holds (only the positions it holds are ever reused). Returns the
+        dropped, and it wrote past what it holds (only the positions it holds are ever reused; a row that held
+        all ``max_len`` positions writes at ``max_len``, which the page table maps to scratch). Returns the
         tokens read."""
         with self._host_phase("pages"):
             self._pages_for_step()

@@ -533,6 +533,56 @@ def test_a_full_pool_preempts_continuations_and_answers_stay_exact(waiting: bool
         assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, budget)
 
 
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_a_row_that_used_every_position_can_wait_for_its_follow_up_while_steps_run(attention: str,
+                                                                                    monkeypatch) -> None:
+    """A row of exactly ``max_len`` positions whose answer is cut at a loop found on its last budgeted token: the
+    step launched before that token was read wrote the row's last position and moved its position to ``max_len``,
+    one past its table. The cut answer is shorter than what the row holds, so its follow-up fits and continues in
+    that row, waiting to be prefilled with others while decode steps still run the row (a live row above it).
+    Those steps write at position ``max_len``: scratch's, not an index past the page table (the thirteenth H200
+    session's full regeneration died at 99 % on "scatter gather kernel index out of bounds"). Every answer stays
+    greedy's."""
+    monkeypatch.setattr(cb, "CONTINUE_SHARE", 1)  # one waiting continuation is not due while two rows are live
+    monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
+    model = tiny()
+    page, budget = bt.PAGE, 24
+    first = prompts(1, 2 * page - budget, 2 * page - budget + 1, seed=12)[0]  # prompt + budget = two whole pages
+    others = prompts(2, 5, 20, seed=13)
+    stream = Stream(BatchedTarget(model), STOPS, max_len=2 * page, cpu_rows=4, attention=attention,
+                    loops=LoopStop(min_repeat_tokens=16, max_period=32, every=8))
+    cut = []
+
+    def loop_start(window: list[int], min_repeat: int, max_period: int) -> int | None:
+        """A loop at the first conversation's last budgeted token only (row 0: submitted first)."""
+        r = stream.request[0]
+        if r is not None and r.key == ("first", 0) and len(window) == budget and window == stream.tokens[0]:
+            cut.append(len(window))
+            return 0
+        return None
+
+    monkeypatch.setattr(cb, "may_loop", lambda *args: True)
+    monkeypatch.setattr(cb, "loop_start", loop_start)
+    stream.submit(("first", 0), first, budget)
+    for i, p in enumerate(others):
+        stream.submit(("other", i), p, 60)
+    user = [5, 6, 7]
+    seen, waited = {}, 0
+    while stream.busy:
+        for key, answer in stream.poll():
+            seen[key] = answer
+            if key == ("first", 0):
+                assert answer.finish_reason == "loop" and answer.generated == budget
+                follow = first + answer.tokens + [END] + user
+                stream.submit(("first", 1), follow, 2 * page - len(follow), continue_from=key)
+        waited += any(c.row == 0 for c in stream.continuing) and stream.last_live() > 0
+    assert cut == [budget] and waited > 0, "the follow-up never waited in its row while steps ran"
+    assert seen[("first", 1)].tokens == plain_greedy(model, follow, 2 * page - len(follow))[0]
+    assert stream.stats()["continued"] == 1 and all_free(stream)
+    for i, p in enumerate(others):
+        assert (seen[("other", i)].tokens, seen[("other", i)].finish_reason) == plain_greedy(model, p, 60)
+
+
 @pytest.mark.parametrize("full_blocks", [True, False])
 def test_a_decode_block_mask_reads_every_visible_key_and_skips_the_mask_only_where_all_are(full_blocks) -> None:
     """Eager flex attention (the CPU tests' kernel) ignores a block mask's sparsity, so the blocks are checked here
