@@ -57,8 +57,9 @@
 #   quality      bench/drafter_quality.py eval                      -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),
-#                logs.tar.gz (the logs' tails, the ablation rows; a stalled row's stacks) and, with
-#                OUT_CONVERSATIONS=1, $RUN's conversations.jsonl.gz for the next session to carry, into $OUT
+#                logs.tar.gz (the logs' tails, the ablation rows; a stalled row's stacks; the regenerate log's
+#                errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's conversations.jsonl.gz for the next
+#                session to carry, into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -232,8 +233,10 @@ print(best['checkpoint'] if best else '')")
         for w in runs/bench-ablations/worker*.log; do
           [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 > "$logs/$(basename "$w")"
         done
-        for r in runs/bench-regenerate/gpus-*/regenerate.log; do
-          [ -f "$r" ] && tr '\r' '\n' < "$r" | tail -n 20 > "$logs/regen-bench-$(basename "$(dirname "$r")").txt"
+        for r in runs/bench-regenerate/gpus-*/regenerate.log; do  # its errors and recompiles (TORCH_LOGS), its tail
+          [ -f "$r" ] && { tr '\r' '\n' < "$r" | grep -v -E 'conv/s|seq/s' | grep -i -E -A12 'recompil|traceback|error' \
+            | head -n 300; echo "--- the last 20 lines"; tr '\r' '\n' < "$r" | tail -n 20; } \
+            > "$logs/regen-bench-$(basename "$(dirname "$r")").txt"
         done
         for t in runs/bench-ablations/*/train.out; do  # long enough for a stalled row's stacks and process table
           [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 400 > "$logs/train-$(basename "$(dirname "$t")").txt"
