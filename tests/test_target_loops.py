@@ -114,12 +114,13 @@ def test_the_engines_window_gives_the_whole_answers_cut() -> None:
             raise AssertionError("the loop was never found")
 
 
-def test_may_loop_never_rules_out_a_loop_and_rules_out_text_that_does_not_loop() -> None:
-    """The engine asks ``may_loop`` before ``loop_start``: it must say True wherever ``loop_start`` finds a
-    loop (any period, on the engine's windows and whole answers alike, small ``min_repeat_tokens`` too), and
-    it is there to say False on text that does not loop."""
+def test_may_loop_says_exactly_whether_loop_start_finds_a_loop() -> None:
+    """The engine asks ``may_loop`` before ``loop_start``: True exactly where ``loop_start`` finds a loop (any
+    period, on the engine's windows and whole answers alike, small ``min_repeat_tokens`` too; loops still forming
+    and too short to count among them), so it rules out both text that does not loop and loops not yet long
+    enough, without ``loop_start``'s arrays."""
     rng = random.Random(3)
-    found = 0
+    found = forming = 0
     for _ in range(60):
         m, p_max = rng.choice([(64, 256), (16, 32), (4, 8), (1, 4)])
         prefix = [rng.randrange(100, 400) for _ in range(rng.randrange(0, 300))]
@@ -127,10 +128,12 @@ def test_may_loop_never_rules_out_a_loop_and_rules_out_text_that_does_not_loop()
         tokens = prefix + block * (1 + 3 * max(m, len(block)) // len(block)) + [rng.randrange(100, 400)]
         for n in range(1, len(tokens) + 1):
             for off in (0, max(0, n - check_window(m, p_max, 16))):
-                if loop_start(tokens[off:n], m, p_max) is not None:
-                    found += 1
-                    assert may_loop(tokens[off:n], m, p_max) and may_loop(tokens[:n], m, p_max)
-    assert found > 1000
+                window = tokens[off:n]
+                loops = loop_start(window, m, p_max) is not None
+                assert may_loop(window, m, p_max) == loops, (window, m, p_max)
+                found += loops
+                forming += not loops and n > len(prefix) + len(block) + min(m, 8)  # a k-gram repeats, too short
+    assert found > 1000 and forming > 1000
     assert not any(may_loop(PROSE[:n]) for n in range(len(PROSE) + 1))
 
 
