@@ -233,8 +233,11 @@ print(best['checkpoint'] if best else '')")
         for w in runs/bench-ablations/worker*.log; do
           [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 > "$logs/$(basename "$w")"
         done
-        for r in runs/bench-regenerate/gpus-*/regenerate.log; do  # its errors and recompiles (TORCH_LOGS), its tail
-          [ -f "$r" ] && { tr '\r' '\n' < "$r" | grep -v -E 'conv/s|seq/s' | grep -i -E -A12 'recompil|traceback|error' \
+        # the regenerate log's errors, device asserts and recompiles (TORCH_LOGS), then its tail; lines that are only
+        # a progress bar are dropped, not those where a message follows one (a device assert prints on the bar's line)
+        for r in runs/bench-regenerate/gpus-*/regenerate.log; do
+          [ -f "$r" ] && { tr '\r' '\n' < "$r" | grep -v -E '(conv|seq)/s[^]]*\]$' \
+            | grep -i -E -A12 'recompil|traceback|error|assert' \
             | head -n 300; echo "--- the last 20 lines"; tr '\r' '\n' < "$r" | tail -n 20; } \
             > "$logs/regen-bench-$(basename "$(dirname "$r")").txt"
         done
