@@ -74,3 +74,39 @@ def summarize(times: dict[str, tuple[float, float]], top: int = 12) -> dict[str,
             "top_kernels": [{"name": n[:NAME_CHARS], "class": kernel_class(n), "ms": round(ms, 3),
                              "calls": round(calls, 2)} for n, (ms, calls) in ranked],
             "profiled": bool(times)}
+
+
+def host_times(step: Callable[[], Any], repeats: int, top: int = 12) -> dict[str, Any]:
+    """Where the host's time in ``step`` goes: per op or region name recorded by ``torch.profiler`` on the CPU,
+    self ms per call (the ``top`` largest), and the kernel launches per call. Why: a forward whose call returns
+    long after its kernels would have finished is bound by the host, and only the host's own profile says whether
+    guards, the compiled wrapper, eager ops or the launches take it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = [(e.key, e.self_cpu_time_total / 1e3 / repeats, e.count / repeats) for e in prof.key_averages()
+            if e.self_cpu_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    launches = sum(count for key, _, count in rows if re.search(r"LaunchKernel|cuLaunch", key))
+    return {"host_profiled_ms": round(sum(ms for _, ms, _ in rows), 3), "launches": round(launches, 1),
+            "host_top": [{"name": key[:NAME_CHARS], "self_ms": round(ms, 3), "calls": round(count, 2)}
+                         for key, ms, count in rows[:top]]}
+
+
+def compile_seconds(top: int = 10) -> dict[str, float]:
+    """Dynamo's compile time so far by phase (``torch._dynamo.utils.compile_times``, summed per function; the
+    ``top`` largest): which of tracing, AOT, inductor's lowering or the kernels' builds a first call waits on."""
+    from torch._dynamo.utils import compile_times
+
+    got = compile_times(repr="csv", aggregate=True)
+    if not isinstance(got, tuple):
+        return {}
+    names, values = got
+    pairs = sorted(((n, float(v)) for n, v in zip(names, values, strict=True)), key=lambda p: -p[1])
+    return {n: round(v, 3) for n, v in pairs[:top]}

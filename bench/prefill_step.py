@@ -16,7 +16,9 @@ shape, over a pool where every row holds its prefix's pages:
 - ``first_ms``: the first forward at that shape, wall, synchronised (a compile or a cuDNN plan shows here);
   ``again_ms``: the median of --repeats more; ``host_ms``: how long the call takes to return (the launches: when it
   is close to ``again_ms`` the host, not the device, bounds the forward); ``kernel_ms`` and ``by_class_ms``: the
-  device's kernels (bench/kernel_profile.py);
+  device's kernels, ``host_top`` and ``launches``: the host's own ops and regions (guards, the compiled wrapper,
+  eager ops) and kernel launches a forward, ``first_compile_s``: dynamo's compile seconds by phase in the first
+  call (bench/kernel_profile.py);
 - the tenth session's first run also ran each fresh shape with SDPA as the engine then left it: cuDNN's attention
   built a plan at each new shape (64x256+0: 77.6 ms on the first call against 28.4 ms without cuDNN), so the
   engine's fresh prefill now runs SDPA without it, as the online target's forward does.
@@ -34,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernel_profile import kernel_times, summarize  # noqa: E402
+from bench.kernel_profile import compile_seconds, host_times, kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
@@ -80,16 +82,22 @@ def forward_call(target: BatchedTarget, rows: int, width: int, prefix: int):
 def measure(target: BatchedTarget, shape: tuple[int, int, int], repeats: int) -> dict:
     rows, width, prefix = shape
     call, kernel = forward_call(target, rows, width, prefix)
+    compiled_before = compile_seconds(top=100)
     first = synced(call, target.device).finished_s * 1e3
+    compiled = {name: round(s - compiled_before.get(name, 0.0), 3) for name, s in compile_seconds(top=100).items()}
     runs = [synced(call, target.device) for _ in range(repeats)]
     again = statistics.median(r.finished_s for r in runs) * 1e3
     prof = summarize(kernel_times(call, 2), top=8)
+    host = host_times(call, 2)
     padded = prefill_shape(rows, width)
     return {"shape": f"{rows}x{width}+{prefix}", "rows": rows, "width": width, "prefix": prefix,
             "padded": list(padded), "kernel": kernel,
             "first_ms": round(first, 3), "again_ms": round(again, 3),
             "host_ms": round(statistics.median(r.returned_s for r in runs) * 1e3, 3),
-            "tokens_per_s": round(rows * width / again * 1e3, 1), **prof}
+            "tokens_per_s": round(rows * width / again * 1e3, 1),
+            "first_compile_s": dict(sorted(((n, v) for n, v in compiled.items() if v >= 0.05),
+                                           key=lambda nv: -nv[1])[:8]),
+            **prof, **host}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,3 +77,29 @@ def test_on_a_cpu_the_step_runs_and_no_kernels_are_timed(monkeypatch) -> None:
     calls = []
     assert kernel_times(lambda: calls.append(1), 3) == {}
     assert len(calls) == 3
+
+
+def test_host_times_names_the_ops_a_step_runs_and_their_calls_per_step() -> None:
+    from bench.kernel_profile import host_times
+
+    a = torch.randn(64, 64)
+
+    def step() -> None:
+        for _ in range(3):
+            torch.mm(a, a)
+        torch.add(a, 1)
+
+    got = host_times(step, 2, top=50)
+    calls = {row["name"]: row["calls"] for row in got["host_top"]}
+    assert calls["aten::mm"] == 3 and calls["aten::add"] == 1
+    assert got["host_profiled_ms"] >= sum(row["self_ms"] for row in got["host_top"]) - 1e-3
+    assert got["launches"] == 0  # no CUDA here
+
+
+def test_compile_seconds_grows_with_a_compile() -> None:
+    from bench.kernel_profile import compile_seconds
+
+    before = sum(compile_seconds(top=100).values())
+    torch.compile(lambda x: torch.sin(x) * 3 + 1, backend="eager")(torch.randn(5))
+    after = compile_seconds(top=100)
+    assert after and sum(after.values()) > before
