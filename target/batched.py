@@ -39,7 +39,7 @@ from torch.nn.attention import sdpa_kernel
 
 from common.cli import exception_line
 from common.queued_copy import queued_to_device
-from target.compile_guard import CompileSwitch, is_recompile_limit, no_uncompiled_fallback
+from target.compile_guard import CompileSwitch, is_recompile_limit, no_float_symbols, no_uncompiled_fallback
 from target.hf_model import RIGHT_PADDED_SDPA
 
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
@@ -407,7 +407,7 @@ def flex_suffix(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) 
         return _suffix_attention(q, k[None], v[None], block_mask, scale, gqa)
     if _compiled_suffix is None:
         _compiled_suffix = torch.compile(_suffix_attention, dynamic=True)
-    with no_uncompiled_fallback():
+    with no_uncompiled_fallback(), no_float_symbols():
         return _compiled_suffix(q, k[None], v[None], block_mask, scale, gqa)
 
 
@@ -491,6 +491,42 @@ def suffix_layer(layer: torch.nn.Module, nxt: torch.nn.Module, h: Tensor, q: Ten
     return h, attention_inputs(nxt, h, cos, sin, heads, kv_heads, head_dim, apply_rope)
 
 
+class LayerPieces(torch.nn.Module):
+    """The layer pieces ``BatchedTarget`` compiles, with a model's constants: "inputs" (``attention_inputs``),
+    "after" (``after_attention``), "fresh" (``fresh_layer``) and "suffix" (``suffix_layer``). A module holds them
+    because dynamo takes a module's ints as constants: passed as arguments, or read from a closure or a plain
+    object, they were traced as symbols under dynamic shapes, so every size in a layer was an expression to reason
+    about and guard on (``576 // heads``), and ``kv_heads != heads`` a symbolic bool that broke the fresh layer's
+    graph in two. (Its float, the scale, is a constant by ``compile_guard.no_float_symbols``.) No weights: the
+    layers come with each call, so one graph serves every layer."""
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int,
+                 apply_rope: Callable[..., tuple[Tensor, Tensor]], scale: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.apply_rope, self.scale = (heads, kv_heads, head_dim,
+                                                                                  apply_rope, scale)
+
+    def inputs(self, layer: torch.nn.Module, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return attention_inputs(layer, h, cos, sin, self.heads, self.kv_heads, self.head_dim, self.apply_rope)
+
+    def after(self, layer: torch.nn.Module, h: Tensor, o: Tensor) -> Tensor:
+        return after_attention(layer, h, o)
+
+    def fresh(self, layer: torch.nn.Module, nxt: torch.nn.Module, h: Tensor, q: Tensor, k: Tensor, v: Tensor,
+              cos: Tensor, sin: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        return fresh_layer(layer, nxt, h, q, k, v, cos, sin, self.heads, self.kv_heads, self.head_dim,
+                           self.apply_rope, self.scale)
+
+    def suffix(self, layer: torch.nn.Module, nxt: torch.nn.Module, h: Tensor, q: Tensor, k_pool: Tensor,
+               v_pool: Tensor, block_mask: Any, cos: Tensor, sin: Tensor
+               ) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        return suffix_layer(layer, nxt, h, q, k_pool, v_pool, block_mask, cos, sin, self.heads, self.kv_heads,
+                            self.head_dim, self.apply_rope, self.scale)
+
+
+PIECES = ("inputs", "after", "fresh", "suffix")  # LayerPieces' methods, the names ``BatchedTarget._piece`` takes
+
+
 class BatchedTarget:
     """A loaded HF causal LM (one of ``SUPPORTED_MODEL_TYPES``) driven slot by slot.
 
@@ -523,19 +559,21 @@ class BatchedTarget:
         self.apply_rope = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.aux_layer_ids = list(aux_layer_ids)
         self.pieces = CompileSwitch("the batched target's compiled layer pieces")
-        self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+        self.layer_pieces = LayerPieces(self.heads, self.kv_heads, self.head_dim, self.apply_rope, self.scaling)
+        self._compiled: dict[str, Callable[..., Any]] = {}
 
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def _piece(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, compiled on CUDA while ``pieces`` is on."""
+    def _piece(self, name: str, *args: Any) -> Any:
+        """``LayerPieces`` method ``name`` on ``args``, compiled on CUDA while ``pieces`` is on."""
+        fn = getattr(self.layer_pieces, name)
         if self.device.type != "cuda":
             return fn(*args)
-        compiled = self._compiled.get(fn)
+        compiled = self._compiled.get(name)
         if compiled is None:
-            compiled = self._compiled[fn] = torch.compile(fn, dynamic=True)
+            compiled = self._compiled[name] = torch.compile(fn, dynamic=True)
         return self.pieces.run(lambda: compiled(*args), lambda: fn(*args))
 
     @property
@@ -614,13 +652,12 @@ class BatchedTarget:
             if paged:  # each row's first pages, in order: whole pages are copied (memcpy-sized pieces)
                 gather = cache.page_table[rows][:, : -(-span // cache.page)].reshape(-1).long()
         keep: dict[int, Tensor] = {}
-        shape = (self.heads, self.kv_heads, self.head_dim, self.apply_rope)
         layers = len(self.layers)
         qkv: tuple[Tensor, Tensor, Tensor] | None = None  # this layer's, when the previous layer's call made them
         # A fresh prefill's SDPA without cuDNN: it builds a plan per new shape, 50-100 ms each (``"prefill_step"``).
         with sdpa_kernel(list(RIGHT_PADDED_SDPA)) if fresh and kind is None else nullcontext():
             for i, layer in enumerate(self.layers):
-                q, k, v = qkv if qkv is not None else self._piece(attention_inputs, layer, h, cos, sin, *shape)
+                q, k, v = qkv if qkv is not None else self._piece("inputs", layer, h, cos, sin)
                 if paged:  # (kv, B*T, d) into the pool
                     cache.k[i].index_copy_(1, where, k.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
                     cache.v[i].index_copy_(1, where, v.transpose(0, 1).reshape(self.kv_heads, b * t, self.head_dim))
@@ -633,10 +670,9 @@ class BatchedTarget:
                     # its own would be a second compile.
                     nxt = self.layers[(i + 1) % layers]
                     if kind != "suffix":
-                        h, qkv = self._piece(fresh_layer, layer, nxt, h, q, k, v, cos, sin, *shape, self.scaling)
+                        h, qkv = self._piece("fresh", layer, nxt, h, q, k, v, cos, sin)
                     else:
-                        h, qkv = self._piece(suffix_layer, layer, nxt, h, q, cache.k[i], cache.v[i], block_mask, cos,
-                                             sin, *shape, self.scaling)
+                        h, qkv = self._piece("suffix", layer, nxt, h, q, cache.k[i], cache.v[i], block_mask, cos, sin)
                 else:
                     if kind == "decode":  # the query heads sharing a kv head folded into the query axis, as below
                         o = flex_decode(q.reshape(b, self.kv_heads, groups, self.head_dim), cache.k[i], cache.v[i],
@@ -652,7 +688,7 @@ class BatchedTarget:
                         layer_v[batch_index, :, positions] = v.transpose(1, 2)
                         o = position_masked_attention(q, layer_k[:, :, :span], layer_v[:, :, :span], mask,
                                                       self.scaling)
-                    h = self._piece(after_attention, layer, h, o)
+                    h = self._piece("after", layer, h, o)
                 if aux and i in self.aux_layer_ids:
                     keep[i] = h
         logits = None

@@ -33,6 +33,14 @@ def no_duck_sizing() -> Any:
     return fx_config.patch(use_duck_shape=False)
 
 
+def no_float_symbols() -> Any:
+    """Trace Python floats as constants. With dynamic shapes dynamo first traces a float (an attention's scale, a
+    norm's epsilon read off its module) as a symbol, fails to turn it into a tensor in a pass after the trace and
+    traces the whole function again: each compiled layer piece was traced twice (on a CPU, 7.6 s of dynamo and AOT
+    for the suffix layer, 2.1 s with its constants bound and this). Read at trace time only (~17 us a call)."""
+    return torch._dynamo.config.patch(specialize_float=True)
+
+
 def is_recompile_limit(e: BaseException) -> bool:
     """Whether ``e`` is dynamo refusing one more compile (``no_uncompiled_fallback``). By name: the class has
     moved between torch versions."""
@@ -55,11 +63,12 @@ class CompileSwitch:
         self.state = "compiled"  # or "off: <why>"
 
     def run(self, compiled: Callable[[], T], eager: Callable[[], T]) -> T:
-        """``compiled()`` under ``no_uncompiled_fallback`` and ``no_duck_sizing`` while on; ``eager()`` once off (the
-        call that turned it off included: what the compiled call had done must be safe to redo eagerly)."""
+        """``compiled()`` under ``no_uncompiled_fallback``, ``no_duck_sizing`` and ``no_float_symbols`` while on;
+        ``eager()`` once off (the call that turned it off included: what the compiled call had done must be safe to
+        redo eagerly)."""
         if self.state == "compiled":
             try:
-                with no_uncompiled_fallback(), no_duck_sizing():
+                with no_uncompiled_fallback(), no_duck_sizing(), no_float_symbols():
                     return compiled()
             except Exception as e:  # noqa: BLE001 - only a compile failure falls back; anything else is raised
                 if not is_compile_failure(e):

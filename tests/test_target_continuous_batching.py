@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.utils import compilation_time_metrics
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from target import batched as bt
@@ -639,3 +640,49 @@ def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees() -> 
             needed = set((keys[seen] // cache.page).tolist())
             listed = mask.kv_indices[b, 0, j, : int(mask.kv_num_blocks[b, 0, j])].tolist()
             assert set(listed) == needed and len(listed) == len(needed), (b, j)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_each_layer_piece_traces_once_for_every_prefill_shape(kind: str) -> None:
+    """The pieces ``BatchedTarget`` compiles on CUDA, traced by dynamo with dynamic shapes as ``_piece`` traces them
+    (a counting backend in front of AOT autograd, whose graphs run eagerly: all but inductor, as on CUDA): one graph each, traced
+    once (no restart), for two prefills of other rows, widths and prefixes; the same outputs as uncompiled. A float or an int passed
+    as an argument made dynamo trace a piece twice (a symbolic float retraced) and reason about symbolic head
+    counts: the prefill graph's compile on an H200 was tens of seconds."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager = lookup_backend("aot_eager")
+    torch.manual_seed(0)
+    t = BatchedTarget(tiny(kind))
+    graphs = {name: 0 for name in bt.PIECES}
+
+    def compiled(name: str):
+        def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+            graphs[name] += 1
+            return aot_eager(gm, example_inputs)
+
+        return torch.compile(getattr(t.layer_pieces, name), dynamic=True, backend=backend)
+
+    pieces = {name: compiled(name) for name in bt.PIECES}
+    torch._dynamo.reset()
+    retraced = len(compilation_time_metrics.get("compile_attempt_1", []))  # dynamo's restarts of a trace so far
+    with torch.no_grad():
+        for rows, width, prefix in ((3, 129, 0), (5, 200, 130)):
+            cache = t.new_paged_cache(rows, 1 + rows * 3, max_len=3 * bt.PAGE, attention="flex")
+            for r in range(rows):
+                assert cache.ensure(r, prefix + width + 1)
+            cache.flush()
+            ids = torch.randint(0, V, (rows, width))
+            positions = (prefix + torch.arange(width))[None].expand(rows, width).contiguous()
+            h = t.embed(ids)
+            cos, sin = t.rotary(h, positions)
+            mask = cache.suffix_block_mask(torch.arange(rows, dtype=torch.int32), positions)
+            q, k, v = t.layer_pieces.inputs(t.layers[0], h, cos, sin)
+            calls = {"inputs": (t.layers[0], h, cos, sin), "after": (t.layers[0], h, q),
+                     "fresh": (t.layers[0], t.layers[1], h, q, k, v, cos, sin),
+                     "suffix": (t.layers[0], t.layers[1], h, q, cache.k[0], cache.v[0], mask, cos, sin)}
+            for name, args in calls.items():
+                got = t.pieces.run(lambda name=name, args=args: pieces[name](*args), lambda: None)
+                torch.testing.assert_close(got, getattr(t.layer_pieces, name)(*args), rtol=0, atol=0)
+    assert graphs == {"inputs": 1, "after": 1, "fresh": 1, "suffix": 1}
+    assert len(compilation_time_metrics.get("compile_attempt_1", [])) == retraced
