@@ -645,10 +645,10 @@ def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees() -> 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_each_layer_piece_traces_once_for_every_prefill_shape(kind: str) -> None:
     """The pieces ``BatchedTarget`` compiles on CUDA, traced by dynamo with dynamic shapes as ``_piece`` traces them
-    (a counting backend in front of AOT autograd, whose graphs run eagerly: all but inductor, as on CUDA): one graph each, traced
-    once (no restart), for two prefills of other rows, widths and prefixes; the same outputs as uncompiled. A float or an int passed
-    as an argument made dynamo trace a piece twice (a symbolic float retraced) and reason about symbolic head
-    counts: the prefill graph's compile on an H200 was tens of seconds."""
+    (a counting backend in front of AOT autograd, whose graphs run eagerly: all but inductor, as on CUDA): one graph
+    each, traced once (no restart), for two prefills of other rows, widths and prefixes; the same outputs as
+    uncompiled. The head counts as arguments (symbolic sizes, and a symbolic bool that split the fresh layer's
+    graph) or a float traced as a symbol (a second trace) made the prefill graph's compile on an H200 take 30 s."""
     from torch._dynamo.backends.registry import lookup_backend
 
     aot_eager = lookup_backend("aot_eager")
