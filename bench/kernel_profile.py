@@ -98,15 +98,3 @@ def host_times(step: Callable[[], Any], repeats: int, top: int = 12) -> dict[str
             "host_top": [{"name": key[:NAME_CHARS], "self_ms": round(ms, 3), "calls": round(count, 2)}
                          for key, ms, count in rows[:top]]}
 
-
-def compile_seconds(top: int = 10) -> dict[str, float]:
-    """Dynamo's compile time so far by phase (``torch._dynamo.utils.compile_times``, summed per function; the
-    ``top`` largest): which of tracing, AOT, inductor's lowering or the kernels' builds a first call waits on."""
-    from torch._dynamo.utils import compile_times
-
-    got = compile_times(repr="csv", aggregate=True)
-    if not isinstance(got, tuple):
-        return {}
-    names, values = got
-    pairs = sorted(((n, float(v)) for n, v in zip(names, values, strict=True)), key=lambda p: -p[1])
-    return {n: round(v, 3) for n, v in pairs[:top]}

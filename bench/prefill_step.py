@@ -17,8 +17,8 @@ shape, over a pool where every row holds its prefix's pages:
   ``again_ms``: the median of --repeats more; ``host_ms``: how long the call takes to return (the launches: when it
   is close to ``again_ms`` the host, not the device, bounds the forward); ``kernel_ms`` and ``by_class_ms``: the
   device's kernels, ``host_top`` and ``launches``: the host's own ops and regions (guards, the compiled wrapper,
-  eager ops) and kernel launches a forward, ``first_compile_s``: dynamo's compile seconds by phase in the first
-  call (bench/kernel_profile.py);
+  eager ops) and kernel launches a forward (bench/kernel_profile.py); ``first_compile_s``: dynamo's compile
+  seconds by phase in the first call (``compile_guard.compile_seconds``);
 - the tenth session's first run also ran each fresh shape with SDPA as the engine then left it: cuDNN's attention
   built a plan at each new shape (64x256+0: 77.6 ms on the first call against 28.4 ms without cuDNN), so the
   engine's fresh prefill now runs SDPA without it, as the online target's forward does.
@@ -36,11 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernel_profile import compile_seconds, host_times, kernel_times, summarize  # noqa: E402
+from bench.kernel_profile import host_times, kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from target.batched import PAGE, BatchedTarget, flex_kind, prefill_shape  # noqa: E402
+from target.compile_guard import compile_seconds  # noqa: E402
 
 # 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); the others
 # bracket it; 16x512+0 and 64x256+0: first turns

@@ -76,3 +76,17 @@ class CompileSwitch:
                 self.state = f"off: {exception_line(e)}"
                 print(f"warning: {self.what} are {self.state}; eager from here on", file=sys.stderr)
         return eager()
+
+
+def compile_seconds(top: int = 10) -> dict[str, float]:
+    """Dynamo's compile seconds in this process so far by phase (``torch._dynamo.utils.compile_times``, summed per
+    function, nested phases counted in their callers too; the ``top`` largest): which of tracing, AOT or inductor a
+    first call waits on, and how much of a run its compiles took."""
+    from torch._dynamo.utils import compile_times
+
+    got = compile_times(repr="csv", aggregate=True)
+    if not isinstance(got, tuple):
+        return {}
+    names, values = got
+    pairs = sorted(((n, float(v)) for n, v in zip(names, values, strict=True)), key=lambda p: -p[1])
+    return {n: round(v, 3) for n, v in pairs[:top]}

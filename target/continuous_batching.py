@@ -61,6 +61,7 @@ from tqdm import tqdm
 from common.batching import length_batches
 from common.queued_copy import queued_to_device, queued_to_host
 from target.batched import PAGE, BatchedTarget, prefill_shape
+from target.compile_guard import compile_seconds
 from target.decode_graphs import DecodeGraphs
 from target.loops import check_window, loop_start, may_loop
 
@@ -494,14 +495,16 @@ class Stream:
         ``reused_prefix_tokens`` taken from a row's cache instead, in ``continued`` requests), where the
         seconds went (``_Timing.stats``), the decode steps replayed from CUDA graphs (``DecodeGraphs.stats``),
         whether the target's compiled layer pieces stayed compiled (a compile failure turns them off, said once),
-        and the run second by second (``_Timeline``)."""
+        dynamo's compile seconds in this process by phase (``compile_s``: the largest piece of an engine's first
+        minute on an H200) and the run second by second (``_Timeline``)."""
         seconds = time.perf_counter() - self.started
         return {"rows": self.rows, "pages": self.cache.pages, "page_positions": self.cache.page,
                 "attention": self.cache.attention, "suffix_attention": self.cache.suffix_kernel,
                 "steps": self.steps, "decoded_tokens": self.produced,
                 "prefill_tokens": self.prefilled, "reused_prefix_tokens": self.reused, "continued": self.continued,
                 "preempted": self.preempted, "discarded_tokens": self.discarded, "seconds": round(seconds, 2),
-                "compiled_pieces": self.t.pieces.state, **self.timing.stats(seconds), **self.decode.stats(),
+                "compiled_pieces": self.t.pieces.state, "compile_s": compile_seconds(top=8),
+                **self.timing.stats(seconds), **self.decode.stats(),
                 "timeline": self.timeline.stats()}
 
     def tokens_per_s(self) -> float:

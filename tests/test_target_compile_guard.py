@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from target.compile_guard import CompileSwitch
+from target.compile_guard import CompileSwitch, compile_seconds
 
 
 def test_sizes_equal_at_the_first_call_do_not_make_a_second_graph() -> None:
@@ -26,3 +26,10 @@ def test_sizes_equal_at_the_first_call_do_not_make_a_second_graph() -> None:
         out = switch.run(lambda x=x, w=w: compiled(x, w), lambda x=x, w=w: project(x, w))
         assert torch.equal(out, project(x, w))
     assert switch.state == "compiled" and len(graphs) == 1
+
+
+def test_compile_seconds_grows_with_a_compile() -> None:
+    before = sum(compile_seconds(top=100).values())
+    torch.compile(lambda x: torch.sin(x) * 3 + 1, backend="eager")(torch.randn(5))
+    after = compile_seconds(top=100)
+    assert after and sum(after.values()) > before
