@@ -97,4 +97,3 @@ def host_times(step: Callable[[], Any], repeats: int, top: int = 12) -> dict[str
     return {"host_profiled_ms": round(sum(ms for _, ms, _ in rows), 3), "launches": round(launches, 1),
             "host_top": [{"name": key[:NAME_CHARS], "self_ms": round(ms, 3), "calls": round(count, 2)}
                          for key, ms, count in rows[:top]]}
-

@@ -524,8 +524,6 @@ class LayerPieces(torch.nn.Module):
                             self.head_dim, self.apply_rope, self.scale)
 
 
-PIECES = ("inputs", "after", "fresh", "suffix")  # LayerPieces' methods, the names ``BatchedTarget._piece`` takes
-
 
 class BatchedTarget:
     """A loaded HF causal LM (one of ``SUPPORTED_MODEL_TYPES``) driven slot by slot.

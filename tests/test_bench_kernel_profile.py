@@ -94,4 +94,3 @@ def test_host_times_names_the_ops_a_step_runs_and_their_calls_per_step() -> None
     assert calls["aten::mm"] == 3 and calls["aten::add"] == 1
     assert got["host_profiled_ms"] >= sum(row["self_ms"] for row in got["host_top"]) - 1e-3
     assert got["launches"] == 0  # no CUDA here
-
