@@ -26,13 +26,19 @@ Figures, bench/results.json:
   conversations, answers, the engine's run (rows, pages, attention kernel, decode and prefill tokens, preemptions, and
   where its seconds went: prefill and decode forwards, its host work, the caller's, decode steps by live rows; printed
   as one line per device; its ``timeline``, second by second: decoded tokens, live rows, prefill seconds, plotted in
-  regenerate_timeline.png beside the results file, -2gpus.png for two); exact_matches of --exact-prompts first turns
+  regenerate_timeline.png beside the results file, -gpus-2.png for two); exact_matches of --exact-prompts first turns
   answered in fp32 by the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``:
   the engine alone (in this process) on N first turns with each paged-attention kernel (flex: each row reads its own
   pages; gather: a rectangle up to the furthest row), flex both with its decode step replayed from CUDA graphs
   (``flex_graphs``, the engine's default on CUDA) and run eagerly (``flex_eager``, $EAGLE3_DECODE_GRAPHS=0): generated
   tokens/s, decode steps and those replayed from graphs each, and how many answers agree with ``flex_graphs``'; with
   --baseline-prompts N, plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
+  ``spans``: when its conversations were open (``data_prep.conversation_spans``): whether the run's end waited
+  on one long conversation's turns, which more devices cannot shorten.
+- "regenerate_shares" (with --shares N): each device's share of a run over N devices (the prompts
+  ``regenerate.device_shares`` gives it), run alone on one GPU, and projected_speedup = the --gpus 1 run's seconds /
+  the slowest share's: what N devices can at best give where only one is lent, before a several-device run's
+  own costs (a process per device, the merge). A later call with --share-ranks adds the other ranks beside them.
 - "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
   regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
 """
@@ -58,7 +64,7 @@ from bench.results import command_line, device_name, record, results_path  # noq
 from bench.runs import run  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
-from data_prep.regenerate import HOST_SAMPLES_ENV, host_samples_path, part_path, phase_text  # noqa: E402
+from data_prep.regenerate import HOST_SAMPLES_ENV, device_shares, host_samples_path, part_path, phase_text  # noqa: E402
 from eval.prompts import render  # noqa: E402
 from target.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
 from target.continuous_batching import generate  # noqa: E402
@@ -78,17 +84,32 @@ def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:
     return [ids for ids in (render(tok, t) for t in texts) if len(ids) <= 2048]
 
 
-def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gpus: int, out: Path) -> dict[str, Any]:
-    """The regenerate command on the first ``n`` prompts over ``gpus`` devices, in a fresh run dir: its wall
-    time and what its summary says it wrote. Its compiles start from empty caches (inductor's and Triton's, in the
-    run dir), as on a fresh machine, whatever ran before it there: ``bench/prefill_step.py`` compiles the engine's
-    prefill layers at SmolLM2's shape, and the eleventh session's full run, which followed it on one machine, spent
-    about 20 s less in its compiles than the twelfth's on a machine where nothing had compiled."""
-    run_dir = out / f"gpus-{gpus}"
+def share_lines(prompts_file: Path, n: int, share: tuple[int, int] | None) -> list[bytes]:
+    """The first ``n`` records of ``prompts_file``; with ``share`` (rank, devices), only those that
+    ``regenerate.device_shares`` gives that device of a run over that many."""
+    with open(prompts_file, "rb") as f:
+        lines = list(islice(f, n))
+    if share is None:
+        return lines
+    rank, devices = share
+    records = [json.loads(line) for line in lines]
+    ids = {p["id"] for p in device_shares(records, devices)[rank]}
+    return [line for line, r in zip(lines, records, strict=True) if r["id"] in ids]
+
+
+def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gpus: int, out: Path,
+               share: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The regenerate command on the first ``n`` prompts (``share``: the part of them one device of a
+    several-device run gets) over ``gpus`` devices, in a fresh run dir: its wall time and what its summary says it
+    wrote. Its compiles start from empty caches (inductor's and Triton's, in the run dir), as on a fresh machine,
+    whatever ran before it there: ``bench/prefill_step.py`` compiles the engine's prefill layers at SmolLM2's
+    shape, and the eleventh session's full run, which followed it on one machine, spent about 20 s less in its
+    compiles than the twelfth's on a machine where nothing had compiled."""
+    name = f"gpus-{gpus}" if share is None else f"share-{share[0]}-of-{share[1]}"
+    run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    with open(prompts_file, "rb") as src, open(run_dir / "prompts.jsonl", "wb") as dst:
-        dst.writelines(islice(src, n))
+    (run_dir / "prompts.jsonl").write_bytes(b"".join(share_lines(prompts_file, n, share)))
     devices = [f"cuda:{i}" for i in range(gpus)] if torch.cuda.is_available() else ["cpu"] * gpus
     cfg = load_config(config, [*overrides, f"run_dir={run_dir}", "regenerate.num_prompts=null",
                                f"regenerate.devices={json.dumps(devices)}"])
@@ -102,11 +123,13 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
              "TRITON_CACHE_DIR": str(caches / "triton")}, log=run_dir / "regenerate.log")
     seconds = time.perf_counter() - start
     s = json.loads((run_dir / "data_prep_summary.json").read_text())["regenerate"]
-    print(f"regenerate on {gpus} device(s): {s['written']} conversations, {s['answer_tokens']} answer tokens in "
+    print(f"regenerate ({name}): {s['written']} conversations, {s['answer_tokens']} answer tokens in "
           f"{seconds:.1f} s = {s['answer_tokens'] / seconds:.0f} tokens/s", flush=True)
     engines = s["engine"] if len(devices) > 1 else {devices[0]: s["engine"]}
+    spans = s["spans"] if len(devices) > 1 else {devices[0]: s["spans"]}
     for device, e in engines.items():
         print(f"  {device}: {engine_line(e)}", flush=True)
+        print(f"  {device}: conversations {spans_line(spans[device])}", flush=True)
     # After the summary (printed, written), the interpreter's exit and CUDA's teardown: only timed from outside.
     exit_s = round(seconds - s["phases"]["process_s"], 2) if "process_s" in s["phases"] else None
     print(f"  process: {process_line(s['phases'], exit_s)}", flush=True)
@@ -115,8 +138,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     host = host_samples(samples, cfg, len(devices))
     for where in host[0]["own"][:8] if host else []:
         print(f"  host samples (own): {where['share']:.1%} {where['where']}", flush=True)
-    png = results_path().with_name("regenerate_timeline.png" if gpus == 1 else f"regenerate_timeline-{gpus}gpus.png")
-    plot_timeline(engines, f"{gpus} device(s), {s['written']} conversations, {s['answer_tokens'] / seconds:.0f} tok/s "
+    png = results_path().with_name("regenerate_timeline.png" if name == "gpus-1" else f"regenerate_timeline-{name}.png")
+    plot_timeline(engines, f"{name}, {s['written']} conversations, {s['answer_tokens'] / seconds:.0f} tok/s "
                   f"end to end ({seconds:.0f} s)", png)
     print(f"  timeline: {png}", flush=True)
     return {"gen_tokens_per_s": round(s["answer_tokens"] / seconds, 1), "gen_tokens": s["answer_tokens"],
@@ -125,7 +148,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             **({"device_phases": s["device_phases"]} if s["device_phases"] else {}),
             "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
-            "engine": s["engine"], "max_tokens": cfg.regenerate.max_tokens, "dtype": cfg.target.dtype,
+            "engine": s["engine"], "spans": s["spans"], "max_tokens": cfg.regenerate.max_tokens,
+            "dtype": cfg.target.dtype,
             "host_samples": host, "compile_caches": "empty at start"}
 
 
@@ -174,6 +198,31 @@ def process_line(phases: dict[str, float], exit_s: float | None) -> str:
                                  else "")
 
 
+def spans_line(spans: dict[str, Any]) -> str:
+    """When the conversations were open (``ConversationSpans.summary``), in one line."""
+    if not spans:
+        return "(none settled)"
+    brief = lambda x: (f"opened at {x['opened_s']:.1f} s, open {x['span_s']:.1f} s, {x['turns']} turns, "  # noqa: E731
+                       f"{x['answer_tokens']} answer tokens")
+    return (f"span s {spans['span_s']}; longest: {brief(spans['longest'])}; written last: "
+            f"{brief(spans['settled_last'])}; the last opened at {spans['opened_last_s']:.1f} s")
+
+
+def shares_figures(previous: dict[str, Any], key: dict[str, Any], ranks: dict[str, Any],
+                   full: dict[str, Any] | None) -> dict[str, Any]:
+    """The "regenerate_shares" object: the ranks measured now beside those an earlier call measured for the same
+    split (``key``: devices, prompts file, conversations, overrides) after the same full run (a call that runs
+    the full one starts afresh), the full run's seconds and the projection from them."""
+    same = full is None and previous and all(previous.get(k) == v for k, v in key.items())
+    ranks = (previous.get("ranks", {}) if same else {}) | ranks
+    full = full or (previous.get("full") if same else None)
+    out = key | {"ranks": ranks, **({"full": full} if full else {})}
+    if full and ranks:
+        slowest = max(r["seconds"] for r in ranks.values())
+        out |= {"ranks_measured": sorted(ranks), "projected_speedup": round(full["seconds"] / slowest, 3)}
+    return out
+
+
 def engine_line(e: dict[str, Any]) -> str:
     """Where one engine's seconds went (``Stream.stats``), in one line."""
     if "prefill_s" not in e:
@@ -193,13 +242,17 @@ def engine_line(e: dict[str, Any]) -> str:
             f"steps by live rows {per_step}")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="the run config (its regenerate and target sections)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     ap.add_argument("--prompts-file", type=Path, required=True, help="an ingested prompts.jsonl")
     ap.add_argument("--conversations", type=int, default=4000)
     ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="device counts to run on (1 2: the speed-up)")
+    ap.add_argument("--shares", type=int, default=0, metavar="N",
+                    help="then each device's share of a run over N devices, alone on one (the projection)")
+    ap.add_argument("--share-ranks", type=int, nargs="+", default=None, metavar="R",
+                    help="only these shares of --shares (default all; another call adds the rest)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-regenerate"))
     ap.add_argument("--exact-prompts", type=int, default=64)
     ap.add_argument("--exact-max-tokens", type=int, default=256)
@@ -207,13 +260,15 @@ def main() -> int:
     ap.add_argument("--ab-max-tokens", type=int, default=512)
     ap.add_argument("--baseline-prompts", type=int, default=0, help="first turns for plain generate (0: skip)")
     ap.add_argument("--baseline-batch", type=int, default=128)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     runs = {g: end_to_end(args.config, args.set, args.prompts_file, args.conversations, g, args.out)
             for g in args.gpus}
     figures = {"model": "SmolLM2-135M-Instruct", "config": args.config, "overrides": args.set,
                "prompts_file": str(args.prompts_file), **runs[args.gpus[0]]}
     record("regenerate", figures)  # the end-to-end figures stand even if a check below fails
+    if args.shares:
+        record_shares(args, runs.get(1))
     if 1 in runs and 2 in runs:
         one, two = runs[1]["gen_tokens_per_s"], runs[2]["gen_tokens_per_s"]
         record("ddp_scaling", {"regenerate_tokens_per_s_1gpu": one, "regenerate_tokens_per_s_2gpu": two,
@@ -239,6 +294,28 @@ def main() -> int:
         figures |= exactness(target, prompts, args.exact_max_tokens)
         record("regenerate", figures)
     return 0
+
+
+SHARE_FIELDS = ("seconds", "gen_tokens", "gen_tokens_per_s", "conversations", "answers", "outside_step_s",
+                "process_phases", "spans")
+
+
+def record_shares(args: argparse.Namespace, full: dict[str, Any] | None) -> None:
+    """Each asked-for share of a run over --shares devices, alone on one device, recorded as each finishes: what
+    a several-device run would take if each device ran its share as fast as it does alone (before the several-
+    device run's own costs: spawning a process per device, merging the part files)."""
+    key = {"devices": args.shares, "prompts_file": str(args.prompts_file), "conversations": args.conversations,
+           "overrides": args.set}
+    whole = {k: full[k] for k in ("seconds", "gen_tokens", "spans")} | {"command": command_line()} if full else None
+    for rank in args.share_ranks if args.share_ranks is not None else range(args.shares):
+        run_ = end_to_end(args.config, args.set, args.prompts_file, args.conversations, 1, args.out,
+                          share=(rank, args.shares))
+        figures = {k: run_[k] for k in SHARE_FIELDS} | {
+            "engine_seconds": run_["engine"]["seconds"], "command": command_line(), "date": time.strftime("%Y-%m-%d")}
+        path = results_path()
+        previous = json.loads(path.read_text()).get("regenerate_shares", {}) if path.is_file() else {}
+        record("regenerate_shares", shares_figures(previous, key, {str(rank): figures}, whole))
+        whole = None  # recorded: the next rank's merge keeps it
 
 
 def answer_tokens(row: list[int], stops: list[int]) -> list[int]:

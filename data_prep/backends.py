@@ -91,15 +91,27 @@ class HFChatBackend:
     name = "hf"
 
     def __init__(self, target_cfg: TargetConfig, cfg: RegenerateConfig):
-        from target.batched import BatchedTarget, UnsupportedTargetError
-        from target.hf_model import load_target_from_config, stop_token_ids
+        import torch
 
+        from target.batched import BatchedTarget, UnsupportedTargetError
+        from target.hf_model import load_target_from_config, pick_device, stop_token_ids
+
+        # Where its seconds go (``backend_s`` in the summary's phases): on an H200 they were 15 of a 4-minute run,
+        # and a device's share of a several-device run pays them whole.
+        t0 = time.perf_counter()
+        device = pick_device(target_cfg.device)
+        if device.type == "cuda":
+            torch.zeros(1, device=device)  # the CUDA context, timed on its own
+        t1 = time.perf_counter()
         self.target = load_target_from_config(target_cfg)
+        t2 = time.perf_counter()
         self.template_kwargs = target_cfg.chat_template_kwargs
         try:
             self.engine = BatchedTarget(self.target.model)
         except UnsupportedTargetError as e:
             raise BackendError(f"regenerate.backend hf: {target_cfg.name}: {e}") from None
+        self.build_s = {"cuda_context_s": round(t1 - t0, 2), "target_s": round(t2 - t1, 2),
+                        "engine_s": round(time.perf_counter() - t2, 2)}
         self.tok = self.target.tokenizer
         self.cfg = cfg
         self.batch_size = cfg.batch_size
@@ -207,7 +219,7 @@ class HFChatStream:
         return self.engine.tokens_per_s()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), **self.prompts.stats(),
+        return {**self.engine.stats(), **self.prompts.stats(), "backend_s_by_part": self.b.build_s,
                 "caller_s_by_part": {k: round(v, 2) for k, v in self.caller.items()}}
 
 

@@ -40,15 +40,16 @@ from tqdm import tqdm
 from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
 from common.files import JsonlAppender, cut_torn_tail, write_json_atomic
+from common.percentiles import percentiles
 from common.process_clock import process_age_s
 from common.stack_sampler import StackSampler
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
+from data_prep.conversation_spans import ConversationSpans
 from data_prep.step_failed import StepFailed
 
 # A file path: the step runs under common.stack_sampler and its summary is written there (bench/regenerate_throughput.py
 # sets it: where the host's seconds go in the real run, at no cost to it)
 HOST_SAMPLES_ENV = "EAGLE3_HOST_SAMPLES"
-PERCENTILES = (0, 50, 90, 99, 100)
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
 
 
@@ -221,6 +222,8 @@ class RegenerateSummary:
     # this run: tokens of the answers written (hf: the engine's; openai: the server's usage, when it sends it)
     answer_tokens: int = 0
     engine: dict[str, Any] = field(default_factory=dict)  # hf: the engine's run (rows, pages, steps, preempted, ...)
+    # hf: when its conversations were open (``ConversationSpans.summary``; several devices: per device)
+    spans: dict[str, Any] = field(default_factory=dict)
     failed: Counter[str] = field(default_factory=Counter)  # this run, by reason
     failure_examples: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0  # the step: the stream (or the rounds; several devices: the workers and the merge)
@@ -308,13 +311,6 @@ def phase_text(phases: dict[str, float]) -> str:
     rest = ", ".join(f"{name(k)} {phases[k]} s" for k in PHASES[6:] if k in phases)
     head = f"startup {phases['startup_s']} s" if "startup_s" in phases else "before the step"
     return f"{head} ({parts}), {rest}"
-
-
-def percentiles(values: list[int]) -> dict[str, int]:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {str(p): ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] for p in PERCENTILES}
 
 
 def answer_text(message: dict[str, Any]) -> str:
@@ -423,11 +419,12 @@ def _rounds(pending: list[dict[str, Any]], backend: ChatBackend, tally: _Tally) 
             return
 
 
-def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally) -> dict[str, Any]:
+def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally,
+            spans: ConversationSpans) -> dict[str, Any]:
     """One engine run over every pending conversation: a turn is submitted when the previous one's answer
     ends, a conversation settled (written) when it ends. New conversations are opened only as the engine has
     room for them (``wants``), so what a kill loses is the conversations in flight. Returns the engine's
-    statistics."""
+    statistics; ``spans`` gets when each conversation opened and settled."""
     stream = backend.stream(len(pending))  # one turn of a conversation in flight at a time
     unopened = iter(pending)
     open_: dict[str, Conversation] = {}
@@ -439,6 +436,7 @@ def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally) -> dict[
             if p is None:
                 break
             conv = open_[p["id"]] = Conversation(p)
+            spans.open(p["id"])
             batch.append((p["id"], conv.request(), conv.tools))
         stream.submit(batch)
 
@@ -452,6 +450,7 @@ def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally) -> dict[
                 follow_ups.append((key, conv.request(), conv.tools))
             else:
                 del open_[key]
+                spans.settle(key, len(conv.finish_reasons), conv.answer_tokens)
                 tally.settle(conv)
                 if tally.stop:
                     break
@@ -499,7 +498,9 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
         tally = _Tally(summary, out, limit, bar)
         try:
             if streaming and pending:
-                summary.engine = _stream(pending, backend, tally)
+                spans = ConversationSpans()
+                summary.engine = _stream(pending, backend, tally, spans)
+                summary.spans = spans.summary()
             else:
                 _rounds(pending, backend, tally)
         finally:
@@ -589,6 +590,11 @@ def share_of(prompt_id: str, n: int) -> int:
     return int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) % n
 
 
+def device_shares(prompts: list[dict[str, Any]], n: int) -> list[list[dict[str, Any]]]:
+    """``prompts`` split over ``n`` devices (``share_of``), each share in the prompts' order."""
+    return [[p for p in prompts if share_of(p["id"], n) == r] for r in range(n)]
+
+
 def _device_worker(tree: dict[str, Any], prompts: list[dict[str, Any]], device: str, part: str) -> dict[str, Any]:
     """One device's share, in its own process (spawned: CUDA cannot be forked). It runs under the parent's
     run-dir lock (it takes none: the parent holds it) and dies with the parent (``_worker_init``). Its failures
@@ -633,7 +639,7 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
     merge_parts(out)  # leftovers of a killed run
     done, torn = resume(out)
     pending = [p for p in prompts if p["id"] not in done]
-    shares = [[p for p in pending if share_of(p["id"], len(devices)) == r] for r in range(len(devices))]
+    shares = device_shares(pending, len(devices))
     tree = dump_config(cfg)
     resume_s = _since(t)
     phases = _age("startup_s") | (phases or {}) | {"resume_s": resume_s}
@@ -655,6 +661,7 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
                                 loop_tokens_kept=sum(p["loop_tokens_kept"] for p in parts),
                                 answer_tokens=sum(p["answer_tokens"] for p in parts),
                                 engine={dev: p["engine"] for dev, p in zip(devices, parts, strict=True)},
+                                spans={dev: p["spans"] for dev, p in zip(devices, parts, strict=True)},
                                 tried=sum(p["tried"] for p in parts), stopped="; ".join(stopped) or None,
                                 seconds=time.perf_counter() - start, device_phases=[p["phases"] for p in parts])
     summary.phases = phases | {"step_s": round(summary.seconds, 3)}

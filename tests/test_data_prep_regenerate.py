@@ -768,8 +768,8 @@ class ScriptedStream:
     order and one comes out per poll, while later ones keep arriving. ``lines_seen`` records how many
     conversations the output file held when each answer came out."""
 
-    def __init__(self, backend: ScriptedBackend, out: Path, rows: int):
-        self.backend, self.out, self.rows = backend, out, rows
+    def __init__(self, backend: ScriptedBackend, out: Path, rows: int, poll_s: float = 0.0):
+        self.backend, self.out, self.rows, self.poll_s = backend, out, rows, poll_s
         self.queue: list[tuple[Any, list[dict[str, str]], Any]] = []
         self.lines_seen: list[tuple[Any, int]] = []
 
@@ -783,6 +783,7 @@ class ScriptedStream:
     def results(self) -> Iterator[list[tuple[Any, Any]]]:
         while self.queue:
             key, chat, tools = self.queue.pop(0)
+            time.sleep(self.poll_s)
             self.lines_seen.append((key, self.out.read_bytes().count(b"\n") if self.out.exists() else 0))
             yield [(key, self.backend.complete([chat], [tools])[0])]
 
@@ -794,11 +795,11 @@ class ScriptedStream:
 
 
 class ScriptedStreamBackend(ScriptedBackend):
-    def __init__(self, out: Path, rows: int = 8):
-        self.out, self.rows, self.streams = out, rows, []
+    def __init__(self, out: Path, rows: int = 8, poll_s: float = 0.0):
+        self.out, self.rows, self.poll_s, self.streams = out, rows, poll_s, []
 
     def stream(self, wanted: int) -> ScriptedStream:
-        self.streams.append(ScriptedStream(self, self.out, min(self.rows, wanted)))
+        self.streams.append(ScriptedStream(self, self.out, min(self.rows, wanted), self.poll_s))
         return self.streams[-1]
 
 
@@ -809,7 +810,7 @@ def test_the_stream_writes_each_conversation_when_it_ends_while_others_run(tmp_p
 
     cfg = make_cfg(tmp_path)
     ids = write_prompts(cfg, [[user("a1")], [user("b1"), user("b2"), user("b3")], [user("c1"), user("c2")]])
-    backend = ScriptedStreamBackend(cfg.conversations_path, rows=8)
+    backend = ScriptedStreamBackend(cfg.conversations_path, rows=8, poll_s=0.02)  # a poll takes a moment
     summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
     records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
     assert [m["content"] for m in records[ids[1]]["messages"]] == ["b1", "a1", "b2", "a2", "b3", "a3"]
@@ -819,6 +820,11 @@ def test_the_stream_writes_each_conversation_when_it_ends_while_others_run(tmp_p
     assert seen[ids[2]] == 1 and seen[ids[0]] == 0
     # the stream opens conversations as it has room: the longest work first, all three at once here
     assert [key for key, _ in backend.streams[0].lines_seen[:3]] == [ids[1], ids[2], ids[0]]
+    # when each was open: the 3-turn one, opened with the others, was open longest and written last
+    spans = summary.spans
+    assert spans["conversations"] == 3 and spans["longest"] == spans["settled_last"]
+    assert spans["longest"]["turns"] == 3 and spans["longest"]["span_s"] == spans["span_s"]["100"]
+    assert spans["opened_last_s"] <= spans["longest"]["span_s"]
 
 
 def _in_processing_order(tagged: list[str], streaming: bool) -> list[list[dict[str, str]]]:
