@@ -23,7 +23,9 @@
 #   regen-bench  bench/regenerate_throughput.py: the regenerate command end to end (REGEN_CONVERSATIONS, default
 #                every prompt of the file: the shipped config's whole set, the bar's measure, ~330 s on one H200;
 #                REGEN_PROMPTS, default the multi-turn prompts when unpacked, else $RUN's; REGEN_BENCH_ARGS
-#                adds options)                                      -> "regenerate", with 2 GPUs "ddp_scaling"
+#                adds options: --shares 2 --share-ranks R, each half of a 2-GPU run alone; --gpus with no count
+#                skips the full run)                                -> "regenerate", with 2 GPUs "ddp_scaling",
+#                                                                      with --shares "regenerate_shares"
 #   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when a previous session's
 #                conversations are carried (.gpu/conversations/conversations.jsonl.gz, which `out` returns with
 #                OUT_CONVERSATIONS=1) they are unpacked instead: regeneration at T=0 gave the same answer tokens (3,597,901)

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config overrides")
     ap.add_argument("--prompts-file", type=Path, required=True, help="an ingested prompts.jsonl")
     ap.add_argument("--conversations", type=int, default=4000)
-    ap.add_argument("--gpus", type=int, nargs="+", default=[1], help="device counts to run on (1 2: the speed-up)")
+    ap.add_argument("--gpus", type=int, nargs="*", default=[1],
+                    help="device counts to run on (1 2: the speed-up; none: only --shares' ranks)")
     ap.add_argument("--shares", type=int, default=0, metavar="N",
                     help="then each device's share of a run over N devices, alone on one (the projection)")
     ap.add_argument("--share-ranks", type=int, nargs="+", default=None, metavar="R",
@@ -262,11 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-batch", type=int, default=128)
     args = ap.parse_args(argv)
 
+    if not args.gpus and not args.shares:
+        ap.error("--gpus none and no --shares: nothing to run")
     runs = {g: end_to_end(args.config, args.set, args.prompts_file, args.conversations, g, args.out)
             for g in args.gpus}
     figures = {"model": "SmolLM2-135M-Instruct", "config": args.config, "overrides": args.set,
-               "prompts_file": str(args.prompts_file), **runs[args.gpus[0]]}
-    record("regenerate", figures)  # the end-to-end figures stand even if a check below fails
+               "prompts_file": str(args.prompts_file)}
+    if runs:
+        figures |= runs[args.gpus[0]]
+        record("regenerate", figures)  # the end-to-end figures stand even if a check below fails
     if args.shares:
         record_shares(args, runs.get(1))
     if 1 in runs and 2 in runs:
@@ -279,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config, args.set)
     device = cfg.target.device if cfg.target.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if not runs:
+        return 0
     if args.ab_prompts or args.baseline_prompts:
         target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=device)
         prompts = first_turn_prompts(target.tokenizer, max(args.ab_prompts, args.baseline_prompts), args.prompts_file)

@@ -50,15 +50,19 @@ def test_a_later_call_adds_its_ranks_and_a_call_with_a_full_run_starts_afresh() 
     assert "full" not in other and "projected_speedup" not in other and list(other["ranks"]) == ["1"]
 
 
-def test_cpu_run_records_the_full_run_and_each_share_with_their_spans(bench_results: Path, tmp_path: Path) -> None:
-    """The real regenerate command three times (whole, then each half) on SmolLM2 on the CPU."""
+def test_cpu_runs_record_the_full_run_and_each_share_with_their_spans(bench_results: Path, tmp_path: Path) -> None:
+    """The real regenerate command three times on SmolLM2 on the CPU, over two calls as on a GPU whose call
+    cannot hold all three: the whole and the first half, then (no full run) the second half."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
-    assert bench.main(["--config", "configs/smollm2-135m-h200.yaml", "--prompts-file", str(prompts),
-                       "--conversations", "4", "--exact-prompts", "0", "--shares", "2", "--out", str(tmp_path / "o"),
-                       "--set", "target.device=cpu", "--set", "target.dtype=float32",
-                       "--set", "regenerate.max_tokens=4"]) == 0
+    common = ["--config", "configs/smollm2-135m-h200.yaml", "--prompts-file", str(prompts), "--conversations", "4",
+              "--exact-prompts", "0", "--shares", "2", "--out", str(tmp_path / "o"), "--set", "target.device=cpu",
+              "--set", "target.dtype=float32", "--set", "regenerate.max_tokens=4"]
+    assert bench.main([*common, "--share-ranks", "0"]) == 0
+    whole = json.loads(bench_results.read_text())["regenerate"]
+    assert bench.main([*common, "--gpus", "--share-ranks", "1"]) == 0
     results = json.loads(bench_results.read_text())
-    whole, shares = results["regenerate"], results["regenerate_shares"]
+    shares = results["regenerate_shares"]
+    assert results["regenerate"] == whole, "a call without a full run replaced the full run's object"
     assert whole["conversations"] == 4 and whole["spans"]["conversations"] == 4
     assert shares["ranks_measured"] == ["0", "1"] and shares["full"]["seconds"] == whole["seconds"]
     assert sum(shares["ranks"][r]["conversations"] for r in "01") == 4
