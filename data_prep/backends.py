@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,6 +31,7 @@ from common import redact
 from common.config import RegenerateConfig, TargetConfig
 from data_prep.loss_mask import prompt_text
 from data_prep.prompt_ids import PromptTokenizer
+from data_prep.prompt_prefetch import Encoded, PromptPrefetch
 from target.loops import first_repeat, retokenized_loop_start
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
@@ -156,6 +157,7 @@ class HFChatStream:
                              loops=loops)
         self.ready: deque[tuple[Hashable, Completion]] = deque()
         self.prompts = PromptTokenizer(backend.tok)
+        self.ahead: PromptPrefetch | None = None  # first prompts encoded on a thread (``prefetch``)
         self.sent: dict[Hashable, tuple[str, list[int]]] = {}  # in the engine: the prompt's text and ids
         self.answered: dict[Hashable, tuple[str, list[int]]] = {}  # answered by the last poll: the same
         # Of the engine's caller_s (the host outside its polls): chat templates, tokenizing, detokenizing.
@@ -167,23 +169,53 @@ class HFChatStream:
 
     @property
     def wants(self) -> int:
-        """How many more chats to queue: enough for every free row and the next refill."""
+        """How many more chats to queue: enough for every free row and the next refill; while first prompts
+        are being prefetched, no more than are ready (at least a chunk: the first forward waits only for it)."""
         e = self.engine
-        return e.free_rows + e.refill_at - e.waiting - len(self.ready)
+        wanted = e.free_rows + e.refill_at - e.waiting - len(self.ready)
+        if self.ahead is not None and not self.ahead.finished:
+            wanted = min(wanted, max(self.ahead.ready, PromptPrefetch.CHUNK))
+        return wanted
+
+    def prefetch(self, keys: Sequence[Hashable], chats: Iterable[tuple[Chat, Tools]]) -> None:
+        """The first chat of each key, in the order they will be submitted (``chats`` is read on the thread,
+        lazily), rendered and tokenized on a thread with its own copy of the tokenizer (a fast tokenizer is
+        not to be shared between threads)."""
+        import copy
+
+        tok, kwargs = copy.deepcopy(self.b.tok), self.b.template_kwargs
+
+        def encode(batch: list[tuple[Chat, Tools]]) -> list[Encoded]:
+            texts = [prompt_text(tok, chat, kwargs, tools or None) for chat, tools in batch]
+            return list(zip(texts, tok(texts, add_special_tokens=False)["input_ids"], strict=True))
+
+        self.ahead = PromptPrefetch(keys, chats, encode)
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.stop()
 
     def submit(self, items: list[tuple[Hashable, Chat, Tools]]) -> None:
-        """Queue (key, chat, tools) items; rendered and tokenized together. A conversation's turns share its
-        key, so a chat submitted under the key of an answer just handed out continues in that answer's row:
-        the engine prefills only what follows the ids it holds (``Stream.submit``'s ``continue_from``)."""
-        t0 = time.perf_counter()
-        texts = [prompt_text(self.b.tok, chat, self.b.template_kwargs, tools or None) for _, chat, tools in items]
-        if not texts:
+        """Queue (key, chat, tools) items; rendered and tokenized together (a first chat prefetched is taken
+        as it is). A conversation's turns share its key, so a chat submitted under the key of an answer just
+        handed out continues in that answer's row: the engine prefills only what follows the ids it holds
+        (``Stream.submit``'s ``continue_from``)."""
+        if not items:
             return
+        previous = [self.answered.pop(key, None) for key, _, _ in items]
+        encoded: list[Encoded | None] = [None] * len(items)
+        if self.ahead is not None:
+            encoded = [self.ahead.take(key) if p is None else None
+                       for (key, _, _), p in zip(items, previous, strict=True)]
+        rest = [i for i, e in enumerate(encoded) if e is None]
+        t0 = time.perf_counter()
+        texts = [prompt_text(self.b.tok, items[i][1], self.b.template_kwargs, items[i][2] or None) for i in rest]
         t1 = time.perf_counter()
-        ids = self.prompts.encode(texts, [self.answered.pop(key, None) for key, _, _ in items])
+        for i, text, x in zip(rest, texts, self.prompts.encode(texts, [previous[i] for i in rest]), strict=True):
+            encoded[i] = (text, x)
         self.caller["render_s"] += t1 - t0
         self.caller["tokenize_s"] += time.perf_counter() - t1
-        for (key, _, _), text, x in zip(items, texts, ids, strict=True):
+        for (key, _, _), (text, x) in zip(items, encoded, strict=True):  # type: ignore[misc]
             budget = min(self.b.cfg.max_tokens, self.max_len - len(x))
             if budget > 0:
                 self.engine.submit(key, x, budget, continue_from=key)
@@ -219,7 +251,8 @@ class HFChatStream:
         return self.engine.tokens_per_s()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), **self.prompts.stats(), "backend_s_by_part": self.b.build_s,
+        ahead = self.ahead.stats() if self.ahead is not None else {}
+        return {**self.engine.stats(), **self.prompts.stats(), **ahead, "backend_s_by_part": self.b.build_s,
                 "caller_s_by_part": {k: round(v, 2) for k, v in self.caller.items()}}
 
 

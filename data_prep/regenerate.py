@@ -426,6 +426,20 @@ def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally,
     room for them (``wants``), so what a kill loses is the conversations in flight. Returns the engine's
     statistics; ``spans`` gets when each conversation opened and settled."""
     stream = backend.stream(len(pending))  # one turn of a conversation in flight at a time
+    if hasattr(stream, "prefetch"):  # each one's first chat, as its Conversation will ask it
+        stream.prefetch([p["id"] for p in pending],
+                        ((c.request(), c.tools) for c in (Conversation(p) for p in pending)))
+    try:
+        return _run_stream(stream, pending, tally, spans)
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+
+
+def _run_stream(stream: Any, pending: list[dict[str, Any]], tally: _Tally, spans: ConversationSpans
+                ) -> dict[str, Any]:
+    """``_stream``'s loop over a stream that is set up."""
     unopened = iter(pending)
     open_: dict[str, Conversation] = {}
 

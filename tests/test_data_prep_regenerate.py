@@ -561,6 +561,9 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     # the follow-ups above were tokenized from their previous prompts' ids, and every answer is generate's for
     # the whole prompt tokenized anew
     assert e["prompt_shortcuts"] > 0 and e["prompt_tokens_kept"] > 0 and e["prompt_shortcut_off"] is None, e
+    # and every first turn was rendered and tokenized on the prefetch thread (the answers above hold for them)
+    assert e["prompts_prefetched"] == len(ids) and e["prompts_tokenized_whole"] == 0, e
+    assert e["prefetch_error"] is None, e
     # the caller's time by part: chat templates, tokenizing, detokenizing, writing conversations
     assert set(e["caller_s_by_part"]) == {"render_s", "tokenize_s", "detokenize_s", "write_s"}, e
 
