@@ -236,6 +236,8 @@ class HFChatStream:
             self.answered.clear()  # their follow-ups came while the last poll's answers were handed out
             finished = self.engine.poll()
             if not finished:
+                if self.ahead is not None and self.ahead.ready and self.engine.free_rows:
+                    yield []  # prefetched first prompts wait and rows are free: the caller opens more now
                 continue
             for key, _ in finished:
                 if key in self.sent:

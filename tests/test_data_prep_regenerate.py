@@ -522,9 +522,12 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     their conversation's row: the engine prefills only what follows the ids the row holds (the real template and
     tokenizer: the answer's text tokenized again, then the end-of-turn marker and the next user turn)."""
     from data_prep.loss_mask import prompt_text
+    from data_prep.prompt_prefetch import PromptPrefetch
     from target import hf_model
 
     monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg: smollm2)
+    # chunks of 2 first prompts, fewer than the rows: the stream opens only what the thread has ready
+    monkeypatch.setattr(PromptPrefetch, "CHUNK", 2)
     max_tokens, max_context = 20, 130
     cfg = make_cfg(tmp_path, max_tokens=max_tokens, batch_size=3, max_context_tokens=max_context)
     ids = write_prompts(cfg, multi_turn_chats())
