@@ -60,7 +60,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import command_line, device_name, record, results_path  # noqa: E402
+from bench.results import command_line, device_name, record, recorded, results_path  # noqa: E402
 from bench.runs import run  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
@@ -319,9 +319,7 @@ def record_shares(args: argparse.Namespace, full: dict[str, Any] | None) -> None
                           share=(rank, args.shares))
         figures = {k: run_[k] for k in SHARE_FIELDS} | {
             "engine_seconds": run_["engine"]["seconds"], "command": command_line(), "date": time.strftime("%Y-%m-%d")}
-        path = results_path()
-        previous = json.loads(path.read_text()).get("regenerate_shares", {}) if path.is_file() else {}
-        record("regenerate_shares", shares_figures(previous, key, {str(rank): figures}, whole))
+        record("regenerate_shares", shares_figures(recorded("regenerate_shares"), key, {str(rank): figures}, whole))
         whole = None  # recorded: the next rank's merge keeps it
 
 

@@ -44,6 +44,13 @@ def results_path() -> Path:
     return Path(os.environ.get(RESULTS_ENV, RESULTS))
 
 
+def recorded(name: str) -> dict[str, Any]:
+    """``name``'s object as the results file holds it now (empty when none): for a benchmark that keeps part of
+    what an earlier call of its own measured."""
+    path = results_path()
+    return json.loads(path.read_text()).get(name, {}) if path.is_file() else {}
+
+
 def record(name: str, figures: dict[str, Any], command: str | None = None, merge: bool = False) -> None:
     """Replace ``name``'s object in the results file with these figures; ``merge``: keep the object's other
     fields (the figures and the command, device and date replace theirs)."""

@@ -524,7 +524,6 @@ class LayerPieces(torch.nn.Module):
                             self.head_dim, self.apply_rope, self.scale)
 
 
-
 class BatchedTarget:
     """A loaded HF causal LM (one of ``SUPPORTED_MODEL_TYPES``) driven slot by slot.
 
