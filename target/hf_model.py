@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,15 +189,24 @@ def resolve_source(name: str, gguf_file: str | None) -> Path | str:
 
 
 def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "auto",
-                trust_remote_code: bool = False) -> TargetModel:
+                trust_remote_code: bool = False, seconds: dict[str, float] | None = None) -> TargetModel:
+    """``seconds``: filled with where the load's seconds went (imports, source, tokenizer, weights, device): a
+    regenerate process pays them before its first forward, on every device of a run alike."""
+    clock = _Split(seconds)
     from transformers import AutoModelForCausalLM
 
+    clock.mark("imports_s")
     source = resolve_source(name, gguf_file)
+    clock.mark("source_s")
     dev = pick_device(device)
     try:
         tok = load_tokenizer(source, trust_remote_code)
+        clock.mark("tokenizer_s")
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype),
-                                                     trust_remote_code=trust_remote_code).to(dev)
+                                                     trust_remote_code=trust_remote_code)
+        clock.mark("weights_s")
+        model = model.to(dev)
+        clock.mark("to_device_s")
     except OSError as e:
         raise TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local "
                           f"directory, a .gguf file or the builtin {BUILTIN_TARGET!r}") from None
@@ -212,6 +222,19 @@ def target_text_config(cfg: Any) -> Any:
     return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code).get_text_config()
 
 
-def load_target_from_config(cfg: Any) -> TargetModel:
+def load_target_from_config(cfg: Any, seconds: dict[str, float] | None = None) -> TargetModel:
     """``cfg`` is a TargetConfig section (kept out of the signature above: builders take plain values)."""
-    return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code)
+    return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code, seconds)
+
+
+class _Split:
+    """Seconds between marks, into a dict under each mark's name (rounded to 10 ms); no dict, no work."""
+
+    def __init__(self, into: dict[str, float] | None):
+        self.into, self.last = into, time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        if self.into is not None:
+            now = time.perf_counter()
+            self.into[name] = round(now - self.last, 2)
+            self.last = now
