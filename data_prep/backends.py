@@ -95,17 +95,14 @@ class HFChatBackend:
         import torch
 
         from target.batched import BatchedTarget, UnsupportedTargetError
-        from target.compile_guard import warm_compile_workers
         from target.hf_model import load_target_from_config, pick_device, stop_token_ids
 
         # Where its seconds go (``backend_s`` in the summary's phases): on an H200 they were 15 of a 4-minute run,
         # and a device's share of a several-device run pays them whole.
         t0 = time.perf_counter()
         device = pick_device(target_cfg.device)
-        warm_s = 0.0
         if device.type == "cuda":
             torch.zeros(1, device=device)  # the CUDA context, timed on its own
-            warm_s = warm_compile_workers()  # they start while the target loads
         t1 = time.perf_counter()
         loading: dict[str, float] = {}
         self.target = load_target_from_config(target_cfg, loading)
@@ -115,8 +112,7 @@ class HFChatBackend:
             self.engine = BatchedTarget(self.target.model)
         except UnsupportedTargetError as e:
             raise BackendError(f"regenerate.backend hf: {target_cfg.name}: {e}") from None
-        self.build_s = {"cuda_context_s": round(t1 - t0 - warm_s, 2), "compile_workers_s": round(warm_s, 2),
-                        "target_s": round(t2 - t1, 2), "target_s_by_part": loading,
+        self.build_s = {"cuda_context_s": round(t1 - t0, 2), "target_s": round(t2 - t1, 2), "target_s_by_part": loading,
                         "engine_s": round(time.perf_counter() - t2, 2)}
         self.tok = self.target.tokenizer
         self.cfg = cfg

@@ -92,18 +92,3 @@ def compile_seconds(top: int = 10) -> dict[str, float]:
     names, values = got
     pairs = sorted(((n, float(v)) for n, v in zip(names, values, strict=True)), key=lambda p: -p[1])
     return {n: round(v, 3) for n, v in pairs[:top]}
-
-
-def warm_compile_workers() -> float:
-    """Start inductor's compile worker processes now; the seconds it took on this thread. Inductor starts them at
-    its first compile, after dynamo's trace, and until they answer it compiles Triton kernels one by one on the
-    calling thread; started before a model loads, they are up by the first forward. The fifteenth H200 session's
-    regenerate processes spent ~18 s in their first forward's compile, on every device's process of a run alike.
-    Does nothing where inductor would not use them (one compile thread, ``TORCH_WARM_POOL=0``, no Triton)."""
-    import time
-
-    from torch._inductor.async_compile import maybe_warm_pool
-
-    start = time.perf_counter()
-    maybe_warm_pool()
-    return time.perf_counter() - start

@@ -449,7 +449,6 @@ def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
     built = backend.build_s  # where a process's load went: each part named, none left out
     assert set(built["target_s_by_part"]) == {"imports_s", "source_s", "tokenizer_s", "weights_s", "to_device_s"}
     assert sum(built["target_s_by_part"].values()) == pytest.approx(built["target_s"], abs=0.06)
-    assert built["compile_workers_s"] == 0.0  # a CPU target starts no compile workers
 
 
 @pytest.mark.real
