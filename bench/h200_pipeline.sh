@@ -237,7 +237,7 @@ print(best['checkpoint'] if best else '')")
         done
         # the regenerate log's errors, device asserts and recompiles (TORCH_LOGS), then its tail; lines that are only
         # a progress bar are dropped, not those where a message follows one (a device assert prints on the bar's line)
-        for r in runs/bench-regenerate/gpus-*/regenerate.log; do
+        for r in runs/bench-regenerate/*/regenerate.log; do  # gpus-N and share-R-of-N
           [ -f "$r" ] && { tr '\r' '\n' < "$r" | grep -v -E '(conv|seq)/s[^]]*\]$' \
             | grep -i -E -A12 'recompil|traceback|error|assert' \
             | head -n 300; echo "--- the last 20 lines"; tr '\r' '\n' < "$r" | tail -n 20; } \

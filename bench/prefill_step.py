@@ -2,6 +2,7 @@
 
     python bench/prefill_step.py                                  # one H200 -> "prefill_step"
     python bench/prefill_step.py --device cpu --layers 2 --shapes 2x8+0 2x8+16 --repeats 2   # plumbing only
+    python bench/prefill_step.py --inductor cpp_wrapper=True      # an inductor setting -> "prefill_step_inductor"
 
 Why: in the multi-turn regeneration bench (``"regenerate"``, ninth session) a continuation prefill, a next turn's
 new tokens attending over the pages its conversation already holds, took 66 ms a forward: 358 forwards of 26 rows
@@ -19,6 +20,9 @@ shape, over a pool where every row holds its prefix's pages:
   device's kernels, ``host_top`` and ``launches``: the host's own ops and regions (guards, the compiled wrapper,
   eager ops) and kernel launches a forward (bench/kernel_profile.py); ``first_compile_s``: dynamo's compile
   seconds by phase in the first call (``compile_guard.compile_seconds``);
+- ``--inductor KEY=VALUE`` (repeatable): the same forwards with inductor's config changed (``cpp_wrapper=True``:
+  its generated wrapper in C++ rather than Python, against the host time of the compiled calls), recorded as
+  ``"prefill_step_inductor"`` with the settings beside them, so a run of each in one device call compares them;
 - the tenth session's first run also ran each fresh shape with SDPA as the engine then left it: cuDNN's attention
   built a plan at each new shape (64x256+0: 77.6 ms on the first call against 28.4 ms without cuDNN), so the
   engine's fresh prefill now runs SDPA without it, as the online target's forward does.
@@ -27,10 +31,13 @@ shape, over a pool where every row holds its prefix's pages:
 from __future__ import annotations
 
 import argparse
+import ast
+import json
 import re
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +54,23 @@ from target.compile_guard import compile_seconds  # noqa: E402
 # bracket it; 16x512+0 and 64x256+0: first turns
 DEFAULT_SHAPES = ["16x512+0", "64x256+0", "26x129+650", "26x256+1500", "128x129+650", "8x129+3000"]
 SHAPE_RE = re.compile(r"^(\d+)x(\d+)\+(\d+)$")
+
+
+def parse_inductor_setting(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> (key, value) for ``torch._inductor.config``: the value as JSON (``true``, ``1``) or Python
+    (``True``), else the text; a key inductor does not have is an error naming it."""
+    import torch._inductor.config as inductor_config
+
+    key, sep, raw = text.partition("=")
+    if not sep or not hasattr(inductor_config, key):
+        raise argparse.ArgumentTypeError(f"--inductor {text!r}: want KEY=VALUE with KEY a torch._inductor.config "
+                                         f"setting (e.g. cpp_wrapper=True)")
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            return key, parse(raw)
+        except (ValueError, SyntaxError):
+            pass
+    return key, raw
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -107,7 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=SMOLLM2["num_hidden_layers"])
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--inductor", type=parse_inductor_setting, action="append", default=[], metavar="KEY=VALUE",
+                    help="a torch._inductor.config setting for this run's compiles (repeatable)")
     args = ap.parse_args(argv)
+    settings = dict(args.inductor)
+    import torch._inductor.config as inductor_config
+
+    for key, value in settings.items():
+        setattr(inductor_config, key, value)
     device = torch.device(args.device)
     target = BatchedTarget(random_smollm2(args.layers, device, torch.bfloat16 if device.type == "cuda"
                                           else torch.float32))
@@ -119,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
               f"host {r['host_ms']} ms, kernels {r['kernel_ms']} ms {r['by_class_ms']}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    record("prefill_step", {"model": "SmolLM2-135M shape, random weights", "layers": args.layers, "runs": runs})
+    figures = {"model": "SmolLM2-135M shape, random weights", "layers": args.layers, "runs": runs}
+    if settings:
+        figures["inductor_config"] = settings
+    record("prefill_step_inductor" if settings else "prefill_step", figures)
     return 0
 
 

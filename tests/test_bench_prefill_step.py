@@ -33,3 +33,32 @@ def test_the_cpu_plumbing_records_a_run_per_shape(bench_results) -> None:
 def test_a_malformed_shape_is_refused_by_name() -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="26x129"):
         prefill_step.parse_shape("26x129")
+
+
+def test_an_inductor_setting_is_applied_and_recorded_beside_the_default_object(bench_results) -> None:
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.cpp_wrapper  # (a config module: pytest's monkeypatch deletes its settings on undo)
+    try:
+        assert prefill_step.main(["--device", "cpu", "--layers", "1", "--shapes", "2x8+0", "--repeats", "1",
+                                  "--inductor", "cpp_wrapper=True"]) == 0
+        assert inductor_config.cpp_wrapper is True
+    finally:
+        inductor_config.cpp_wrapper = before
+    data = json.loads(bench_results.read_text())
+    assert "prefill_step" not in data  # the default run's object is not replaced by this one
+    assert data["prefill_step_inductor"]["inductor_config"] == {"cpp_wrapper": True}
+    assert [r["shape"] for r in data["prefill_step_inductor"]["runs"]] == ["2x8+0"]
+
+
+@pytest.mark.parametrize(("text", "want"), [("cpp_wrapper=True", ("cpp_wrapper", True)),
+                                             ("cpp_wrapper=false", ("cpp_wrapper", False)),
+                                             ("compile_threads=4", ("compile_threads", 4))])
+def test_inductor_settings_parse_as_values(text: str, want: tuple) -> None:
+    assert prefill_step.parse_inductor_setting(text) == want
+
+
+@pytest.mark.parametrize("text", ["no_such_setting=1", "cpp_wrapper"])
+def test_an_unknown_or_valueless_inductor_setting_is_refused_by_name(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=text):
+        prefill_step.parse_inductor_setting(text)
