@@ -50,9 +50,10 @@ from bench.wall_clock import synced  # noqa: E402
 from target.batched import PAGE, BatchedTarget, flex_kind, prefill_shape  # noqa: E402
 from target.compile_guard import compile_seconds  # noqa: E402
 
-# 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); the others
-# bracket it; 16x512+0 and 64x256+0: first turns
-DEFAULT_SHAPES = ["16x512+0", "64x256+0", "26x129+650", "26x256+1500", "128x129+650", "8x129+3000"]
+# 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); 26x60+650: a
+# shorter suffix, padded to the same width (its second query block all padding); the others bracket them; 16x512+0
+# and 64x256+0: first turns
+DEFAULT_SHAPES = ["16x512+0", "64x256+0", "26x60+650", "26x129+650", "26x256+1500", "128x129+650", "8x129+3000"]
 SHAPE_RE = re.compile(r"^(\d+)x(\d+)\+(\d+)$")
 
 
@@ -95,10 +96,10 @@ def forward_call(target: BatchedTarget, rows: int, width: int, prefix: int):
     ids = torch.randint(0, target.embed.weight.shape[0], (b, w), generator=g).to(dev)
     positions = (prefix + torch.arange(w))[None].expand(b, w).contiguous().to(dev)
     index = torch.arange(b, device=dev)
-    at = torch.full((b,), w - 1, device=dev)
+    at = torch.full((b,), width - 1, device=dev)  # each row's last real token; the rest of w is padding
 
     def call() -> torch.Tensor:
-        return target.forward(cache, index, ids, positions, fresh=not continued, logits_at=at).logits
+        return target.forward(cache, index, ids, positions, fresh=not continued, logits_at=at, lengths=at + 1).logits
 
     kind = flex_kind(cache, index, ids, fresh=not continued)
     return call, f"{kind} (flex)" if kind else "fresh (sdpa)"

@@ -296,11 +296,16 @@ class PagedKVCache:
 
         return visible
 
-    def suffix_block_mask(self, rows: Tensor, positions: Tensor) -> Any:
+    def suffix_block_mask(self, rows: Tensor, positions: Tensor, lengths: Tensor | None = None) -> Any:
         """Flex attention's block mask for suffixes of ``rows`` at ``positions`` (B, T): each query block reads its
         row's pages (the table's nonzero entries, in position order: page 0 is scratch) up to the one holding its
-        last query's position, and the mask keeps it causal within them. A block's later pages hold only keys after
-        all its queries: a fresh prefill (an empty prefix) would read twice the keys it can see."""
+        last query's position. The pages wholly at or before its first query's position are full blocks (every key
+        visible to every query: the kernel skips the mask there, as a decode step's pages before its own); the rest,
+        masked, keep it causal. A block's later pages hold only keys after all its queries: a fresh prefill (an empty
+        prefix) would read twice the keys it can see. ``lengths`` (B,): each row's real tokens, the rest padding
+        whose keys, values and outputs nobody reads: a query block of padding only reads nothing (a suffix padded to
+        ``prefill_shape``'s width of one block and one more is two blocks, the second all padding for a suffix of
+        one block; ``"prefill_step"``: the attention was three quarters of a continuation's kernels)."""
         from torch.nn.attention.flex_attention import BlockMask
 
         b, t = positions.shape
@@ -310,10 +315,19 @@ class PagedKVCache:
         held = (table != 0).sum(1, dtype=torch.int32)
         table = self._kv_columns(table)
         q_blocks = -(-t // FLEX_Q_BLOCK)
-        last_query = positions[:, :1] + torch.arange(1, q_blocks + 1, device=positions.device) * FLEX_Q_BLOCK - 1
-        reach = torch.div(last_query, self.page, rounding_mode="floor") + 1  # (B, q_blocks): pages up to it
-        counts = torch.minimum(held[:, None], reach).to(torch.int32)
-        return BlockMask.from_kv_blocks(counts.view(b, 1, q_blocks),
+        first = positions[:, :1] + torch.arange(q_blocks, device=positions.device) * FLEX_Q_BLOCK  # (B, q_blocks)
+        reach = torch.div(first + FLEX_Q_BLOCK - 1, self.page, rounding_mode="floor") + 1  # pages up to its last query
+        seen = torch.minimum(held[:, None], reach)
+        full = torch.minimum(torch.div(first + 1, self.page, rounding_mode="floor"), seen)  # pages ending <= first
+        if lengths is not None:
+            real = torch.arange(q_blocks, device=positions.device) * FLEX_Q_BLOCK < lengths[:, None]
+            seen, full = seen * real, full * real
+        cols = table.shape[1]
+        after_full = (full[..., None] + torch.arange(cols, device=table.device)).clamp_(max=cols - 1)
+        partial = table[:, None, :].expand(b, q_blocks, cols).gather(2, after_full.long())
+        return BlockMask.from_kv_blocks((seen - full).to(torch.int32).view(b, 1, q_blocks),
+                                        partial.view(b, 1, q_blocks, cols),
+                                        full.to(torch.int32).view(b, 1, q_blocks),
                                         table.view(b, 1, 1, -1).expand(b, 1, q_blocks, -1).contiguous(),
                                         BLOCK_SIZE=(FLEX_Q_BLOCK, self.page), mask_mod=self.suffix_mask_mod,
                                         seq_lengths=(t, self.k.shape[2]), compute_q_blocks=False)
@@ -592,20 +606,22 @@ class BatchedTarget:
     @torch.no_grad()
     def forward(self, cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, positions: Tensor, *,
                 fresh: bool, logits_at: Tensor | None = None, all_logits: bool = False,
-                aux: bool = False) -> BatchedOutput:
+                aux: bool = False, lengths: Tensor | None = None) -> BatchedOutput:
         """Run ``ids`` (B, T) at ``positions`` (B, T) for cache ``rows`` and write their keys and values.
 
         fresh: every row starts at position 0 (a prompt's prefill, right-padded): attention is causal over
         these tokens alone. Otherwise each query sees the cached keys at positions <= its own; ``rows`` must
         be a slice, except over a paged cache (tables are read by row index, so any rows: a prompt's suffix
         prefilled after the prefix its row already holds). logits_at (B,): the one position per row whose
-        logits are wanted; all_logits: every position's. aux: also return the aux layers' outputs.
+        logits are wanted; all_logits: every position's. aux: also return the aux layers' outputs. lengths
+        (B,): each row's real tokens (the rest right padding, whose keys, values and outputs nobody reads): a suffix
+        prefill over flex skips the query blocks of padding only.
         """
         kind = flex_kind(cache, rows, ids, fresh)
         if kind is not None and isinstance(cache, PagedKVCache):
             try:
                 out = self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at,
-                                    all_logits=all_logits, aux=aux)
+                                    all_logits=all_logits, aux=aux, lengths=lengths)
                 cache.flex_ran.add(kind)
                 return out
             except Exception as e:  # noqa: BLE001 (a kernel that does not build must not stop a regeneration)
@@ -615,10 +631,11 @@ class BatchedTarget:
                     raise
                 cache.fall_back(kind, e)  # rewriting this forward's keys is harmless
         return self._forward(cache, rows, ids, positions, fresh=fresh, logits_at=logits_at, all_logits=all_logits,
-                             aux=aux)
+                             aux=aux, lengths=lengths)
 
     def _forward(self, cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, positions: Tensor, *,
-                 fresh: bool, logits_at: Tensor | None, all_logits: bool, aux: bool) -> BatchedOutput:
+                 fresh: bool, logits_at: Tensor | None, all_logits: bool, aux: bool,
+                 lengths: Tensor | None = None) -> BatchedOutput:
         b, t = ids.shape
         paged = isinstance(cache, PagedKVCache)
         if not fresh and not paged and not isinstance(rows, slice):
@@ -641,7 +658,7 @@ class BatchedTarget:
         elif kind == "suffix":
             assert isinstance(cache, PagedKVCache)
             index = rows if isinstance(rows, Tensor) else torch.arange(cache.rows, device=ids.device)[rows]
-            block_mask = cache.suffix_block_mask(index.to(torch.int32), positions)
+            block_mask = cache.suffix_block_mask(index.to(torch.int32), positions, lengths)
         elif not fresh:
             # Keys read per row: up to the furthest position in the batch, rounded up (aligned key blocks).
             span = min(cache.max_len, -(-(int(positions.max()) + 1) // 64) * 64)

@@ -639,7 +639,7 @@ class Stream:
         self._apply_row_flags()  # before this group's rows get theirs below
         t0 = time.perf_counter()
         out = self.t.forward(self.cache, index, queued_to_device(ids, dev), positions, fresh=not continued,
-                             logits_at=at)
+                             logits_at=at, lengths=at + 1)
         logits = out.logits[:n]
         first = self.pick(logits)
         index = index[:n]

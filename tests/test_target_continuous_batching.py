@@ -615,11 +615,14 @@ def test_a_decode_block_mask_reads_every_visible_key_and_skips_the_mask_only_whe
         assert len(full) == (int(cache.query_pos[b]) // cache.page if full_blocks else 0)
 
 
-def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees() -> None:
+@pytest.mark.parametrize("with_lengths", [False, True])
+def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees(with_lengths: bool) -> None:
     """A suffix prefill's blocks, checked against the mask itself (eager flex ignores a block mask's sparsity): each
     query block lists its row's pages up to its last query's, which are exactly the pages holding a key one of its
-    queries sees. A fresh prefill (empty prefix), suffixes after a prefix mid-page and at a page's end, one padded
-    past what its row holds; queries over three blocks, tables not in row order."""
+    queries sees; those wholly at or before its first query's position as full blocks (every key visible to every
+    query, so the kernel may skip the mask), none twice. With the rows' lengths, a block of padding only lists none
+    and the others are as without. A fresh prefill (empty prefix), suffixes after a prefix mid-page and at a page's
+    end, one padded past what its row holds; queries over three blocks, tables not in row order."""
     from target.batched import FLEX_Q_BLOCK, PagedKVCache
 
     cache = PagedKVCache(1, 1, 4, rows=4, pages=200, max_len=512, dtype=torch.float32, device=torch.device("cpu"),
@@ -632,15 +635,27 @@ def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees() -> 
     cache.flush()
     rows = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
     positions = torch.tensor([starts[r] for r in rows.tolist()])[:, None] + torch.arange(t)
-    mask = cache.suffix_block_mask(rows, positions)
+    real = torch.tensor([lengths[r] for r in rows.tolist()])
+    mask = cache.suffix_block_mask(rows, positions, real if with_lengths else None)
     keys = torch.arange(cache.k.shape[2])
+    padding_only = 0
     for b in range(len(rows)):
         visible = cache.suffix_mask_mod(torch.tensor(b), torch.tensor(0), torch.arange(t)[:, None], keys[None, :])
         for j in range(-(-t // FLEX_Q_BLOCK)):
-            seen = visible[j * FLEX_Q_BLOCK:(j + 1) * FLEX_Q_BLOCK].any(0)
-            needed = set((keys[seen] // cache.page).tolist())
-            listed = mask.kv_indices[b, 0, j, : int(mask.kv_num_blocks[b, 0, j])].tolist()
-            assert set(listed) == needed and len(listed) == len(needed), (b, j)
+            partial = mask.kv_indices[b, 0, j, : int(mask.kv_num_blocks[b, 0, j])].tolist()
+            full = mask.full_kv_indices[b, 0, j, : int(mask.full_kv_num_blocks[b, 0, j])].tolist()
+            if with_lengths and j * FLEX_Q_BLOCK >= int(real[b]):
+                assert partial == [] and full == [], (b, j)
+                padding_only += 1
+                continue
+            queries = visible[j * FLEX_Q_BLOCK:(j + 1) * FLEX_Q_BLOCK]
+            needed = set((keys[queries.any(0)] // cache.page).tolist())
+            assert set(partial) | set(full) == needed and len(partial) + len(full) == len(needed), (b, j)
+            for p in full:
+                assert queries[:, p * cache.page:(p + 1) * cache.page].all(), (b, j, p)
+            whole = {p for p in needed if queries[:, p * cache.page:(p + 1) * cache.page].all()}
+            assert set(full) == whole, (b, j)  # every page it may skip the mask on, and no other
+    assert padding_only == (2 if with_lengths else 0)  # row 3's second and third blocks
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
