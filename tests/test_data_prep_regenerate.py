@@ -486,7 +486,7 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
             assert (o.tokens, o.finish_reason) == (p.tokens, p.finish_reason)
     assert looped >= 2 and cut[3].finish_reason == "stop"
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg: smollm2)
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     answers = HFChatBackend(cfg.target, r).complete(chats)
     for a, o in zip(answers, cut, strict=True):
         assert a.finish_reason == o.finish_reason and a.text == tok.decode(o.tokens, skip_special_tokens=True)
@@ -528,7 +528,7 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     from data_prep.prompt_prefetch import PromptPrefetch
     from target import hf_model
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg: smollm2)
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     # chunks of 2 first prompts, fewer than the rows: the stream opens only what the thread has ready
     monkeypatch.setattr(PromptPrefetch, "CHUNK", 2)
     max_tokens, max_context = 20, 130
@@ -1063,7 +1063,7 @@ def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path
     from data_prep.regenerate import load_prompt_records, regenerate
     from target import hf_model
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg: smollm2)
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     cfg = make_cfg(tmp_path, max_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
                    max_consecutive_failures=100)
     write_prompts(cfg, [[user(f"{i} " + "a long question about the weather in every city " * 6)] for i in range(7)])
