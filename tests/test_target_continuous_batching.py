@@ -658,6 +658,42 @@ def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees(with_
     assert padding_only == (2 if with_lengths else 0)  # row 3's second and third blocks
 
 
+def test_a_block_sparse_flex_kernel_reads_the_suffix_mask_as_the_dense_mask_does() -> None:
+    """What the mask test above cannot see (eager flex ignores the blocks): flex compiled by inductor (on a CPU, its
+    C++ template at static shapes) reads only the listed blocks, and skips the mask on full ones. Over a suffix
+    mask with full blocks and, with the rows' lengths, query blocks of padding only, every real query's output is
+    the eager (dense) kernel's, and a padding-only block's output is zeros (nothing read; not NaN, which would reach
+    the keys and values its padding writes)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from target.batched import FLEX_Q_BLOCK, PagedKVCache
+
+    torch.manual_seed(0)
+    kv, d, heads = 1, 16, 2
+    cache = PagedKVCache(1, kv, d, rows=4, pages=16, max_len=1024, dtype=torch.float32, device=torch.device("cpu"),
+                         attention="flex", page=FLEX_Q_BLOCK)
+    t = 2 * FLEX_Q_BLOCK + 30
+    starts, lengths = [0, 130, 7, 300], [t, 100, t, 50]  # rows 1 and 3 end in their first query block
+    for r, s in enumerate(starts):
+        assert cache.ensure(r, s + t)
+    cache.flush()
+    cache.k.normal_(), cache.v.normal_()
+    rows = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    positions = torch.tensor([starts[r] for r in rows.tolist()])[:, None] + torch.arange(t)
+    real = torch.tensor([lengths[r] for r in rows.tolist()])
+    q = torch.randn(len(rows), heads, t, d)
+    k, v = cache.k[0][None], cache.v[0][None]
+    mask = cache.suffix_block_mask(rows, positions, real)
+    empty = mask.kv_num_blocks + mask.full_kv_num_blocks == 0
+    assert int(mask.full_kv_num_blocks.sum()) > 0 and int(empty.sum()) == 4  # rows 1 and 3: their last two blocks
+    dense = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    sparse = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=mask, enable_gqa=True)
+    for b, n in enumerate(real.tolist()):
+        torch.testing.assert_close(sparse[b, :, :n], dense[b, :, :n], rtol=1e-5, atol=1e-5)
+        padding_only = -(-n // FLEX_Q_BLOCK) * FLEX_Q_BLOCK
+        assert torch.equal(sparse[b, :, padding_only:], torch.zeros_like(sparse[b, :, padding_only:]))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_each_layer_piece_traces_once_for_every_prefill_shape(kind: str) -> None:
     """The pieces ``BatchedTarget`` compiles on CUDA, traced by dynamo with dynamic shapes as ``_piece`` traces them
