@@ -230,7 +230,8 @@ def engine_line(e: dict[str, Any]) -> str:
     failed = f", graphs failed: {e['graph_fallback']}" if e.get("graph_fallback") else ""
     per_step = {k: f"{n} ({1000 * e['decode_s_by_live_rows'][k] / n:.0f} ms)"
                 for k, n in e["steps_by_live_rows"].items() if n}
-    return (f"{e['seconds']} s: prefill {e['prefill_s']} s ({e['prefill_tokens']} tokens, "
+    return (f"{e['seconds']} s (first poll at {e.get('first_poll_s', '?')} s, first decode step at "
+            f"{e.get('first_step_s', '?')} s): prefill {e['prefill_s']} s ({e['prefill_tokens']} tokens, "
             f"{e.get('reused_prefix_tokens', 0)} reused; {e.get('prefill_forwards', '?')} forwards, of which "
             f"{e.get('continue_forwards', '?')} continuations in {e.get('continue_prefill_s', '?')} s, "
             f"the first {e.get('continue_first_s', '?')} s), "

@@ -411,6 +411,10 @@ class Stream:
         self.timing = _Timing()
         self.timeline = _Timeline()
         self.shapes: set[int] = set()  # padded batch sizes decoded so far (flex compiles one kernel each)
+        # Seconds into the run of its first poll and its first decode step's launch: how long the caller took to
+        # submit the first requests, and the first prefill (its compile) after that.
+        self.first_poll_s: float | None = None
+        self.first_step_s: float | None = None
         self.started = time.perf_counter()
 
     @property
@@ -456,6 +460,8 @@ class Stream:
         """One round of work (free the finished rows nobody continued, prefill continuations when due, admit
         into free rows, one decode step); the answers that finished in it."""
         start, produced, prefill = time.perf_counter(), self.produced, self.timing.prefill_s
+        if self.first_poll_s is None:
+            self.first_poll_s = start - self.started
         with self._host_phase("release"):
             for row, _ in self.parked.values():
                 self._release_row(row)
@@ -504,6 +510,7 @@ class Stream:
                 "prefill_tokens": self.prefilled, "reused_prefix_tokens": self.reused, "continued": self.continued,
                 "preempted": self.preempted, "discarded_tokens": self.discarded, "seconds": round(seconds, 2),
                 "compiled_pieces": self.t.pieces.state, "compile_s": compile_seconds(top=8),
+                "first_poll_s": _rounded(self.first_poll_s), "first_step_s": _rounded(self.first_step_s),
                 **self.timing.stats(seconds), **self.decode.stats(),
                 "timeline": self.timeline.stats()}
 
@@ -832,6 +839,8 @@ class Stream:
     def _launch(self) -> _Launched:
         """Issue the step's forward, the pick of its tokens into ``last`` (the next step's input, on the
         device) and their copy to the host, without waiting for any of it."""
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.started
         hi = self.last_live() + 1
         b = decode_rows(hi, self.rows, self.buckets)
         cuda = self.t.device.type == "cuda"
@@ -918,6 +927,10 @@ class Stream:
         self.alive.index_fill_(0, freed, 0)
         self.free = [s for s in range(self.rows) if self.request[s] is None]
         heapq.heapify(self.free)
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 2)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

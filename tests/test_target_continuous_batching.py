@@ -155,6 +155,7 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     caller's time between polls, which add up to its seconds; and how many decode steps ran how many live rows
     (and their forwards' seconds), which add up to its steps."""
     stream = Stream(BatchedTarget(tiny()), STOPS, max_len=80, cpu_rows=12)
+    time.sleep(0.05)  # the caller's work before its first requests: before the first poll
     for i, p in enumerate(prompts(12, 3, 30, seed=12)):
         stream.submit(i, p, 2 + 3 * i)
     for _ in stream.run():
@@ -177,6 +178,8 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     assert len(line["tokens"]) == len(line["live_rows"]) == len(line["prefill_s"]) >= int(s["seconds"] / line["bin_s"])
     assert sum(line["tokens"]) == s["decoded_tokens"] and abs(sum(line["prefill_s"]) - s["prefill_s"]) < 0.05
     assert max(line["live_rows"]) == 12 and s["compiled_pieces"] == "compiled"  # (compiled on CUDA only)
+    # when the first poll began (after the caller's first submits) and the first decode step (after the first prefill)
+    assert 0.05 <= s["first_poll_s"] < s["first_step_s"] < s["seconds"]
 
 
 def test_per_prompt_budgets_and_stop_tokens() -> None:
