@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common.dtypes import torch_dtype
+from common.step_clock import StepClock
 from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
 from target.aux_layers import TargetError, sglang_captured_outputs
 from target.compiled_layers import CompiledLayers
@@ -192,24 +192,28 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
                 trust_remote_code: bool = False, seconds: dict[str, float] | None = None) -> TargetModel:
     """``seconds``: filled with where the load's seconds went (imports, source, tokenizer, weights, device): a
     regenerate process pays them before its first forward, on every device of a run alike."""
-    clock = _Split(seconds)
+    clock = StepClock(cuda=False)  # the host's clock: each part has finished when its call returns
+    clock.mark()
     from transformers import AutoModelForCausalLM
 
-    clock.mark("imports_s")
+    clock.mark()
     source = resolve_source(name, gguf_file)
-    clock.mark("source_s")
+    clock.mark()
     dev = pick_device(device)
     try:
         tok = load_tokenizer(source, trust_remote_code)
-        clock.mark("tokenizer_s")
+        clock.mark()
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype),
                                                      trust_remote_code=trust_remote_code)
-        clock.mark("weights_s")
+        clock.mark()
         model = model.to(dev)
-        clock.mark("to_device_s")
+        clock.mark()
     except OSError as e:
         raise TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local "
                           f"directory, a .gguf file or the builtin {BUILTIN_TARGET!r}") from None
+    if seconds is not None:
+        parts = ("imports_s", "source_s", "tokenizer_s", "weights_s", "to_device_s")
+        seconds.update({n: round(ms / 1e3, 2) for n, ms in zip(parts, clock.spans_ms(), strict=True)})
     return TargetModel(model, tok, name, Path(source) if isinstance(source, Path) else None)
 
 
@@ -226,15 +230,3 @@ def load_target_from_config(cfg: Any, seconds: dict[str, float] | None = None) -
     """``cfg`` is a TargetConfig section (kept out of the signature above: builders take plain values)."""
     return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code, seconds)
 
-
-class _Split:
-    """Seconds between marks, into a dict under each mark's name (rounded to 10 ms); no dict, no work."""
-
-    def __init__(self, into: dict[str, float] | None):
-        self.into, self.last = into, time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        if self.into is not None:
-            now = time.perf_counter()
-            self.into[name] = round(now - self.last, 2)
-            self.last = now
