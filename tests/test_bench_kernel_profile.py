@@ -92,5 +92,6 @@ def test_host_times_names_the_ops_a_step_runs_and_their_calls_per_step() -> None
     got = host_times(step, 2, top=50)
     calls = {row["name"]: row["calls"] for row in got["host_top"]}
     assert calls["aten::mm"] == 3 and calls["aten::add"] == 1
-    assert got["host_profiled_ms"] >= sum(row["self_ms"] for row in got["host_top"]) - 1e-3
+    rounding = 0.0005 * (len(got["host_top"]) + 1)  # each figure is rounded to 3 places, the total once
+    assert got["host_profiled_ms"] >= sum(row["self_ms"] for row in got["host_top"]) - rounding
     assert got["launches"] == 0  # no CUDA here
