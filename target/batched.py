@@ -635,7 +635,7 @@ class BatchedTarget:
 
     def _forward(self, cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, positions: Tensor, *,
                  fresh: bool, logits_at: Tensor | None, all_logits: bool, aux: bool,
-                 lengths: Tensor | None = None) -> BatchedOutput:
+                 lengths: Tensor | None) -> BatchedOutput:
         b, t = ids.shape
         paged = isinstance(cache, PagedKVCache)
         if not fresh and not paged and not isinstance(rows, slice):
