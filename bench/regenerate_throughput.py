@@ -39,6 +39,9 @@ Figures, bench/results.json:
   ``regenerate.device_shares`` gives it), run alone on one GPU, and projected_speedup = the --gpus 1 run's seconds /
   the slowest share's: what N devices can at best give where only one is lent, before a several-device run's
   own costs (a process per device, the merge). A later call with --share-ranks adds the other ranks beside them.
+- "regenerate_kept_caches", "regenerate_shares_kept_caches" (with --kept-caches DIR): the same, each run's
+  compiles over inductor's and Triton's caches in DIR, kept from run to run (``compile_caches`` says how many
+  files it held at the start): what a rerun on a machine that regenerated before pays, against a fresh machine's.
 - "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
   regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
 """
@@ -98,13 +101,15 @@ def share_lines(prompts_file: Path, n: int, share: tuple[int, int] | None) -> li
 
 
 def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gpus: int, out: Path,
-               share: tuple[int, int] | None = None) -> dict[str, Any]:
+               share: tuple[int, int] | None = None, kept_caches: Path | None = None) -> dict[str, Any]:
     """The regenerate command on the first ``n`` prompts (``share``: the part of them one device of a
     several-device run gets) over ``gpus`` devices, in a fresh run dir: its wall time and what its summary says it
     wrote. Its compiles start from empty caches (inductor's and Triton's, in the run dir), as on a fresh machine,
     whatever ran before it there: ``bench/prefill_step.py`` compiles the engine's prefill layers at SmolLM2's
     shape, and the eleventh session's full run, which followed it on one machine, spent about 20 s less in its
-    compiles than the twelfth's on a machine where nothing had compiled."""
+    compiles than the twelfth's on a machine where nothing had compiled. ``kept_caches``: those caches in this
+    folder instead, kept from run to run (as torch keeps its own in /tmp on a machine that regenerated before): a
+    rerun's compiles, warm."""
     name = f"gpus-{gpus}" if share is None else f"share-{share[0]}-of-{share[1]}"
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -117,7 +122,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     cfg_path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     start = time.perf_counter()
     samples = run_dir / "host_samples.json"
-    caches = run_dir / "compile-caches"
+    caches = kept_caches or run_dir / "compile-caches"
+    cached_files = sum(1 for f in caches.rglob("*") if f.is_file()) if caches.is_dir() else 0
     run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_path)],
         env={HOST_SAMPLES_ENV: str(samples), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
              "TRITON_CACHE_DIR": str(caches / "triton")}, log=run_dir / "regenerate.log")
@@ -138,7 +144,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     host = host_samples(samples, cfg, len(devices))
     for where in host[0]["own"][:8] if host else []:
         print(f"  host samples (own): {where['share']:.1%} {where['where']}", flush=True)
-    png = results_path().with_name("regenerate_timeline.png" if name == "gpus-1" else f"regenerate_timeline-{name}.png")
+    png = results_path().with_name(("regenerate_timeline" if name == "gpus-1" else f"regenerate_timeline-{name}")
+                                   + ("-kept-caches" if kept_caches else "") + ".png")
     plot_timeline(engines, f"{name}, {s['written']} conversations, {s['answer_tokens'] / seconds:.0f} tok/s "
                   f"end to end ({seconds:.0f} s)", png)
     print(f"  timeline: {png}", flush=True)
@@ -150,7 +157,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
             "engine": s["engine"], "spans": s["spans"], "max_tokens": cfg.regenerate.max_tokens,
             "dtype": cfg.target.dtype,
-            "host_samples": host, "compile_caches": "empty at start"}
+            "host_samples": host,
+            "compile_caches": f"{cached_files} files at start in {caches}" if kept_caches else "empty at start"}
 
 
 def plot_timeline(engines: dict[str, dict[str, Any]], title: str, path: Path) -> None:
@@ -256,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share-ranks", type=int, nargs="+", default=None, metavar="R",
                     help="only these shares of --shares (default all; another call adds the rest)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-regenerate"))
+    ap.add_argument("--kept-caches", type=Path, default=None, metavar="DIR",
+                    help="inductor's and Triton's caches in DIR, kept from run to run (default: empty for each "
+                         "run); figures go to regenerate_kept_caches and regenerate_shares_kept_caches")
     ap.add_argument("--exact-prompts", type=int, default=64)
     ap.add_argument("--exact-max-tokens", type=int, default=256)
     ap.add_argument("--ab-prompts", type=int, default=0, help="first turns for the A/B: flex (graphs, eager), gather")
@@ -266,16 +277,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.gpus and not args.shares:
         ap.error("--gpus none and no --shares: nothing to run")
-    runs = {g: end_to_end(args.config, args.set, args.prompts_file, args.conversations, g, args.out)
-            for g in args.gpus}
+    suffix = "_kept_caches" if args.kept_caches else ""
+    runs = {g: end_to_end(args.config, args.set, args.prompts_file, args.conversations, g, args.out,
+                          kept_caches=args.kept_caches) for g in args.gpus}
     figures = {"model": "SmolLM2-135M-Instruct", "config": args.config, "overrides": args.set,
                "prompts_file": str(args.prompts_file)}
     if runs:
         figures |= runs[args.gpus[0]]
-        record("regenerate", figures)  # the end-to-end figures stand even if a check below fails
+        record("regenerate" + suffix, figures)  # the end-to-end figures stand even if a check below fails
     if args.shares:
-        record_shares(args, runs.get(1))
-    if 1 in runs and 2 in runs:
+        record_shares(args, runs.get(1), "regenerate_shares" + suffix)
+    if 1 in runs and 2 in runs and not suffix:
         one, two = runs[1]["gen_tokens_per_s"], runs[2]["gen_tokens_per_s"]
         record("ddp_scaling", {"regenerate_tokens_per_s_1gpu": one, "regenerate_tokens_per_s_2gpu": two,
                                "regenerate_speedup_2gpu": round(two / one, 3),
@@ -295,20 +307,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline_prompts:
             figures |= baseline(target, prompts[: args.baseline_prompts], cfg.regenerate.max_tokens,
                                 args.baseline_batch)
-        record("regenerate", figures)
+        record("regenerate" + suffix, figures)
     if args.exact_prompts:
         target = load_target(cfg.target.name, dtype="float32", device=device)
         prompts = first_turn_prompts(target.tokenizer, args.exact_prompts, args.prompts_file)
         figures |= exactness(target, prompts, args.exact_max_tokens)
-        record("regenerate", figures)
+        record("regenerate" + suffix, figures)
     return 0
 
 
 SHARE_FIELDS = ("seconds", "gen_tokens", "gen_tokens_per_s", "conversations", "answers", "outside_step_s",
-                "process_phases", "spans")
+                "process_phases", "spans", "compile_caches")
 
 
-def record_shares(args: argparse.Namespace, full: dict[str, Any] | None) -> None:
+def record_shares(args: argparse.Namespace, full: dict[str, Any] | None, name: str) -> None:
     """Each asked-for share of a run over --shares devices, alone on one device, recorded as each finishes: what
     a several-device run would take if each device ran its share as fast as it does alone (before the several-
     device run's own costs: spawning a process per device, merging the part files)."""
@@ -317,10 +329,10 @@ def record_shares(args: argparse.Namespace, full: dict[str, Any] | None) -> None
     whole = {k: full[k] for k in ("seconds", "gen_tokens", "spans")} | {"command": command_line()} if full else None
     for rank in args.share_ranks if args.share_ranks is not None else range(args.shares):
         run_ = end_to_end(args.config, args.set, args.prompts_file, args.conversations, 1, args.out,
-                          share=(rank, args.shares))
+                          share=(rank, args.shares), kept_caches=args.kept_caches)
         figures = {k: run_[k] for k in SHARE_FIELDS} | {
             "engine_seconds": run_["engine"]["seconds"], "command": command_line(), "date": time.strftime("%Y-%m-%d")}
-        record("regenerate_shares", shares_figures(recorded("regenerate_shares"), key, {str(rank): figures}, whole))
+        record(name, shares_figures(recorded(name), key, {str(rank): figures}, whole))
         whole = None  # recorded: the next rank's merge keeps it
 
 

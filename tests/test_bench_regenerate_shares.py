@@ -70,3 +70,22 @@ def test_cpu_runs_record_the_full_run_and_each_share_with_their_spans(bench_resu
     slowest = max(shares["ranks"][r]["seconds"] for r in "01")
     assert shares["projected_speedup"] == round(whole["seconds"] / slowest, 3)
     assert (bench_results.parent / "regenerate_timeline-share-1-of-2.png").stat().st_size > 0
+
+
+def test_kept_caches_go_to_their_own_keys_and_outlive_the_run(bench_results: Path, tmp_path: Path) -> None:
+    """--kept-caches: the runs compile over one folder that no run empties (a rerun's warm caches), and their
+    figures go beside the fresh-cache ones, never over them."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 4)
+    kept = tmp_path / "kept"
+    (kept / "triton").mkdir(parents=True)
+    (kept / "triton" / "earlier-kernel").write_text("x")
+    assert bench.main(["--config", "configs/smollm2-135m-h200.yaml", "--prompts-file", str(prompts),
+                       "--conversations", "2", "--exact-prompts", "0", "--shares", "2", "--share-ranks", "0",
+                       "--out", str(tmp_path / "o"), "--kept-caches", str(kept), "--set", "target.device=cpu",
+                       "--set", "target.dtype=float32", "--set", "regenerate.max_tokens=4"]) == 0
+    results = json.loads(bench_results.read_text())
+    assert "regenerate" not in results and "regenerate_shares" not in results
+    run, share = results["regenerate_kept_caches"], results["regenerate_shares_kept_caches"]
+    assert run["compile_caches"].startswith("1 files at start in ") and str(kept) in run["compile_caches"]
+    assert share["ranks"]["0"]["compile_caches"].endswith(str(kept)) and "projected_speedup" in share
+    assert (kept / "triton" / "earlier-kernel").is_file()
