@@ -39,9 +39,10 @@ Figures, bench/results.json:
   ``regenerate.device_shares`` gives it), run alone on one GPU, and projected_speedup = the --gpus 1 run's seconds /
   the slowest share's: what N devices can at best give where only one is lent, before a several-device run's
   own costs (a process per device, the merge). A later call with --share-ranks adds the other ranks beside them.
-- "regenerate_kept_caches", "regenerate_shares_kept_caches" (with --kept-caches DIR): the same, each run's
-  compiles over inductor's and Triton's caches in DIR, kept from run to run (``compile_caches`` says how many
-  files it held at the start): what a rerun on a machine that regenerated before pays, against a fresh machine's.
+- "regenerate_kept_caches", "regenerate_shares_kept_caches", "ddp_scaling_kept_caches" (with --kept-caches DIR;
+  the last with regeneration's fields only): the same, each run compiling over inductor's and Triton's caches in
+  DIR, kept from run to run (``compile_caches`` says how many files it held at the start): what a rerun on a
+  machine that regenerated before pays, against a fresh machine's.
 - "ddp_scaling" (with --gpus 1 2, merged beside bench/ddp_scaling.py's training fields):
   regenerate_tokens_per_s_1gpu/_2gpu and regenerate_speedup_2gpu, the same command and conversations.
 """
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/bench-regenerate"))
     ap.add_argument("--kept-caches", type=Path, default=None, metavar="DIR",
                     help="inductor's and Triton's caches in DIR, kept from run to run (default: empty for each "
-                         "run); figures go to regenerate_kept_caches and regenerate_shares_kept_caches")
+                         "run); figures go to the *_kept_caches objects")
     ap.add_argument("--exact-prompts", type=int, default=64)
     ap.add_argument("--exact-max-tokens", type=int, default=256)
     ap.add_argument("--ab-prompts", type=int, default=0, help="first turns for the A/B: flex (graphs, eager), gather")
@@ -287,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         record("regenerate" + suffix, figures)  # the end-to-end figures stand even if a check below fails
     if args.shares:
         record_shares(args, runs.get(1), "regenerate_shares" + suffix)
-    if 1 in runs and 2 in runs and not suffix:
+    if 1 in runs and 2 in runs:
         one, two = runs[1]["gen_tokens_per_s"], runs[2]["gen_tokens_per_s"]
-        record("ddp_scaling", {"regenerate_tokens_per_s_1gpu": one, "regenerate_tokens_per_s_2gpu": two,
+        record("ddp_scaling" + suffix, {"regenerate_tokens_per_s_1gpu": one, "regenerate_tokens_per_s_2gpu": two,
                                "regenerate_speedup_2gpu": round(two / one, 3),
                                "regenerate_conversations": args.conversations,
                                "regenerate_command": command_line(), "regenerate_device": device_name(),
