@@ -124,7 +124,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     start = time.perf_counter()
     samples = run_dir / "host_samples.json"
     caches = kept_caches or run_dir / "compile-caches"
-    cached_files = sum(1 for f in caches.rglob("*") if f.is_file()) if caches.is_dir() else 0
+    cached = f"{sum(1 for f in caches.rglob('*') if f.is_file())} files at start in {caches}" if kept_caches \
+        else "empty at start"
     run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_path)],
         env={HOST_SAMPLES_ENV: str(samples), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
              "TRITON_CACHE_DIR": str(caches / "triton")}, log=run_dir / "regenerate.log")
@@ -159,7 +160,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             "engine": s["engine"], "spans": s["spans"], "max_tokens": cfg.regenerate.max_tokens,
             "dtype": cfg.target.dtype,
             "host_samples": host,
-            "compile_caches": f"{cached_files} files at start in {caches}" if kept_caches else "empty at start"}
+            "compile_caches": cached}
 
 
 def plot_timeline(engines: dict[str, dict[str, Any]], title: str, path: Path) -> None:
@@ -290,11 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         record_shares(args, runs.get(1), "regenerate_shares" + suffix)
     if 1 in runs and 2 in runs:
         one, two = runs[1]["gen_tokens_per_s"], runs[2]["gen_tokens_per_s"]
-        record("ddp_scaling" + suffix, {"regenerate_tokens_per_s_1gpu": one, "regenerate_tokens_per_s_2gpu": two,
-                               "regenerate_speedup_2gpu": round(two / one, 3),
-                               "regenerate_conversations": args.conversations,
-                               "regenerate_command": command_line(), "regenerate_device": device_name(),
-                               "regenerate_date": time.strftime("%Y-%m-%d")}, merge=True)
+        record("ddp_scaling" + suffix,
+               {"regenerate_tokens_per_s_1gpu": one, "regenerate_tokens_per_s_2gpu": two,
+                "regenerate_speedup_2gpu": round(two / one, 3), "regenerate_conversations": args.conversations,
+                "regenerate_command": command_line(), "regenerate_device": device_name(),
+                "regenerate_date": time.strftime("%Y-%m-%d")}, merge=True)
 
     cfg = load_config(args.config, args.set)
     device = cfg.target.device if cfg.target.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
