@@ -55,7 +55,7 @@ from bench.runs import REPO, holdout_at, make_run, read_log, run, train_command 
 from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
 from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
-from target.aux_layers import resolve_aux_layer_ids  # noqa: E402
+from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
 DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers")
@@ -208,7 +208,7 @@ def main() -> int:
 
     from common.config import load_config
     from data_prep.capture import read_conversations
-    from target.hf_model import load_target
+    from target_model.hf_model import load_target
 
     cfg = load_config(args.config)
     tgt = load_target(cfg.target.name, device="cpu")

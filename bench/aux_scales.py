@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
 from eval.quality import setup  # noqa: E402
-from target.aux_layers import resolve_aux_layer_ids  # noqa: E402
+from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 
 
 def layer_figures(rows: torch.Tensor) -> dict[str, Any]:

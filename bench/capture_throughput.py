@@ -21,7 +21,7 @@ from common.batching import length_batches
 from common.config import PromptSource, parse_config
 from data_prep.capture import render_all, run_capture
 from data_prep.sources import open_source
-from target.hf_model import TargetModel, load_target
+from target_model.hf_model import TargetModel, load_target
 
 AUX = [2, 15, 27]
 

@@ -17,7 +17,7 @@
 Per label, under "data_quality" in bench/results.json (a run writing one label keeps the other's figures):
 conversations, answers, answer_tokens (the answers' text under the target's tokenizer), capped_share (finish
 reason "length"), loop_cut_share ("loop"), loop_token_share (answer tokens inside a loop tail that
-target.loops finds in the answers not already cut, over all answer tokens), after_first_repeat_char_share
+engine.loops finds in the answers not already cut, over all answer tokens), after_first_repeat_char_share
 (the issue's measure: answer characters from the first 64-character window that already occurred earlier in
 the same answer, over all answer characters), mean_answer_tokens, median_answer_tokens. With --regenerate also
 seconds, answer_tokens_per_s (kept answer tokens a second) and generated_tokens_per_s (plus the tokens a loop
@@ -25,7 +25,7 @@ cut dropped), and the run's loop cuts.
 
 With --eval-sets, per eval dataset under "eval_greedy": answers, answer_tokens (the tokens each greedy answer
 generated, its end-of-turn token not counted), loop_answers (answers ending in a loop tail), loop_tokens and
-loop_token_share (tokens inside those tails by target.loops on the generated tokens themselves, over all
+loop_token_share (tokens inside those tails by engine.loops on the generated tokens themselves, over all
 answer tokens), capped_share (answers that ran to max_new_tokens without ending), mean_answer_tokens,
 median_answer_tokens and seconds (that dataset's greedy pass).
 """
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import command_line, device_name, record, recorded  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
 from data_prep.regenerate import answer_text, load_prompt_records, regenerate  # noqa: E402
-from target.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
+from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
 
 NAME = "data_quality"
 LABELS = ("before", "after", "eval_greedy")
@@ -113,7 +113,7 @@ def eval_greedy(config: str, overrides: list[str], limit: int | None = None) -> 
     """The eval's own greedy answers (eval.quality's prompts and fp32 target), measured per dataset."""
     from eval.batched_eval import greedy_references
     from eval.quality import setup
-    from target.hf_model import stop_token_ids
+    from target_model.hf_model import stop_token_ids
 
     cfg, target, prompts = setup(config, limit, overrides=overrides)
     stops, max_new, r = set(stop_token_ids(target.tokenizer)), cfg.eval.max_new_tokens, cfg.regenerate
@@ -200,7 +200,7 @@ def main() -> int:
     if args.regenerate is None:
         if args.label is None:
             ap.error("--label before|after is needed to measure a file")
-        from target.hf_model import load_tokenizer, resolve_source
+        from target_model.hf_model import load_tokenizer, resolve_source
 
         tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
         path = args.conversations or cfg.conversations_path

@@ -8,7 +8,7 @@ its 178 engine seconds (issue #20). This measures that step alone, on a random-w
 shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a step's time), every row holding
 --context cached positions in pages of the shared pool, as in the engine:
 
-- ``graph_ms``: the step replayed from its CUDA graph (``target.decode_graphs``, what the engine runs), median of
+- ``graph_ms``: the step replayed from its CUDA graph (``engine.decode_graphs``, what the engine runs), median of
   --steps replays timed with CUDA events; ``eager_ms`` the same step run eagerly;
 - the eager step's kernels by class (bench/kernel_profile.py), and ``kv_gb_per_s``: the cache bytes a step must
   read (rows x context x key and value bytes per position) over the attention kernels' ms: how close the
@@ -37,10 +37,10 @@ from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from common.step_clock import StepClock  # noqa: E402
-from target import batched  # noqa: E402
-from target.batched import PAGE, BatchedTarget  # noqa: E402
-from target.continuous_batching import Stream  # noqa: E402
-from target.decode_graphs import DecodeGraphs  # noqa: E402
+from engine import batched  # noqa: E402
+from engine.batched import PAGE, BatchedTarget  # noqa: E402
+from engine.continuous_batching import Stream  # noqa: E402
+from engine.decode_graphs import DecodeGraphs  # noqa: E402
 
 
 def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> BatchedTarget:

@@ -21,8 +21,8 @@ from drafter.vocab_map import build_vocab_map
 from eval.measure import Settings, measure
 from eval.prompts import load_eval_prompts, render
 from eval.speculative import Eagle3Proposer, Engine
-from target.aux_layers import default_aux_layer_ids
-from target.hf_model import load_target, stop_token_ids
+from target_model.aux_layers import default_aux_layer_ids
+from target_model.hf_model import load_target, stop_token_ids
 
 FULL_QUESTIONS, FULL_TOKENS = 80, 256
 

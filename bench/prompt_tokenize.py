@@ -28,7 +28,7 @@ from bench.results import record  # noqa: E402
 from common.config import load_config  # noqa: E402
 from data_prep.loss_mask import prompt_text  # noqa: E402
 from data_prep.prompt_ids import PromptTokenizer  # noqa: E402
-from target.hf_model import load_tokenizer, resolve_source  # noqa: E402
+from target_model.hf_model import load_tokenizer, resolve_source  # noqa: E402
 
 FOLLOW_UP = "Please go on, and explain it in more detail."
 

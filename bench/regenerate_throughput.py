@@ -69,11 +69,11 @@ from bench.runs import run  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
 from data_prep.regenerate import HOST_SAMPLES_ENV, device_shares, host_samples_path, part_path, phase_text  # noqa: E402
+from engine.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
+from engine.continuous_batching import generate  # noqa: E402
+from engine.decode_graphs import GRAPHS_ENV  # noqa: E402
 from eval.prompts import render  # noqa: E402
-from target.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
-from target.continuous_batching import generate  # noqa: E402
-from target.decode_graphs import GRAPHS_ENV  # noqa: E402
-from target.hf_model import TargetModel, load_target, stop_token_ids  # noqa: E402
+from target_model.hf_model import TargetModel, load_target, stop_token_ids  # noqa: E402
 
 
 def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:

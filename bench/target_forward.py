@@ -11,8 +11,8 @@ target of SmolLM2-135M's shape (weights do not change the time), --tokens tokens
 length a new shape to each way of running (its own row count):
 
 - ``cudnn_allowed``: the forward with SDPA choosing its backend (cuDNN allowed): what ran before;
-- ``no_cudnn``: SDPA without cuDNN (``target.hf_model.RIGHT_PADDED_SDPA``), eager layers;
-- ``compiled``: that, with the decoder layers compiled (``target.compiled_layers``): what the loop and capture run
+- ``no_cudnn``: SDPA without cuDNN (``target_model.hf_model.RIGHT_PADDED_SDPA``), eager layers;
+- ``compiled``: that, with the decoder layers compiled (``target_model.compiled_layers``): what the loop and capture run
   on CUDA. Its first calls include the compiles (a few graphs for all shapes).
 
 Figures per way: the median ms of the first and of the second call at each shape (wall, synchronised), and the
@@ -37,8 +37,8 @@ from bench.random_smollm2 import random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.dtypes import torch_dtype  # noqa: E402
-from target.aux_layers import default_aux_layer_ids  # noqa: E402
-from target.hf_model import RIGHT_PADDED_SDPA, TargetModel  # noqa: E402
+from target_model.aux_layers import default_aux_layer_ids  # noqa: E402
+from target_model.hf_model import RIGHT_PADDED_SDPA, TargetModel  # noqa: E402
 
 NAME = "target_forward"
 WAYS = ("cudnn_allowed", "no_cudnn", "compiled")
@@ -55,7 +55,7 @@ def forward_by_way(target: TargetModel, way: str, aux_ids: tuple[int, ...]) -> C
 
     def without_cudnn(ids: torch.Tensor) -> Any:
         with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
-            return plain(ids) if way == "no_cudnn" else target.compiled_layers.run(lambda: plain(ids))
+            return plain(ids) if way == "no_cudnn" else target_model.compiled_layers.run(lambda: plain(ids))
 
     return plain if way == "cudnn_allowed" else without_cudnn
 
@@ -76,7 +76,7 @@ def measure(target: TargetModel, tokens: int, lengths: list[int], device: torch.
         out[way] = {"first_ms_median": round(statistics.median(first), 2),
                     "again_ms_median": round(statistics.median(again), 2),
                     "first_ms": first, "again_ms": again}
-    out["compiled_state"] = target.compiled_layers.state
+    out["compiled_state"] = target_model.compiled_layers.state
     out["again_speedup_compiled_over_no_cudnn"] = round(
         out["no_cudnn"]["again_ms_median"] / out["compiled"]["again_ms_median"], 3)
     return out

@@ -36,8 +36,8 @@ from bench.runs import make_run, median_tokens_per_s, run, step_records, train_c
 from bench.train_throughput import bench, shape_figures  # noqa: E402
 from common.config import load_config  # noqa: E402
 from drafter.model import DrafterShape  # noqa: E402
-from target.aux_layers import resolve_aux_layer_ids  # noqa: E402
-from target.hf_model import target_text_config  # noqa: E402
+from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
+from target_model.hf_model import target_text_config  # noqa: E402
 from train.build import fresh_shape  # noqa: E402
 
 NAME = "train_loop_smollm2"

@@ -61,7 +61,7 @@ class TargetConfig(Section):
     aux_layer_ids: list[Int] | None = Field(
         None, description="The drafter's eagle_aux_hidden_state_layer_ids; default: the drafter's own, else ours "
         "for a new drafter, the outputs of [2, N//2, N-3] (SGLang's own default, for a drafter config without "
-        "ids, is the outputs of [1, N//2-1, N-4]; target.aux_layers explains both).")
+        "ids, is the outputs of [1, N//2-1, N-4]; target_model.aux_layers explains both).")
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Passed to the chat template wherever a chat is rendered (regenerate, "
         "capture, eval prompts) and sent to servers as chat_template_kwargs, e.g. {thinking: false} for "
@@ -175,7 +175,7 @@ class RegenerateConfig(Section):
     seed: Int = 0
     stop_loops: bool = Field(
         True, description="End an answer that falls into a degenerate loop (its tail repeats a block of tokens, "
-        "target.loops) at the loop's first copy, finish reason 'loop'. hf: checked every 16 tokens while it "
+        "engine.loops) at the loop's first copy, finish reason 'loop'. hf: checked every 16 tokens while it "
         "decodes (a looping answer would run to max_tokens); openai: the returned answer is cut afterwards.")
     loop_min_repeat_tokens: PositiveInt = Field(
         64, description="stop_loops: the repeated copies must cover at least this many tokens (and one full "

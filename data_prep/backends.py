@@ -4,7 +4,7 @@
 A backend never raises for one bad record: it returns a ``Completion`` whose ``error`` names the
 reason, and the caller counts it and leaves the record for the next run.
 
-With ``regenerate.stop_loops`` an answer that ends in a degenerate loop (``target.loops``) is cut to the
+With ``regenerate.stop_loops`` an answer that ends in a degenerate loop (``engine.loops``) is cut to the
 loop's first copy, finish reason "loop": the hf engine stops it while it decodes; a server cannot, so the
 openai backend cuts the answer it gets back, by the target's tokens.
 """
@@ -32,7 +32,7 @@ from common.config import RegenerateConfig, TargetConfig
 from data_prep.loss_mask import prompt_text
 from data_prep.prompt_ids import PromptTokenizer
 from data_prep.prompt_prefetch import Encoded, PromptPrefetch
-from target.loops import first_repeat, retokenized_loop_start
+from engine.loops import first_repeat, retokenized_loop_start
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
 Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
@@ -82,7 +82,7 @@ class ChatBackend(Protocol):
 
 class HFChatBackend:
     """The target in-process, through continuous batching over a paged KV cache
-    (``target.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
+    (``engine.continuous_batching``): at T=0 each answer is the target's greedy answer to that chat
     alone, and the GPU stays full while answers of very different lengths finish. ``stream`` is one engine run
     for a whole regeneration: a conversation's next turn joins the running batch when its previous answer
     ends. Chats are rendered as the server renders them (the target's chat_template_kwargs, the chat's tools).
@@ -94,8 +94,8 @@ class HFChatBackend:
     def __init__(self, target_cfg: TargetConfig, cfg: RegenerateConfig):
         import torch
 
-        from target.batched import BatchedTarget, UnsupportedTargetError
-        from target.hf_model import load_target_from_config, pick_device, stop_token_ids
+        from engine.batched import BatchedTarget, UnsupportedTargetError
+        from target_model.hf_model import load_target_from_config, pick_device, stop_token_ids
 
         # Where its seconds go (``backend_s`` in the summary's phases): on an H200 they were 15 of a 4-minute run,
         # and a device's share of a several-device run pays them whole.
@@ -147,7 +147,7 @@ class HFChatStream:
     LONGEST_ROW = 32768  # positions per row when the target names no context length
 
     def __init__(self, backend: HFChatBackend, wanted: int | None = None):
-        from target.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
+        from engine.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
 
         c = backend.cfg
         self.b = backend
@@ -336,7 +336,7 @@ class OpenAIChatBackend:
             if self.target is None:
                 raise BackendError("regenerate.stop_loops: the openai backend needs the target's tokenizer to cut "
                                    "loops (target.name)")
-            from target.hf_model import load_tokenizer, resolve_source
+            from target_model.hf_model import load_tokenizer, resolve_source
 
             try:
                 self._tokenizer = load_tokenizer(resolve_source(self.target.name, self.target.gguf_file),

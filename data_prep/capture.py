@@ -5,7 +5,7 @@
 The target forward is one of three backends (``capture.backend``): ``hf`` (the HF model in-process),
 ``specforge`` (import SpecForge's SGLang capture: ``data_prep/specforge_import.py``; its samples are the ones
 SpecForge tokenized) or ``sglang`` (``data_prep/capture_sglang.py``). Only ``hf`` builds the HF model; the
-others read the tokenizer, config and head tensors from the checkpoint's files (``target.hf_index``).
+others read the tokenizer, config and head tensors from the checkpoint's files (``target_model.hf_index``).
 
 Shard k holds kept samples [k*S, (k+1)*S) in conversation order, so its content is a function of the
 input alone; a rerun keeps every shard whose checksum and sample plan verify and recomputes the rest
@@ -55,9 +55,9 @@ from data_prep.store import (
     shard_name,
 )
 from drafter.factory import drafter_aux_ids
-from target.aux_layers import resolve_aux_layer_ids
-from target.hf_index import load_indexed_target_from_config
-from target.hf_model import TargetModel, load_target_from_config
+from target_model.aux_layers import resolve_aux_layer_ids
+from target_model.hf_index import load_indexed_target_from_config
+from target_model.hf_model import TargetModel, load_target_from_config
 
 RENDER_POOL_MIN = 2000  # chats; fewer render faster in-process than a pool starts
 
@@ -220,7 +220,7 @@ class CaptureBackend(Protocol):
 
 
 class CaptureTarget(Protocol):
-    """What capture needs of the target: ``target.hf_model.TargetModel`` (hf) or ``target.hf_index.IndexedTarget``."""
+    """What capture needs of the target: ``target_model.hf_model.TargetModel`` (hf) or ``target_model.hf_index.IndexedTarget``."""
 
     name: str
     tokenizer: Any

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.sglang_checkpoint import load_checkpoint, read_config, rope_scaling_from, shape_from_config
-from target.aux_layers import resolve_aux_layer_ids
+from target_model.aux_layers import resolve_aux_layer_ids
 
 
 class DrafterMismatchError(ValueError):

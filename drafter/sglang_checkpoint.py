@@ -23,7 +23,7 @@ from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
 from common.files import fresh_tmp_dir, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
-from target.aux_layers import ascending_problem
+from target_model.aux_layers import ascending_problem
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS_NAME = "model.safetensors"

@@ -8,7 +8,7 @@ where a target layer reads H. What carries over where the shapes allow:
   (the embedding half starts at zero), o_proj, the MLP and both norms are copied as they are;
 - fc: passes the top aux layer through (``[0, 0, I]``), so step 0 starts from the target's own
   residual stream near its output.
-Only the safetensors tensors named here are read (``target.hf_index.target_tensors`` of
+Only the safetensors tensors named here are read (``target_model.hf_index.target_tensors`` of
 ``last_layer_names``), never the whole target.
 """
 

@@ -2,7 +2,7 @@
 
 The batch-1 engine (``eval.measure``) gives timings; this gives the acceptance statistics of every prompt
 at once (``eval.batched_speculative``), against greedy references from the same target
-(``target.continuous_batching``, with the top-1/top-2 margin behind each token), reduced by the same
+(``engine.continuous_batching``, with the top-1/top-2 margin behind each token), reduced by the same
 functions as the batch-1 report: a divergence at a near-tie (``eval.lossless``) is reported apart, not as a
 mismatch.
 """
@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from drafter.model import Eagle3Drafter
+from engine.batched import BatchedTarget
+from engine.continuous_batching import generate
 from eval.batched_speculative import speculative_batch
 from eval.lossless import unchecked_reason
 from eval.measure import dataset_stats, divergences
 from eval.speculative import Generation
-from target.batched import BatchedTarget
-from target.continuous_batching import generate
-from target.hf_model import TargetModel, stop_token_ids
+from target_model.hf_model import TargetModel, stop_token_ids
 
 
 def greedy_references(target: TargetModel, prompts: Mapping[str, Sequence[Sequence[int]]],

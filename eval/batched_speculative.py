@@ -2,7 +2,7 @@
 
 Acceptance (tau, alpha_k) depends only on what the drafter proposes and what the target verifies, not on
 timing, so every prompt can run in one batch: each row keeps its own position in a position-indexed
-cache (``target.batched``), accepts its own number of drafts per cycle, and reads nothing that a
+cache (``engine.batched``), accepts its own number of drafts per cycle, and reads nothing that a
 rejected draft left behind (keys beyond a row's committed length are overwritten before they are read).
 Per row, the cycle is the one ``eval.speculative.Engine`` runs at batch size 1 (same positions, same
 draft-extend from the target's aux states, same acceptance rule chosen by name through
@@ -20,11 +20,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 from drafter.model import Eagle3Drafter, StepOutput
+from engine.batched import BatchedTarget, position_mask, position_masked_attention
 from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
-from target.batched import BatchedTarget, position_mask, position_masked_attention
 
 # Padded prompt tokens per prefill call, on any device. Smaller than generate's
-# (target.continuous_batching.GENERATE_PREFILL_TOKENS): this prefill keeps the target's aux states (3H) at every
+# (engine.continuous_batching.GENERATE_PREFILL_TOKENS): this prefill keeps the target's aux states (3H) at every
 # position and runs the drafter over the same positions.
 SPECULATIVE_PREFILL_TOKENS = 32768
 

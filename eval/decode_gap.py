@@ -32,10 +32,10 @@ from torch import Tensor
 from data_prep.capture import read_conversations, render_all
 from data_prep.dataset import in_holdout
 from drafter.model import Eagle3Drafter
+from engine.batched import BatchedTarget
 from eval.batched_eval import greedy_references
 from eval.batched_speculative import speculative_batch
-from target.batched import BatchedTarget
-from target.hf_model import TargetModel, stop_token_ids
+from target_model.hf_model import TargetModel, stop_token_ids
 from train.ttt import supervision, ttt_forward
 from train.ttt_metrics import conditional_acceptance
 

@@ -19,7 +19,7 @@ from eval.prompts import rendered_datasets
 from eval.report import log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
-from target.hf_model import load_target_from_config, resolve_source, stop_token_ids
+from target_model.hf_model import load_target_from_config, resolve_source, stop_token_ids
 
 
 def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:

@@ -43,7 +43,7 @@ from eval.gate_flow import Measured, gate_datasets, run_gate
 from eval.prompts import rendered_datasets
 from eval.report import decimals, json_safe
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
-from target.hf_model import load_tokenizer, resolve_source
+from target_model.hf_model import load_tokenizer, resolve_source
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 ROLE_KEYS = {"candidate": "server_url", "incumbent": "incumbent_url", "baseline": "baseline_url"}

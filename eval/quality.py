@@ -28,7 +28,7 @@ from eval.gate import decide
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets
 from eval.speculative import Eagle3Proposer, Engine
-from target.hf_model import TargetModel, load_target_from_config, stop_token_ids
+from target_model.hf_model import TargetModel, load_target_from_config, stop_token_ids
 
 DEFAULT_SETTINGS = ("3:0", "3:1", "5:0")  # k:T; the first one is the one the gate's decision reads
 

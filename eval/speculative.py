@@ -23,7 +23,7 @@ from torch import Tensor
 
 from drafter.model import Eagle3Drafter, causal_mask
 from eval.lossless import first_divergence
-from target.hf_model import TargetModel
+from target_model.hf_model import TargetModel
 
 __all__ = ["ACCEPTANCE_RULES", "Draft", "Eagle3Proposer", "Engine", "Generation", "accept_greedy", "accept_sampled",
            "accept_sglang", "acceptance_rule", "first_divergence"]

@@ -37,7 +37,7 @@ from common.files import write_text_atomic
 from common.locking import inherit_env, run_lock
 from common.wheels import BUILTIN_TARGET, MissingWheelError, builtin_data_path, builtin_gguf
 from eval.gate import read_history
-from target.hf_model import resolve_source
+from target_model.hf_model import resolve_source
 
 
 class PipelineError(ValueError):

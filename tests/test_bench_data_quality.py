@@ -7,7 +7,7 @@ import json
 import pytest
 
 from bench import data_quality
-from target.hf_model import load_tokenizer, resolve_source
+from target_model.hf_model import load_tokenizer, resolve_source
 
 LOOP = "Sure. " + "Let me say it again. " * 40
 

@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import loop_check  # noqa: E402
-from target.loops import trailing_runs  # noqa: E402
+from engine.loops import trailing_runs  # noqa: E402
 
 
 def test_each_window_has_the_run_its_case_names() -> None:

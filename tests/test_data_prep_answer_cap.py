@@ -12,7 +12,7 @@ import torch
 from common.config import parse_config
 from data_prep import capture
 from data_prep.loss_mask import render_with_mask
-from target.hf_model import load_tokenizer, resolve_source
+from target_model.hf_model import load_tokenizer, resolve_source
 
 CONV = [
     {"role": "user", "content": "Count to twenty."},

@@ -82,7 +82,7 @@ CUT_CONV = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from target.hf_model import load_tokenizer, resolve_source
+    from target_model.hf_model import load_tokenizer, resolve_source
 
     return load_tokenizer(resolve_source("smollm2-135m-instruct", None), False)
 

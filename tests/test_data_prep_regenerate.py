@@ -459,11 +459,11 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     is the same answer either way. The hf backend gives the same answers and counts."""
     from common.config import DatasetConfig
     from data_prep.loss_mask import prompt_text
+    from engine.batched import BatchedTarget
+    from engine.continuous_batching import LoopStop, generate
+    from engine.loops import loop_start
     from eval.prompts import load_eval_prompts
-    from target import hf_model
-    from target.batched import BatchedTarget
-    from target.continuous_batching import LoopStop, generate
-    from target.loops import loop_start
+    from target_model import hf_model
 
     tok = smollm2.tokenizer
     mtbench = load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)
@@ -526,7 +526,7 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     tokenizer: the answer's text tokenized again, then the end-of-turn marker and the next user turn)."""
     from data_prep.loss_mask import prompt_text
     from data_prep.prompt_prefetch import PromptPrefetch
-    from target import hf_model
+    from target_model import hf_model
 
     monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     # chunks of 2 first prompts, fewer than the rows: the stream opens only what the thread has ready
@@ -1061,7 +1061,7 @@ def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path
     every prompt is tried, none is lost between the batch and the next."""
     from data_prep.backends import make_chat_backend
     from data_prep.regenerate import load_prompt_records, regenerate
-    from target import hf_model
+    from target_model import hf_model
 
     monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     cfg = make_cfg(tmp_path, max_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,

@@ -1,5 +1,5 @@
 """Capture without the HF model: SpecForge's offline hidden-state files imported into our store, and the
-target's tokenizer, config and head read from its safetensors index (``target.hf_index``).
+target's tokenizer, config and head read from its safetensors index (``target_model.hf_index``).
 
 The files are written the way SpecForge 0.2.0's ``scripts/prepare_hidden_states.py`` writes them
 (``HiddenStatesGenerator``: ``rows_<g>-<g+G>/data_<i>.ckpt[.gz]``, ``torch.save`` of ``input_ids`` and
@@ -29,8 +29,8 @@ from data_prep.dataset import ShardDataset
 from data_prep.loss_mask import render_with_mask
 from data_prep.specforge_import import export_for_specforge, list_files
 from data_prep.store import load_target_head, read_manifest
-from target.hf_index import load_indexed_target
-from target.hf_model import TargetModel
+from target_model.hf_index import load_indexed_target
+from target_model.hf_model import TargetModel
 
 AUX = [1, 2, 3]
 
@@ -113,7 +113,7 @@ def no_hf_model(monkeypatch):
 
 
 def test_specforge_import_equals_hf_capture_without_building_the_model(tmp_path, checkpoint, monkeypatch):
-    from target.hf_model import load_target
+    from target_model.hf_model import load_target
 
     convs = conversations(5)
     hf_run = tmp_path / "hf"
@@ -185,7 +185,7 @@ def test_the_index_reader_loads_only_the_two_head_tensors(checkpoint, no_hf_mode
         def keys(self):
             return self.inner.keys()
 
-    monkeypatch.setattr("target.hf_index.safe_open", Spy)
+    monkeypatch.setattr("target_model.hf_index.safe_open", Spy)
     target = load_indexed_target(str(checkpoint), dtype="float32")
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (5, 32, 49152)
     assert target.embed_weight().shape == target.lm_head_weight().shape == (49152, 32)
@@ -199,7 +199,7 @@ def test_the_index_reader_loads_only_the_two_head_tensors(checkpoint, no_hf_mode
 def test_head_names_for_k25_layouts(tmp_path, checkpoint):
     """K2.5 nests the LM (text_config, language_model.* names) and DeepSeek-V3's MTP layer has its own
     embed_tokens; a tied model has no lm_head tensor."""
-    from target.hf_index import head_tensor_names
+    from target_model.hf_index import head_tensor_names
 
     names = ["language_model.model.layers.61.embed_tokens.weight", "language_model.model.embed_tokens.weight",
              "language_model.lm_head.weight", "vision_tower.patch_embed.proj.weight"]
@@ -275,7 +275,7 @@ def _import_specforge_rendered(tmp_path: Path, checkpoint: Path, convs: list[dic
                                kwargs: dict | None = None, template_kwargs: dict | None = None) -> dict:
     """SpecForge's files for ``chats`` (one per conversation, rendered with ``kwargs`` as SpecForge would), then
     the import of ``convs`` with target.chat_template_kwargs ``template_kwargs``; returns the config tree."""
-    from target.hf_model import load_target
+    from target_model.hf_model import load_target
 
     model = load_target(str(checkpoint), dtype="float32", device="cpu")
     run = tmp_path / "run"

@@ -226,7 +226,7 @@ def test_hf_backend_renders_tools_and_template_kwargs_and_its_plain_text_ends_a_
     after that answer, counted, as with a server whose target made no call."""
     from transformers import AutoTokenizer
 
-    import target.continuous_batching as cb
+    import engine.continuous_batching as cb
 
     fed: list[list[int]] = []
     real = cb.Stream.submit

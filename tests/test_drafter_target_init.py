@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter.factory import fresh_drafter, shape_for_target
 from drafter.target_init import init_from_target
-from target.hf_index import last_layer_names, target_tensors
+from target_model.hf_index import last_layer_names, target_tensors
 
 
 def test_init_copies_what_fits_from_a_saved_target(tmp_path) -> None:

@@ -16,12 +16,12 @@ from common.config import load_config
 from data_prep.capture import run_capture
 from data_prep.regenerate import run_regenerate
 from drafter.sglang_checkpoint import check_checkpoint, load_checkpoint
+from engine.batched import BatchedTarget
 from eval import metrics
 from eval.batched_speculative import speculative_batch
 from eval.prompts import render
 from eval.speculative import Eagle3Proposer, Engine
-from target.batched import BatchedTarget
-from target.hf_model import stop_token_ids
+from target_model.hf_model import stop_token_ids
 from train.loop import run as run_training
 
 PROMPTS = ["Count from 1 to 12.", "List the days of the week.", "Name the months of the year.",

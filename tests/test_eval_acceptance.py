@@ -25,7 +25,7 @@ from eval.speculative import (
     accept_sglang,
     acceptance_rule,
 )
-from target.hf_model import TargetModel
+from target_model.hf_model import TargetModel
 
 T = 0.8
 LOGITS = torch.tensor([[1.5, 0.2, -0.3, 0.9, -1.0, 0.0],   # p0: argmax 0; the draft proposes 3 (p0(3) = 0.24)

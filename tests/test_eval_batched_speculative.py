@@ -9,10 +9,10 @@ import torch
 from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
 from transformers import LlamaForCausalLM
 
+from engine.batched import BatchedTarget
 from eval.batched_speculative import _groups, speculative_batch
 from eval.speculative import Eagle3Proposer, Engine
-from target.batched import BatchedTarget
-from target.hf_model import TargetModel
+from target_model.hf_model import TargetModel
 
 V, AUX, K, NEW = 12, (0, 1, 2), 3, 30
 

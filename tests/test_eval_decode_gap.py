@@ -10,7 +10,7 @@ from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
 
 from eval import metrics
 from eval.decode_gap import ChainCounts, cycle_columns, measure_gap, replayed_lengths
-from target.hf_model import TargetModel
+from target_model.hf_model import TargetModel
 
 V, AUX, K, NEW = 12, (0, 1, 2), 3, 30
 

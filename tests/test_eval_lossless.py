@@ -21,13 +21,13 @@ from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
 from transformers import LlamaForCausalLM
 
 from drafter.factory import fresh_drafter
+from engine.batched import BatchedTarget
 from eval import batched_eval, speculative
 from eval.batched_eval import acceptance, greedy_references
 from eval.lossless import check
 from eval.measure import Settings, measure
 from eval.speculative import Eagle3Proposer, Engine
-from target.batched import BatchedTarget
-from target.hf_model import TargetModel
+from target_model.hf_model import TargetModel
 
 V, AUX, K, NEW = 32, (0, 1, 2), 3, 24
 

@@ -12,8 +12,8 @@ from drafter.vocab_map import build_vocab_map
 from eval import metrics
 from eval.prompts import render
 from eval.speculative import Draft, Eagle3Proposer, Engine
-from target.aux_layers import default_aux_layer_ids
-from target.hf_model import stop_token_ids
+from target_model.aux_layers import default_aux_layer_ids
+from target_model.hf_model import stop_token_ids
 
 K = 3
 

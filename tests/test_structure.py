@@ -2,7 +2,7 @@
 
 - No import cycle between modules, counting imports inside functions too: a function-level import that
   only breaks a cycle hides it (the module still needs the other one; it just imports it later).
-- No import up the package order ``ORDER``: a package imports only the packages before it (``target/`` only
+- No import up the package order ``ORDER``: a package imports only the packages before it (``target_model/`` only
   ``common/``, ``drafter/`` only those two, ...). ``bench/`` and ``tests/`` may import anything; no package
   imports ``bench/``.
 - Every import inside a function of a package is listed in ``LAZY`` with the reason it is late (a heavy
@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("common", "target", "drafter", "data_prep", "train", "eval", "pipeline")
+ORDER = ("common", "target_model", "engine", "drafter", "data_prep", "train", "eval", "pipeline")
 FREE = ("bench",)  # scripts over everything (tests/ too, not read here)
 
 # Imports of project modules inside functions, (importer, imported): why each is late.
 LAZY = {
     ("data_prep.steps", "data_prep.regenerate"): "`python -m data_prep ingest` imports neither torch nor the target",
     ("data_prep.steps", "data_prep.capture"): "`python -m data_prep ingest` imports neither torch nor the target",
-    ("data_prep.backends", "target.batched"): "regenerate's openai backend never imports torch (hf does)",
-    ("data_prep.backends", "target.continuous_batching"): "regenerate's openai backend never imports torch",
-    ("data_prep.backends", "target.hf_model"): "regenerate's openai backend never imports torch",
+    ("data_prep.backends", "engine.batched"): "regenerate's openai backend never imports torch (hf does)",
+    ("data_prep.backends", "engine.continuous_batching"): "regenerate's openai backend never imports torch",
+    ("data_prep.backends", "target_model.hf_model"): "regenerate's openai backend never imports torch",
     ("train.module", "train.attention"): "flex_attention (torch.compile) is loaded only on CUDA, where it runs",
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from target.hf_model import TargetModel
+from target_model.hf_model import TargetModel
 
 
 def tiny_target_model(max_positions: int = 128) -> TargetModel:

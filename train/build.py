@@ -16,8 +16,8 @@ from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target
 from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.target_init import init_from_target
 from drafter.vocab_map import build_vocab_map
-from target.hf_index import last_layer_names, target_tensors
-from target.hf_model import resolve_source, target_text_config
+from target_model.hf_index import last_layer_names, target_tensors
+from target_model.hf_model import resolve_source, target_text_config
 from train.data import TrainingData, to_device
 
 

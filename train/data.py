@@ -25,8 +25,8 @@ from data_prep.capture import end_of_turn_rule, read_conversations, render_all, 
 from data_prep.dataset import ShardDataset, collate, in_holdout
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
 from drafter.factory import drafter_aux_ids
-from target.aux_layers import resolve_aux_layer_ids
-from target.hf_model import load_target_from_config
+from target_model.aux_layers import resolve_aux_layer_ids
+from target_model.hf_model import load_target_from_config
 
 # Per-token batch tensors the model takes, and the attention mask an online batch gives the target.
 BATCH_KEYS = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")

@@ -21,8 +21,8 @@ from safetensors import safe_open
 from torch import Tensor
 
 from common.dtypes import torch_dtype
-from target.aux_layers import TargetError
-from target.hf_model import hash_weight_files, load_tokenizer, resolve_source
+from target_model.aux_layers import TargetError
+from target_model.hf_model import hash_weight_files, load_tokenizer, resolve_source
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -59,7 +59,7 @@ def head_tensor_names(names: list[str], tied: bool, where: str) -> tuple[str, st
 
 
 class IndexedTarget:
-    """The capture-facing part of ``target.hf_model.TargetModel`` (name, tokenizer, sizes, fingerprint, head
+    """The capture-facing part of ``target_model.hf_model.TargetModel`` (name, tokenizer, sizes, fingerprint, head
     tensors) for a checkpoint that is never instantiated here."""
 
     def __init__(self, name: str, source_dir: Path, tokenizer: Any, config: dict[str, Any], dtype: torch.dtype):

@@ -3,7 +3,7 @@
 A small target decoding greedily often ends in a loop: the same block of tokens again and again until
 ``max_tokens``. Those tails are easy tokens (the drafter predicts a copy) that inflate held-out accuracy
 and teach nothing about real decoding, so regeneration stops an answer at its loop
-(``target.continuous_batching``, finish reason "loop") and the reports measure what is left.
+(``engine.continuous_batching``, finish reason "loop") and the reports measure what is left.
 
 A tail loop of period p: the trailing run of positions t with tokens[t] == tokens[t - p]. It counts when the
 run covers at least one full extra copy of the block (p tokens) and at least ``min_repeat_tokens`` tokens;

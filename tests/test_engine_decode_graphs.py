@@ -1,4 +1,4 @@
-"""CUDA graphs of the stream's flex decode step (``target.decode_graphs``).
+"""CUDA graphs of the stream's flex decode step (``engine.decode_graphs``).
 
 On a CPU: graphs are never taken there, nor over gather; the storage key moves only when the cache reallocates;
 and the bookkeeping (one capture per padded batch size and storage, every step after the first flex one
@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from test_target_continuous_batching import STOPS, all_free, converse, plain_greedy, prompts, tiny
+from test_engine_continuous_batching import STOPS, all_free, converse, plain_greedy, prompts, tiny
 from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
-import target.batched as bt
-from target.batched import BatchedTarget, PagedKVCache
-from target.continuous_batching import Stream
-from target.decode_graphs import GRAPHS_ENV, DecodeGraphs, graphs_wanted, storage_key
+import engine.batched as bt
+from engine.batched import BatchedTarget, PagedKVCache
+from engine.continuous_batching import Stream
+from engine.decode_graphs import GRAPHS_ENV, DecodeGraphs, graphs_wanted, storage_key
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

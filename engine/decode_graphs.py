@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from common.cli import exception_line
-from target.batched import BatchedTarget, PagedKVCache
+from engine.batched import BatchedTarget, PagedKVCache
 
 GRAPHS_ENV = "EAGLE3_DECODE_GRAPHS"  # "0": the flex decode step runs eagerly (benchmarks A/B it against graphs)
 WARMUP_RUNS = 3  # eager steps before a capture (PyTorch's recipe): the first compiles and autotunes a new shape

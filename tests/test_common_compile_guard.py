@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from target.compile_guard import CompileSwitch, compile_seconds
+from common.compile_guard import CompileSwitch, compile_seconds
 
 
 def test_sizes_equal_at_the_first_call_do_not_make_a_second_graph() -> None:

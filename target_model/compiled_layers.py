@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from target.compile_guard import CompileSwitch
+from common.compile_guard import CompileSwitch
 
 
 class CompiledLayers:

@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny_target import tiny_target_model
 
-from target.compiled_layers import CompiledLayers
-from target.hf_model import TargetModel
+from target_model.compiled_layers import CompiledLayers
+from target_model.hf_model import TargetModel
 
 IDS = (0, 2, 4)
 

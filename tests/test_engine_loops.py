@@ -1,4 +1,4 @@
-"""Tail loops of an answer (target.loops) on hand-made token lists: where the copies start, what is too
+"""Tail loops of an answer (engine.loops) on hand-made token lists: where the copies start, what is too
 short or not at the end to count, the windowed check the engine runs, and the measures the reports use."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from target.loops import (
+from engine.loops import (
     after_first_repeat_chars,
     after_first_repeat_share,
     check_window,

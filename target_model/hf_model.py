@@ -1,5 +1,5 @@
 """The target LLM built with transformers, behind one small interface: tokenizer, embedding/lm_head, and a
-forward that returns the drafter's aux states in SGLang's convention (``target.aux_layers``: which layers'
+forward that returns the drafter's aux states in SGLang's convention (``target_model.aux_layers``: which layers'
 outputs SGLang feeds the drafter for its ids on this architecture). ``resolve_source`` finds the target's
 files: the embedded default, a GGUF file, a HF directory or a hub id.
 """
@@ -21,8 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from common.dtypes import torch_dtype
 from common.step_clock import StepClock
 from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
-from target.aux_layers import TargetError, sglang_captured_outputs
-from target.compiled_layers import CompiledLayers
+from target_model.aux_layers import TargetError, sglang_captured_outputs
+from target_model.compiled_layers import CompiledLayers
 
 # The right-padded forwards' attention backends: cuDNN's SDPA builds a plan per new shape (~100 ms on an H200), and
 # every padded batch length is a new one to it; flash attention runs as fast with no per-shape cost.
@@ -112,7 +112,7 @@ class TargetModel:
         build a 4-D mask every batch and keeps SDPA off its fused causal kernels (issue #20: the online target
         cost a fifth of the training loop's time). Padding positions come out finite and are never scored."""
         # SDPA without cuDNN (``RIGHT_PADDED_SDPA``; issue #20: 117 ms a step in the loop), and on CUDA the layers
-        # compiled (``target.compiled_layers``: the eager layer's small kernels took two thirds of the forward).
+        # compiled (``target_model.compiled_layers``: the eager layer's small kernels took two thirds of the forward).
         # bench/target_forward.py measures each.
         with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
             if self.device.type != "cuda":

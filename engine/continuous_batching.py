@@ -9,7 +9,7 @@ T=0 each answer is what greedy ``model.generate`` gives for that prompt alone (u
 for an answer stopped at a loop): rows never see each other, and the only difference is the attention
 kernel's summation order (tests compare them token for token).
 
-Memory is pages of ``PAGE`` positions (``target.batched.PagedKVCache``): a row holds the pages of the
+Memory is pages of ``PAGE`` positions (``engine.batched.PagedKVCache``): a row holds the pages of the
 positions it has used, so how many rows run is bounded by the tokens in flight, not by rows x (longest prompt
 + budget). A GPU's pages come from its free memory once; a CPU's pool starts small and grows up to every
 row at ``max_len``. A request is admitted only while pages stay free for the live rows to grow
@@ -39,7 +39,7 @@ any of that step's tokens. A CPU runs each step as it is launched: the same code
 ``Stream.stats`` splits the run's seconds into prefill forwards, decode (the host's: launching steps and waiting
 for their tokens), the engine's own host work and the caller's time between polls, with the decode steps' own
 device seconds beside them (``decode_device_s``), and counts decode steps by live rows. On CUDA a flex decode
-step replays a CUDA graph of its padded batch size (``target.decode_graphs``); ``stats`` counts those steps and
+step replays a CUDA graph of its padded batch size (``engine.decode_graphs``); ``stats`` counts those steps and
 the captures.
 """
 
@@ -59,11 +59,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.batching import length_batches
+from common.compile_guard import compile_seconds
 from common.queued_copy import queued_to_device, queued_to_host
-from target.batched import PAGE, BatchedTarget, prefill_shape
-from target.compile_guard import compile_seconds
-from target.decode_graphs import DecodeGraphs
-from target.loops import check_window, loop_start, may_loop
+from engine.batched import PAGE, BatchedTarget, prefill_shape
+from engine.decode_graphs import DecodeGraphs
+from engine.loops import check_window, loop_start, may_loop
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
 MAX_ROWS = 4096  # rows decoded at once on a GPU (regenerate.slots overrides)
@@ -101,7 +101,7 @@ class Sampling:
 
 @dataclass(frozen=True)
 class LoopStop:
-    """Stop an answer that has fallen into a loop (``target.loops``): every ``every`` tokens once it has
+    """Stop an answer that has fallen into a loop (``engine.loops``): every ``every`` tokens once it has
     ``min_repeat_tokens``, its last tokens are checked, and an answer ending in a loop is cut to the loop's
     first copy and ``keep`` tokens of its copies (at most ``min_repeat_tokens``: what a detected loop has) and
     finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
@@ -357,7 +357,7 @@ class Stream:
 
     ``max_len``: the most positions one request may take (prompt + budget); ``rows``/``cpu_rows``: see
     ``plan_rows``; ``pages``: the pool's size (default ``plan_pages``); ``attention``: "flex" or "gather"
-    (default: the device's, ``target.batched.default_attention``).
+    (default: the device's, ``engine.batched.default_attention``).
 
     A row is free, live (serving a request), or held: finished and keeping its cache for a follow-up until the
     next poll (``parked``), or claimed by one and waiting for its suffix's prefill (``continuing``). A held row

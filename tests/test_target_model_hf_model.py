@@ -15,8 +15,8 @@ from drafter.factory import DrafterMismatchError, drafter_aux_ids, fresh_drafter
 from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import legacy_aux_layer_ids, save_checkpoint
 from drafter.vocab_map import build_vocab_map
-from target.aux_layers import TargetError, default_aux_layer_ids, resolve_aux_layer_ids, sglang_captured_outputs
-from target.hf_model import TargetModel
+from target_model.aux_layers import TargetError, default_aux_layer_ids, resolve_aux_layer_ids, sglang_captured_outputs
+from target_model.hf_model import TargetModel
 
 TINY_IDS = (0, 2, 4)
 

@@ -13,11 +13,11 @@ import torch
 from torch._dynamo.utils import compilation_time_metrics
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from target import batched as bt
-from target import continuous_batching as cb
-from target.batched import BatchedTarget, UnsupportedTargetError
-from target.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
-from target.loops import loop_start
+from engine import batched as bt
+from engine import continuous_batching as cb
+from engine.batched import BatchedTarget, UnsupportedTargetError
+from engine.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
+from engine.loops import loop_start
 
 STOPS = [1, 2]
 V = 101
@@ -283,7 +283,7 @@ def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failu
     would run flex uncompiled, whose dense scores do not fit on a GPU): suffixes gather from then on (one
     warning), the decode step keeps flex, and every turn is still greedy's. The kernel called on its own, as it is
     on a CPU and on CUDA once the compiled layers are off (on CUDA it is otherwise traced into the compiled
-    ``suffix_layer``, where a failure turns the layers off first: test_target_decode_graphs)."""
+    ``suffix_layer``, where a failure turns the layers off first: test_engine_decode_graphs)."""
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
 
@@ -339,7 +339,7 @@ def test_real_smollm2_64_prompts_equal_plain_generate(smollm2) -> None:
     HF ``generate``'s greedy answer (run in left-padded batches of 16: batch 1 would take minutes here)."""
     from common.config import DatasetConfig
     from eval.prompts import load_eval_prompts, render
-    from target.hf_model import stop_token_ids
+    from target_model.hf_model import stop_token_ids
 
     tok = smollm2.tokenizer
     ps = [render(tok, p) for p in load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)[16:80]]
@@ -593,7 +593,7 @@ def test_a_decode_block_mask_reads_every_visible_key_and_skips_the_mask_only_whe
     """Eager flex attention (the CPU tests' kernel) ignores a block mask's sparsity, so the blocks are checked here
     against the mask itself: every key the mask shows a row lies in one of its blocks, and every key of a full
     block (read without the mask) is visible. Rows at a page's first and last position, across page ends."""
-    from target.batched import PagedKVCache
+    from engine.batched import PagedKVCache
 
     cache = PagedKVCache(1, 1, 4, rows=4, pages=16, max_len=64, dtype=torch.float32, device=torch.device("cpu"),
                          attention="flex", page=8)
@@ -626,7 +626,7 @@ def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees(with_
     query, so the kernel may skip the mask), none twice. With the rows' lengths, a block of padding only lists none
     and the others are as without. A fresh prefill (empty prefix), suffixes after a prefix mid-page and at a page's
     end, one padded past what its row holds; queries over three blocks, tables not in row order."""
-    from target.batched import FLEX_Q_BLOCK, PagedKVCache
+    from engine.batched import FLEX_Q_BLOCK, PagedKVCache
 
     cache = PagedKVCache(1, 1, 4, rows=4, pages=200, max_len=512, dtype=torch.float32, device=torch.device("cpu"),
                          attention="flex", page=8)
@@ -669,7 +669,7 @@ def test_a_block_sparse_flex_kernel_reads_the_suffix_mask_as_the_dense_mask_does
     the keys and values its padding writes)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from target.batched import FLEX_Q_BLOCK, PagedKVCache
+    from engine.batched import FLEX_Q_BLOCK, PagedKVCache
 
     torch.manual_seed(0)
     kv, d, heads = 1, 16, 2

@@ -5,7 +5,7 @@ SGLang captures the *output* of each listed layer id, which is HF ``hidden_state
 drafter trained on other layers than the server captures loses its acceptance without any error, so
 the ids are resolved once (``resolve_aux_layer_ids``) and every mismatch is an error. One exception
 is SGLang's own: its DeepSeek-family models (Kimi-K2 and K2.5 among them) read the ids differently
-(``sglang_captured_outputs``), and the target's forward (``target.hf_model.TargetModel.forward``) captures
+(``sglang_captured_outputs``), and the target's forward (``target_model.hf_model.TargetModel.forward``) captures
 what SGLang captures for the target's architecture. Pure: no torch, no model.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 class TargetError(ValueError):
     """A target setting that cannot work (aux layer ids, the target's name); raised here and in
-    ``target.hf_model``, whose message names the key."""
+    ``target_model.hf_model``, whose message names the key."""
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:

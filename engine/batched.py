@@ -38,9 +38,9 @@ from torch import Tensor
 from torch.nn.attention import sdpa_kernel
 
 from common.cli import exception_line
+from common.compile_guard import CompileSwitch, is_recompile_limit, no_float_symbols, no_uncompiled_fallback
 from common.queued_copy import queued_to_device
-from target.compile_guard import CompileSwitch, is_recompile_limit, no_float_symbols, no_uncompiled_fallback
-from target.hf_model import RIGHT_PADDED_SDPA
+from target_model.hf_model import RIGHT_PADDED_SDPA
 
 # Decoder layers shaped residual -> input_layernorm -> attention -> residual -> post_attention_layernorm
 # -> mlp, with q/k/v/o projections and a rotary table on the model (optionally per-head q/k norms).
@@ -237,7 +237,7 @@ class PagedKVCache:
             return
         if self.page_table.is_cuda and torch.cuda.is_current_stream_capturing():
             # Pageable host-to-device copies cannot be captured: a CUDA graph's owner flushes before capturing
-            # (target.decode_graphs), so a capture that gets here is a bug, named rather than a corrupt graph.
+            # (engine.decode_graphs), so a capture that gets here is a bug, named rather than a corrupt graph.
             raise RuntimeError("PagedKVCache.flush inside a CUDA graph capture: flush before capturing")
         dev = self.page_table.device
         if self._freed:
