@@ -55,7 +55,7 @@ def forward_by_way(target: TargetModel, way: str, aux_ids: tuple[int, ...]) -> C
 
     def without_cudnn(ids: torch.Tensor) -> Any:
         with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
-            return plain(ids) if way == "no_cudnn" else target_model.compiled_layers.run(lambda: plain(ids))
+            return plain(ids) if way == "no_cudnn" else target.compiled_layers.run(lambda: plain(ids))
 
     return plain if way == "cudnn_allowed" else without_cudnn
 
@@ -76,7 +76,7 @@ def measure(target: TargetModel, tokens: int, lengths: list[int], device: torch.
         out[way] = {"first_ms_median": round(statistics.median(first), 2),
                     "again_ms_median": round(statistics.median(again), 2),
                     "first_ms": first, "again_ms": again}
-    out["compiled_state"] = target_model.compiled_layers.state
+    out["compiled_state"] = target.compiled_layers.state
     out["again_speedup_compiled_over_no_cudnn"] = round(
         out["no_cudnn"]["again_ms_median"] / out["compiled"]["again_ms_median"], 3)
     return out

@@ -220,7 +220,7 @@ class CaptureBackend(Protocol):
 
 
 class CaptureTarget(Protocol):
-    """What capture needs of the target: ``target_model.hf_model.TargetModel`` (hf) or ``target_model.hf_index.IndexedTarget``."""
+    """What capture needs of the target: ``hf_model.TargetModel`` (hf) or ``hf_index.IndexedTarget`` (target_model)."""
 
     name: str
     tokenizer: Any

@@ -20,7 +20,8 @@ What SpecForge writes (read from SpecForge 0.2.0, the PyPI wheel = github.com/sg
   ``hidden_state`` (1, L, H) in the target's dtype.
 - ``aux_hidden_state``: SGLang's aux states for the capture layers, concatenated in layer order
   (``LogitsProcessor._get_hidden_states_to_store``, FULL capture mode), i.e. for the drafter's
-  ``eagle_aux_hidden_state_layer_ids`` exactly what SGLang serves it (``target_model.aux_layers.sglang_captured_outputs``).
+  ``eagle_aux_hidden_state_layer_ids`` exactly what SGLang serves it
+  (``target_model.aux_layers.sglang_captured_outputs``).
   SpecForge's layers (``specforge/algorithms/model_providers.py`` ``resolve_eagle_capture_layers``): the run's
   override, else the draft config's ids, else [1, N//2-1, N-4]. The files do not record them, so the config
   names them (target.aux_layer_ids or drafter.init_from).

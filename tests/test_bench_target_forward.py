@@ -24,7 +24,7 @@ def test_each_way_runs_as_named(bench_results: Path) -> None:
         seen.clear()
         outs[way] = target_forward.forward_by_way(target, way, (0, 1))(ids)
         assert seen == [way == "cudnn_allowed"], way
-    assert target_model.compiled_layers.compiled is not None  # the compiled way compiled the layers
+    assert target.compiled_layers.compiled is not None  # the compiled way compiled the layers
     for way in ("no_cudnn", "compiled"):
         torch.testing.assert_close(outs[way].aux, outs["cudnn_allowed"].aux, rtol=1e-4, atol=1e-4)
 
