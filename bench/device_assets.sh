@@ -10,6 +10,8 @@
 #   .gpu/peer        SpecForge's benchmark (../shared/peer-bench/bench_specforge.py)
 #   .gpu/prompts-mt  the shipped config's multi-turn prompts (`data_prep ingest`), gzipped, the source's answers
 #                    left empty (regeneration replaces them; the file shrinks from 24 MB to 6.5 MB gzipped)
+#   .gpu/prompts     the same prompts' first turns (data.max_turns=1), what the shipped drafter and peer-quality
+#                    train on
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -45,11 +47,14 @@ fi
 mkdir -p .gpu/peer
 cp ../shared/peer-bench/bench_specforge.py .gpu/peer/
 
-if [ ! -f .gpu/prompts-mt/prompts.jsonl.gz ]; then
+ingest() {  # ingest DEST [KEY=VALUE ...]: the shipped config's prompts, gzipped, the source's answers left empty
+  # (regeneration replaces them; the multi-turn file shrinks from 24 MB to 6.5 MB gzipped)
+  local dest=$1 run; shift
+  [ -f "$dest/prompts.jsonl.gz" ] && return
   run=$(mktemp -d)
-  $PY -m data_prep ingest --config "$CONFIG" --set run_dir="$run"
-  mkdir -p .gpu/prompts-mt
-  $PY - "$run/prompts.jsonl" .gpu/prompts-mt/prompts.jsonl.gz <<'EOF'
+  $PY -m data_prep ingest --config "$CONFIG" --set run_dir="$run" "${@/#/--set=}"
+  mkdir -p "$dest"
+  $PY - "$run/prompts.jsonl" "$dest/prompts.jsonl.gz" <<'EOF2'
 import gzip, json, os, sys
 src, dst = sys.argv[1], sys.argv[2]
 with open(src) as f, gzip.open(dst + ".part", "wt") as g:
@@ -60,7 +65,9 @@ with open(src) as f, gzip.open(dst + ".part", "wt") as g:
                 m["content"] = ""
         g.write(json.dumps(p, ensure_ascii=False) + "\n")
 os.replace(dst + ".part", dst)
-EOF
+EOF2
   rm -rf "$run"
-fi
+}
+ingest .gpu/prompts-mt
+ingest .gpu/prompts data.max_turns=1
 du -sh .whl .gpu/*

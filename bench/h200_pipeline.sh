@@ -50,6 +50,8 @@
 #                weights: needs no model)                          -> "prefill_step"
 #   loop-bench   bench/train_loop.py: the real loop (online, 60 steps; LOOP_ARGS adds options) against the bench
 #                step at the same drafter and tokens per step         -> "train_loop_smollm2"
+#   peer-quality bench/peer_quality.py: ours against SpecForge 0.2.0's trainer on the same batches, both measured
+#                by eval quality (PEER_ARGS, default one epoch)  -> "peer_quality"
 #   ablations    bench/ablations.py (one lever per row; keep.json; ABLATION_ARGS, default 3,000 conversations,
 #                200 steps)                                         -> "ablations"
 #   train        accelerate launch, 2 GPUs, online, with the overrides ablations kept (resumable; the deadline's
@@ -191,6 +193,10 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       # shellcheck disable=SC2086
       phase ablations python3 bench/ablations.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         ${ABLATION_ARGS:---samples 3000 --steps 200} ;;
+    peer-quality)  # ours against SpecForge's trainer on the same batches; rows kept as they land (a cut call resumes)
+      # shellcheck disable=SC2086
+      phase peer-quality python3 bench/peer_quality.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
+        --out runs/bench-peer ${PEER_ARGS:---epochs 1 --set train.save_every=100} ;;
     train)  # every visible GPU (accelerate DDP when there are several)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       if [ "$ngpu" -gt 1 ]; then
@@ -243,10 +249,12 @@ print(best['checkpoint'] if best else '')")
             | head -n 300; echo "--- the last 20 lines"; tr '\r' '\n' < "$r" | tail -n 20; } \
             > "$logs/regen-bench-$(basename "$(dirname "$r")").txt"
         done
-        for t in runs/bench-ablations/*/train.out; do  # long enough for a stalled row's stacks and process table
-          [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 400 > "$logs/train-$(basename "$(dirname "$t")").txt"
+        for t in runs/bench-ablations/*/train.out runs/bench-peer/*/train.out; do  # a stalled row's stacks fit
+          [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 400 \
+            > "$logs/train-$(basename "$(dirname "$(dirname "$t")")")-$(basename "$(dirname "$t")").txt"
         done
         cp runs/bench-ablations/row-*.json runs/bench-ablations/failed-*.json "$logs/" 2>/dev/null
+        for r in runs/bench-peer/row-*.json; do [ -f "$r" ] && cp "$r" "$logs/peer-$(basename "$r")"; done
         tar -czf "$OUT/logs.tar.gz" -C "$logs" .
         if [ -n "${OUT_CONVERSATIONS:-}" ] && [ -f $RUN/conversations.jsonl ]; then
           gzip -c $RUN/conversations.jsonl > "$OUT/conversations.jsonl.gz"

@@ -1,0 +1,150 @@
+"""Our trainer against SpecForge's on the same work: same conversations, target, aux layers, draft vocab, TTT length,
+batches and optimizer steps; both drafters measured by ``eval quality`` (k=3, T=0, every prompt).
+
+    python bench/peer_quality.py --config runs/smollm2-h200/config.yaml \
+        --conversations runs/smollm2-h200/conversations.jsonl --epochs 1
+
+Rows (--rows picks some):
+- ours: ``python -m train`` (the user's command, in its own process) on the config with --epochs;
+- specforge: SpecForge 0.2.0's training step on our batches with our recipe (our initial weights, lr, warm-up,
+  mask alignment): the trainer is the only difference (bench/peer_specforge.py);
+- specforge_shipped: SpecForge's step as it ships (random init, lr 1e-4, warm-up 1.5 %, its loss-mask offset).
+Every row trains in a process of its own (a data loader forked from a process holding a CUDA context can hang),
+then this process loads the target once and measures each drafter. A trained row is kept (<out>/<row>/), a
+measured one too (<out>/row-<name>.json): a rerun after a kill redoes only what was cut (our trainer resumes
+from its last checkpoint; a SpecForge row cut mid-training starts over). "peer_quality" in the results file is
+rewritten as each row is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import record  # noqa: E402
+from bench.runs import make_run, read_log, run, train_command  # noqa: E402
+from common.files import write_json_atomic  # noqa: E402
+
+ROWS = ("ours", "specforge", "specforge_shipped")
+RECIPE_OF = {"specforge": "ours", "specforge_shipped": "shipped"}
+DRAFTER = "drafter"  # a SpecForge row's saved drafter, under its row dir
+TRAINED = "trained.json"  # what a SpecForge row's training did, written after its drafter
+
+
+def row_config(args: argparse.Namespace, name: str) -> Path:
+    """The row's run config: the base config, online, with the schedule; nothing else changes between rows."""
+    schedule = [f"train.epochs={args.epochs}"] if args.steps is None else [f"train.max_steps={args.steps}"]
+    return make_run(args.config, args.out / name, args.conversations,
+                    ["train.source=online", *schedule, "tracking.report_to=none", *args.set])
+
+
+def train_row(args: argparse.Namespace, name: str) -> None:
+    """Train ``name`` unless it is done: ours through the user's command, SpecForge's through this script's
+    ``specforge`` subcommand, each in its own process."""
+    config, row_dir = row_config(args, name), args.out / name
+    if name == "ours":
+        run(train_command(config), log=row_dir / "train.out")  # resumes by itself; a finished run does nothing
+    elif not (row_dir / TRAINED).is_file():
+        run([sys.executable, str(Path(__file__).resolve()), "specforge", "--config", str(config), "--recipe",
+             RECIPE_OF[name], "--out", str(row_dir)], log=row_dir / "train.out")
+
+
+def cmd_specforge(args: argparse.Namespace) -> int:
+    """One SpecForge row's training (a process of its own)."""
+    from bench.peer_specforge import RECIPES, train
+    from common.config import load_config
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    done = train(load_config(args.config), RECIPES[args.recipe], args.out / DRAFTER, device)
+    write_json_atomic(args.out / TRAINED, done)
+    print(json.dumps(done), flush=True)
+    return 0
+
+
+def trained(row_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:
+    """The row's drafter to measure and what its training did. Ours: its last step's checkpoint (not the best by
+    held-out accept length: SpecForge's rows have no such choice)."""
+    if name != "ours":
+        return row_dir / DRAFTER, json.loads((row_dir / TRAINED).read_text())
+    from train.run_checkpoints import latest, read_trainer_state
+
+    ckpt = latest(row_dir / "checkpoints")
+    if ckpt is None:
+        raise RuntimeError(f"{row_dir / 'checkpoints'}: no complete checkpoint (see {row_dir / 'train.out'})")
+    position = read_trainer_state(ckpt)["position"]
+    log = read_log(row_dir)
+    losses = [r["loss"] for r in log if r.get("loss") is not None]
+    return ckpt, {"steps": position["step"], "tokens_seen": position["tokens_seen"],
+                  "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+
+
+def summary(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """The results object: each measured row, and whether every row saw the same tokens."""
+    seen = {r["training"]["tokens_seen"] for r in rows.values()}
+    return {"config": str(args.config), "conversations": str(args.conversations), "epochs": args.epochs,
+            "steps": args.steps, "k": 3, "temperature": 0.0, **rows, "tokens_seen": sorted(seen),
+            "tokens_seen_equal": len(seen) == 1, "rows_pending": [n for n in args.rows if n not in rows]}
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each trained row measured by ``eval quality``'s function (k=3, T=0, every prompt, fp32 target)."""
+    from eval.quality import quality, setup
+
+    cfg = target = prompts = None
+    rows: dict[str, dict[str, Any]] = {}
+    for name in args.rows:
+        kept = args.out / f"row-{name}.json"
+        if kept.is_file():
+            rows[name] = json.loads(kept.read_text())
+            continue
+        ckpt, training = trained(args.out / name, name)
+        if target is None:
+            cfg, target, prompts = setup(args.config, args.limit)
+        figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts)
+        rows[name] = {"checkpoint": str(ckpt), "training": training,
+                      **{ds: {key: figures[ds][key] for key in ("tau", "alpha", "prompts", "lossless_mismatches")}
+                         for ds in prompts}}
+        write_json_atomic(kept, rows[name])
+        record("peer_quality", summary(rows, args))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    sf = sub.add_parser("specforge", help="(internal) train one SpecForge row")
+    sf.add_argument("--config", type=Path, required=True)
+    sf.add_argument("--recipe", choices=["ours", "shipped"], required=True)
+    sf.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--config", type=Path)
+    ap.add_argument("--conversations", type=Path)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--steps", type=int, help="optimizer steps instead of --epochs (smoke runs)")
+    ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every row")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench-peer"))
+    ap.add_argument("--timing-prompts", type=int, default=4)
+    ap.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; figures are for all)")
+    args = ap.parse_args()
+    if args.cmd == "specforge":
+        return cmd_specforge(args)
+    if args.config is None or args.conversations is None:
+        ap.error("--config and --conversations are required")
+    for name in args.rows:
+        train_row(args, name)
+    torch.set_grad_enabled(False)
+    rows = measure(args)
+    for name, row in rows.items():
+        print(name, {ds: round(v["tau"], 3) for ds, v in row.items() if isinstance(v, dict) and "tau" in v})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
