@@ -19,7 +19,7 @@ from common.config import load_config
 from common.files import write_text_atomic
 from common.locking import run_lock
 from common.wheels import MissingWheelError
-from drafter.sglang_checkpoint import CheckpointError, check_checkpoint, nonfinite_tensors
+from drafter.sglang_checkpoint import check_checkpoint
 from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate
@@ -31,8 +31,6 @@ from eval.sglang_client import ServerError
 
 
 def _report_name(checkpoint: str, name: str | None) -> str:
-    if not Path(checkpoint).is_dir():
-        raise CheckpointError(f"{checkpoint}: no such checkpoint directory")
     return name or Path(checkpoint).resolve().name
 
 
@@ -40,8 +38,7 @@ def _report_name(checkpoint: str, name: str | None) -> str:
 def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (),
                 name: str | None = None, live: bool = False) -> int:
     """Speculative decoding on the eval datasets, against the HF target or (``live``) the eval.sglang servers;
-    the report only. NaN or inf weights are refused (nothing meaningful to measure); other layout problems are
-    warnings, since a legacy drafter (no aux ids in its config) is still worth measuring."""
+    the report only. A checkpoint that is not a readable, finite drafter is an error (``_measurable``)."""
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
@@ -55,13 +52,9 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
 
 
 def _measurable(checkpoint: str) -> None:
-    """Refuse NaN or inf weights (nothing meaningful to measure); warn about other layout problems."""
-    bad = nonfinite_tensors(checkpoint)
-    if bad:
-        raise CheckpointError(f"{checkpoint}: non-finite weights (NaN/inf) in {', '.join(bad)}; nothing to measure: "
-                              "pick an earlier checkpoint (training skips non-finite steps, so this one was "
-                              "damaged after it was saved)")
-    for problem in check_checkpoint(checkpoint, check_finite=False):
+    """Refuse what is not a readable, finite drafter checkpoint (``CheckpointError``: exit 2), before any target
+    is loaded; warn about what SGLang would serve wrongly (a legacy config is still worth measuring)."""
+    for problem in check_checkpoint(checkpoint):
         print(f"warning: {problem}", file=sys.stderr)
 
 

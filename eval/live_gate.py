@@ -21,8 +21,8 @@ on every gate dataset); the candidate ships only if it passes at every concurren
 baseline must not, all must serve one target, and a server must serve the checkpoint it is gated as.
 
 The gate's frame is the HF gate's (``eval.gate_flow.run_gate``), with this measurement: the whole gate holds the
-promotions lock after ``reconcile``, the report is saved, then the decision record is appended (for a promotion,
-before ``promoted`` switches to its immutable copy), then the decision is printed.
+promotions lock after ``reconcile``, the decision record is appended (for a promotion, before ``promoted`` switches
+to its immutable copy), then the report is saved and the decision printed.
 """
 
 from __future__ import annotations

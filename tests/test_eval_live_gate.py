@@ -188,8 +188,9 @@ def test_live_gate_promotes_k25_drafter_over_k2_drafter(tmp_path, serve, ckpts):
 
 
 def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatch, capsys):
-    """The live gate promotes as the HF gate does: report saved, then the record (fsynced), then ``promoted``
-    switched to an immutable copy; a kill between the last two is finished by the next gate, which does not
+    """The live gate promotes as the HF gate does: the record (fsynced), then ``promoted`` switched to an immutable
+    copy, and only then the report's "promoted" and the printed PROMOTED, so a kill before the switch leaves no
+    output claiming a promotion while the old drafter serves. The next gate finishes the switch and does not
     measure a drafter that is already serving; a second gate fails at once on the promotions lock."""
     urls = three_servers(serve, ckpts, CAND_GOOD, INC_K2)
     cand, _, _ = urls.pop("_servers")
@@ -201,10 +202,11 @@ def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatc
         raise KeyboardInterrupt("killed before the switch")
 
     monkeypatch.setattr(gate_module, "_switch", killed)
+    capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):
         live_gate(cfg, k25, None, True, "k25", prompts=PROMPTS)
-    report = json.loads((tmp_path / "run" / "eval" / "k25" / "report.json").read_text())
-    assert report["gate"]["decision"] == "promoted"  # saved first
+    assert not (tmp_path / "run" / "eval" / "k25" / "report.json").exists()  # no "promoted" before the switch
+    assert "PROMOTED" not in capsys.readouterr().out
     assert [(r["decision"], r["fingerprint"], r["mode"]) for r in read_history(history)] == [("promoted", fp, "live")]
     assert not promoted.exists()  # the record is on disk, the switch never happened
     monkeypatch.undo()
