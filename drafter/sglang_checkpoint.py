@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
-from common.files import fresh_tmp_dir, swap_dir
+from common.files import fresh_tmp_dir, json_text, named_errors, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
 from target_model.aux_layers import ascending_problem
@@ -241,19 +244,36 @@ def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfl
         raise ValueError(f"save dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPE_NAMES)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fresh_tmp_dir(out_dir)
     float_dtype = torch_dtype(dtype)
     state, own = {}, {**model.state_dict(), "fc.weight": model.servable_fc_weight()}
     for name, (_, kind) in expected_tensors(model.shape).items():
         t = own[name].detach().cpu()
         state[name] = t.to(float_dtype) if kind == "float" else t.to(torch.int64 if kind == "int64" else torch.bool)
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     cfg = hf_config(model.shape, getattr(model, "hf_config_extra", None), dtype)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    swap_dir(tmp, out_dir)
+    files = {"config.json": json_text(cfg, indent=2, sort_keys=True) + "\n", **(extra_files or {})}
+    tmp = fresh_tmp_dir(out_dir)
+    try:
+        _save_weights({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, out_dir / WEIGHTS_NAME)
+        for name, text in files.items():
+            with named_errors(out_dir / name):
+                (tmp / name).write_text(text)
+        swap_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk's partial copy would hold the space a rerun needs
+        raise
     return out_dir
+
+
+def _save_weights(state: dict[str, torch.Tensor], path: Path, name: Path) -> None:
+    """safetensors' save_file, whose failed write (a full disk) is an OSError naming ``name``: safetensors raises
+    its own error type for it, with the errno only in its text."""
+    try:
+        save_file(state, path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(name)) from None
 
 
 def fingerprint(ckpt_dir: str | Path) -> str:

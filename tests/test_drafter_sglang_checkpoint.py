@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
@@ -137,6 +137,28 @@ def test_save_replaces_an_existing_checkpoint_whole(tmp_path: Path, tiny_drafter
 
 
 # -- the key table SGLang reads --------------------------------------------------------------------
+def test_a_full_disk_names_the_checkpoint_file_and_leaves_no_temp_dir(tmp_path: Path, tiny_drafter: Eagle3Drafter,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors reports a full disk as its own error type, errno only in its text: an OSError naming the file
+    comes out (one line, exit 2, not a crash), and the half-written temp dir is gone (it would hold the space the
+    rerun needs); an old checkpoint there stays whole."""
+    import drafter.sglang_checkpoint as ckpt_module
+
+    old = save_checkpoint(tiny_drafter, tmp_path / "ckpts" / "best", dtype="float32")
+    before = (old / "model.safetensors").read_bytes()
+
+    def full(_state, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt_module, "save_file", full)
+    with pytest.raises(OSError) as e:
+        save_checkpoint(tiny_drafter, old, dtype="float32")
+    assert e.value.errno == 28 and e.value.filename == str(old / "model.safetensors")
+    assert sorted(p.name for p in old.parent.iterdir()) == ["best"]
+    assert (old / "model.safetensors").read_bytes() == before
+
+
 def test_smollm2_shaped_checkpoint_has_exactly_sglangs_tensors(tmp_path: Path) -> None:
     shape = DrafterShape(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, vocab_size=49152, draft_vocab_size=8192, aux_layer_ids=(2, 15, 27),

@@ -53,6 +53,14 @@ def test_history_appends_whole_lines(tmp_path):
     assert [r["decision"] for r in rows] == ["rejected", "promoted"] and all("time" in r for r in rows)
 
 
+def test_history_is_strict_json_with_null_for_a_non_finite_figure(tmp_path):
+    """An alpha of a dataset without cycles is NaN: the record holds null, which jq and JSON.parse read."""
+    h = tmp_path / "promotions.jsonl"
+    append_history(h, {"decision": "rejected", "alpha": {"mtbench": [float("nan"), 0.5]}, "tau_star": float("inf")})
+    row = json.loads(h.read_text(), parse_constant=pytest.fail)
+    assert row["alpha"] == {"mtbench": [None, 0.5]} and row["tau_star"] is None
+
+
 def write_config(tmp_path: Path, tracking: dict | None = None, **eval_extra) -> Path:
     cfg = {"run_dir": str(tmp_path / "run"), "tracking": tracking or {},
            "target": {"name": "smollm2-135m-instruct", "device": "cpu", "aux_layer_ids": [2, 15, 27]},

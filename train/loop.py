@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from common.cli import StopRequest, one_line_errors, stop_on_sigterm
 from common.config import dump_config, load_config
-from common.files import remove_temps, write_text_atomic
+from common.files import json_text, named_errors, remove_temps, write_text_atomic
 from common.locking import run_lock
 from common.queued_copy import queued_to_device, queued_to_host
 from common.step_clock import StepClock
@@ -78,8 +78,8 @@ class JsonlLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with named_errors(self.path), open(self.path, "a") as f:
+                f.write(json_text(record) + "\n")
 
 
 def pad_multiple(device: torch.device) -> int:
