@@ -298,6 +298,19 @@ def test_cli_exit_codes_and_server_checks(tmp_path, serve, ckpts):
         measure_live(parse_config(cfg_tree(tmp_path, bad)), PROMPTS, {})
 
 
+def test_the_production_gate_on_a_machine_without_the_target_says_so(tmp_path, ckpts, capsys):
+    """The README's production gate (configs/kimi-k25-from-k2.yaml) where target.name, a local path, does not exist
+    yet: one line naming the key and the fix, not the hub's "Repo id must be in the form ..."; nothing recorded."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "kimi-k25-from-k2.yaml"
+    target = f"{tmp_path}/models/moonshotai/Kimi-K2.5"
+    overrides = [f"run_dir={tmp_path / 'run'}", f"target.name={target}", f"gate.promoted_dir={tmp_path / 'promoted'}",
+                 f"gate.history_file={tmp_path / 'promotions.jsonl'}"]
+    assert gate_command(config, ckpts["Kimi-K25-eagle3"], overrides, live=True) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: target.name: no such directory {target}; point it at the local checkpoint"]
+    assert not (tmp_path / "promotions.jsonl").exists()
+
+
 def test_without_baseline_the_configured_timings_for_the_served_k(tmp_path, serve, ckpts):
     """Older servers: /get_server_info, spec_accept_histogram, no first_token_latency; t_decode and t_cycle from
     eval.timings at the k the server runs."""
