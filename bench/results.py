@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.files import write_text_atomic
+from common.files import json_text, write_text_atomic
 
 RESULTS = Path(__file__).resolve().with_name("results.json")
 # Smoke runs (CI, a CPU dry run) point this elsewhere so that only real measurements land in the file.
@@ -61,5 +61,5 @@ def record(name: str, figures: dict[str, Any], command: str | None = None, merge
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[name] = (data.get(name, {}) | entry) if merge else entry
-        write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        write_text_atomic(path, json_text(data, indent=2, sort_keys=True) + "\n")
     print(f"{path}: {name} = {json.dumps(figures)}")

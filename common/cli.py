@@ -4,7 +4,7 @@ entry point goes through ``one_line_errors`` and a crash is 2 like any other err
 
 Our own errors are ``ValueError`` subclasses whose message is ready to show; an ``OSError`` (no permission,
 a read-only or full disk) becomes one line naming the file and the fix; anything else is a bug: its
-traceback is printed, then the same one-line error, exit 2.
+traceback is printed, then the same one-line error, exit 2 (so is an OSError that names no file).
 """
 
 from __future__ import annotations
@@ -67,11 +67,14 @@ def exit_reason(returncode: int, causes: Mapping[int, str] | None = None) -> str
 
 
 def os_error_line(e: OSError) -> str:
-    """``path: what happened; what to do`` for an OSError."""
-    where = e.filename if e.filename is not None else "?"
-    if e.filename2 is not None:
-        where = f"{where} -> {e.filename2}"
-    return f"{where}: {_OS_HINTS.get(e.errno or 0, e.strerror or str(e))}"
+    """``path: what happened; what to do`` for an OSError. Our writers name their file in every OSError
+    (``common.files.named_errors``); one that still names none is a writer that forgot, so the line points at the
+    traceback ``one_line_errors`` prints before it."""
+    what = _OS_HINTS.get(e.errno or 0, e.strerror or str(e))
+    if e.filename is None:
+        return f"{what} (no file named: the traceback above says where)"
+    where = str(e.filename) if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+    return f"{where}: {what}"
 
 
 def stacks_on_signal(signum: int = signal.SIGUSR1) -> None:
@@ -126,6 +129,13 @@ def exception_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
+def trace_unnamed(e: BaseException) -> None:
+    """In an except block, before ``error_line(e)``: the traceback of an OSError that names no file, which its
+    error line then points at (the only place that says where it happened)."""
+    if isinstance(e, OSError) and not isinstance(e, ValueError) and e.filename is None:
+        traceback.print_exc()
+
+
 def error_line(e: BaseException) -> str:
     if isinstance(e, OSError) and not isinstance(e, ValueError):
         return os_error_line(e)
@@ -142,6 +152,7 @@ def one_line_errors(*ours: type[Exception], prefix: str = "error") -> Callable[[
             try:
                 return command(*args, **kwargs)
             except (ValueError, OSError, *ours) as e:
+                trace_unnamed(e)
                 message = error_line(e)
             except Exception as e:  # a bug: show where, and still exit as an error, not as "rejected"
                 traceback.print_exc()

@@ -9,10 +9,13 @@ import ctypes
 import errno
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,39 +49,78 @@ def remove_temps(directory: Path, of: str | None = None) -> list[Path]:
     return removed
 
 
+@contextmanager
+def named_errors(path: str | Path) -> Iterator[None]:
+    """An OSError raised inside without a file name gets ``path``: a write, flush or fsync that fails (a full disk)
+    names no file, and its error line (``common.cli.os_error_line``) must say which one it was."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
 def fsync_dir(directory: Path) -> None:
     """Put a directory's entries (a rename, a new file) on disk: a file's own fsync does not."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        with named_errors(directory):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp file beside ``path``, fsync, rename over it."""
+    """Write to a temp file beside ``path``, fsync, rename over it. A failed write (a full disk) removes its temp
+    file, which would otherwise hold the space a rerun needs, and names ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with named_errors(path), open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def json_safe(x: Any) -> Any:
+    """``x`` with every NaN or inf float replaced by None (tuples become lists, as JSON has them)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def json_text(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` for everything the project writes for machines: a NaN or inf (an alpha of a dataset without
+    cycles, a mean over nothing) becomes null, since strict readers (jq, JSON.parse) reject the bare ``NaN`` and
+    ``Infinity`` that json.dumps writes. The common, finite case costs one dumps."""
+    try:
+        return json.dumps(obj, allow_nan=False, **kwargs)
+    except ValueError:
+        return json.dumps(json_safe(obj), allow_nan=False, **kwargs)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Indented, sorted keys: the same object always gives the same bytes (a resumed capture's manifest
-    is byte-identical to an uninterrupted one's)."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+    """Sorted keys: the same object always gives the same bytes (a resumed capture's manifest is byte-identical
+    to an uninterrupted one's)."""
+    write_bytes_atomic(path, (json_text(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def json_line(record: dict[str, Any], sort_keys: bool = False) -> str:
     """One JSONL line (UTF-8 text kept readable) that every line splitter sees as exactly one line."""
-    return json.dumps(record, ensure_ascii=False, sort_keys=sort_keys).translate(_LINE_BREAKS) + "\n"
+    return json_text(record, ensure_ascii=False, sort_keys=sort_keys).translate(_LINE_BREAKS) + "\n"
 
 
 def write_jsonl_atomic(path: Path, records: list[dict[str, Any]]) -> None:
@@ -89,8 +131,9 @@ def append_jsonl(f: IO[bytes], record: dict[str, Any], sort_keys: bool = False) 
     """Append ``record`` as one whole line and put it on disk before returning (``f`` is opened "ab"):
     a kill leaves at most a torn last line, which readers drop, never a lost or half-written record
     before it."""
-    _append_line(f, record, sort_keys)
-    os.fsync(f.fileno())
+    with named_errors(f.name):
+        _append_line(f, record, sort_keys)
+        os.fsync(f.fileno())
 
 
 class JsonlAppender:
@@ -108,7 +151,8 @@ class JsonlAppender:
 
     def append(self, record: dict[str, Any], sort_keys: bool = False) -> None:
         start = time.perf_counter()
-        _append_line(self.f, record, sort_keys)
+        with named_errors(self.f.name):
+            _append_line(self.f, record, sort_keys)
         self.unsynced += 1
         if self.clock() - self.last_sync >= self.every:
             self.sync()
@@ -116,7 +160,8 @@ class JsonlAppender:
 
     def sync(self) -> None:
         if self.unsynced:
-            os.fsync(self.f.fileno())
+            with named_errors(self.f.name):
+                os.fsync(self.f.fileno())
             self.unsynced = 0
         self.last_sync = self.clock()
 
@@ -145,7 +190,7 @@ def swap_dir(tmp: Path, dst: Path) -> None:
 
 def copy_file_durable(src: Path, dst: Path) -> None:
     """Copy bytes and fsync them (a plain copy may sit in the page cache when the machine dies)."""
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
+    with named_errors(dst), open(src, "rb") as fin, open(dst, "wb") as fout:
         shutil.copyfileobj(fin, fout, 1 << 22)
         fout.flush()
         os.fsync(fout.fileno())
@@ -185,7 +230,7 @@ def cut_torn_tail(path: Path) -> int:
     cut. An append after a torn tail would otherwise glue the new record onto the torn one."""
     if not path.exists():
         return 0
-    with open(path, "rb+") as f:
+    with named_errors(path), open(path, "rb+") as f:
         data = f.read()
         keep = data.rfind(b"\n") + 1
         if keep < len(data):

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from common import parent_death
+from common.files import named_errors
 
 LOCK_NAME = ".lock"
 HOLDER_ENV = "EAGLE3_LOCK_HOLDER"
@@ -91,8 +92,9 @@ def run_lock(directory: str | Path, what: str, main_process: bool = True) -> Ite
         except BlockingIOError:
             raise LockBusy(f"{path.parent} is in use by pid {_holder_pid(path)} (lock {path}); wait for it to "
                            f"finish or stop it, then rerun (every stage resumes)") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {what}\n".encode())
+        with named_errors(path):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {what}\n".encode())
         yield path
     finally:
         os.close(fd)  # closing drops the flock

@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
-from common.files import JsonlAppender, cut_torn_tail, write_json_atomic
+from common.files import JsonlAppender, cut_torn_tail, named_errors, write_json_atomic
 from common.percentiles import percentiles
 from common.process_clock import process_age_s
 from common.stack_sampler import StackSampler
@@ -583,7 +583,7 @@ def merge_parts(out: Path) -> int:
         return 0
     done, _ = resume(out)
     added = 0
-    with open(out, "ab") as f:
+    with named_errors(out), open(out, "ab") as f:
         for part in parts:
             resume(part)  # drops a torn last line
             for line in part.read_bytes().splitlines(keepends=True):

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from common import redact
-from common.cli import EXIT_ERROR, EXIT_OK, error_line, one_line_errors
+from common.cli import EXIT_ERROR, EXIT_OK, error_line, one_line_errors, trace_unnamed
 from common.config import ConfigError, RunConfig, load_config
 from common.files import write_json_atomic
 from common.locking import run_lock
@@ -71,6 +71,7 @@ def _run_steps(cfg: RunConfig, steps: Sequence[str]) -> int:
                 print(f"data_prep {name}: error: {e}", file=sys.stderr)
                 return EXIT_ERROR
             except (ValueError, OSError, MissingWheelError) as e:  # ours carry a ready message
+                trace_unnamed(e)
                 print(f"data_prep {name}: error: {error_line(e)}", file=sys.stderr)
                 return EXIT_ERROR
             print(summary)

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from common.files import sha256_file, temp_path, write_json_atomic
+from common.files import named_errors, sha256_file, temp_path, write_json_atomic
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -71,26 +71,38 @@ class ShardWriter:
         raw += b" " * (-len(raw) % 8)
         self.data_start = 8 + len(raw)
         self.file = open(self.tmp, "wb")
-        self.file.write(len(raw).to_bytes(8, "little") + raw)
-        self.file.truncate(self.data_start + pos)
+        try:
+            with named_errors(self.path):
+                self.file.write(len(raw).to_bytes(8, "little") + raw)
+                self.file.truncate(self.data_start + pos)
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, name: str, row: int, tensor: torch.Tensor) -> None:
         start, row_bytes = self.layout[name]
-        self.file.seek(self.data_start + start + row * row_bytes)
-        self.file.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
+        with named_errors(self.path):  # a full disk's write names no file
+            self.file.seek(self.data_start + start + row * row_bytes)
+            self.file.write(tensor.detach().cpu().contiguous().view(torch.uint8).numpy())
 
     def finish(self) -> str:
         """fsync, rename into place; returns the file's sha256."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        with named_errors(self.path):
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
         digest = sha256_file(self.tmp)
         os.replace(self.tmp, self.path)
         return digest
 
     def abort(self) -> None:
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
+        """Close and delete the temp file; its close may fail too (a full disk refuses the buffered rest)."""
+        try:
+            self.file.close()
+        except OSError:
+            pass
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 def read_manifest(store_dir: str | Path, require_complete: bool = True) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """`python -m drafter check DIR [DIR ...]`: validate checkpoint dirs against SGLang's layout.
 
-Exit 0: every dir is servable; 1: some are not (every reason printed); 2: a dir could not be checked at all
-(one line on stderr naming it), as every command exits on an error (``common.cli``).
+Exit 0: every dir is servable; 1: some are readable drafters SGLang would serve wrongly (every reason printed);
+2: a dir is not a readable, finite drafter checkpoint at all (missing, no config.json, damaged or non-finite
+weights, tensors missing or unknown: ``CheckpointError``), one line on stderr naming the file, as every command
+exits on an error (``common.cli``).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli import EXIT_OK, EXIT_REJECTED, error_line, one_line_errors
+from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
 from drafter.sglang_checkpoint import CheckpointError, check_checkpoint
 
 
@@ -23,10 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     failed = False
     for d in args.dirs:
-        try:
-            problems = check_checkpoint(d, check_finite=not args.no_finite)
-        except (ValueError, OSError) as e:  # what the checker could not read, as opposed to what it found wrong
-            raise CheckpointError(f"{d}: cannot be checked ({error_line(e)})") from None
+        problems = check_checkpoint(d, check_finite=not args.no_finite)
         if problems:
             failed = True
             print(f"FAIL {d}")

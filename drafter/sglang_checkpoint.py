@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
-from common.files import fresh_tmp_dir, swap_dir
+from common.files import fresh_tmp_dir, json_text, named_errors, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
 from target_model.aux_layers import ascending_problem
@@ -31,7 +34,13 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be read; the message names the directory and what is wrong."""
+    """A directory that is not a readable, finite drafter checkpoint: an error (exit 2) at every entry point, never
+    a rejection (exit 1, which the gate records in the promotion history). The message names the file, what is
+    wrong and what to do."""
+
+
+# What to do about a damaged checkpoint, the end of each CheckpointError about one.
+_REDO = "copy or save it again, or point at another checkpoint"
 
 
 def expected_tensors(s: DrafterShape) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -124,13 +133,28 @@ def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = Non
 
 
 def read_config(ckpt_dir: str | Path) -> dict:
-    path = Path(ckpt_dir) / "config.json"
+    """The checkpoint's config.json as a dict; CheckpointError when the directory or the file is missing or the
+    file is not a UTF-8 JSON object."""
+    d = Path(ckpt_dir)
+    if not d.is_dir():
+        what = "not a directory" if d.exists() else "no such directory"
+        raise CheckpointError(f"{d}: {what}; a drafter checkpoint is a directory holding config.json and "
+                              f"{WEIGHTS_NAME}: check the path")
+    path = d / "config.json"
     if not path.is_file():
-        raise CheckpointError(f"{ckpt_dir}: no config.json (not a drafter checkpoint directory)")
+        raise CheckpointError(f"{path}: missing, so {d} is not a drafter checkpoint; point at one (a directory "
+                              f"holding config.json and {WEIGHTS_NAME}, such as checkpoints/best)")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); {_REDO}") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {_REDO}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror}); make it readable, or {_REDO}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: a JSON {type(cfg).__name__}, not an object; {_REDO}")
+    return cfg
 
 
 @contextmanager
@@ -141,7 +165,7 @@ def open_weights(path: Path) -> Iterator[Any]:
             yield f
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{path}: unreadable safetensors file ({e}); the checkpoint is damaged (a truncated "
-                              "copy?): copy or save it again, or pick another") from None
+                              f"copy?): {_REDO}") from None
 
 
 def weight_files(ckpt_dir: str | Path) -> dict[str, Path]:
@@ -152,9 +176,10 @@ def weight_files(ckpt_dir: str | Path) -> dict[str, Path]:
             index = json.loads((d / INDEX_NAME).read_text())
             return {name: d / f for name, f in index["weight_map"].items()}
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{d / INDEX_NAME}: not a safetensors index ({type(e).__name__}: {e})") from None
+            raise CheckpointError(f"{d / INDEX_NAME}: not a safetensors index ({type(e).__name__}: {e}); "
+                                  f"{_REDO}") from None
     if not (d / WEIGHTS_NAME).is_file():
-        raise CheckpointError(f"{d}: no {WEIGHTS_NAME} or {INDEX_NAME}")
+        raise CheckpointError(f"{d / WEIGHTS_NAME}: missing (and no {INDEX_NAME} either); {_REDO}")
     with open_weights(d / WEIGHTS_NAME) as f:
         return {name: d / WEIGHTS_NAME for name in f.keys()}
 
@@ -195,13 +220,7 @@ def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
     cfg = read_config(ckpt_dir)
     shape = shape_from_config(cfg, f"{ckpt_dir}/config.json", num_target_layers)
     wanted = expected_tensors(shape)
-    infos = tensor_infos(ckpt_dir)
-    missing = sorted(set(wanted) - set(infos))
-    if missing:
-        raise CheckpointError(f"{ckpt_dir}: missing tensors {missing}")
-    for name, (shp, _) in wanted.items():
-        if infos[name].shape != shp:
-            raise CheckpointError(f"{ckpt_dir}: {name} has shape {infos[name].shape}, expected {shp}")
+    require_layout(ckpt_dir, shape, tensor_infos(ckpt_dir), strict=False)
     # Built on the meta device and then allocated without random init: at the K2 shape the drafter holds
     # 2.4 B parameters (the frozen 163840 x 7168 embedding included) that the file overwrites anyway.
     with torch.device("meta"):
@@ -225,19 +244,36 @@ def save_checkpoint(model: Eagle3Drafter, out_dir: str | Path, dtype: str = "bfl
         raise ValueError(f"save dtype {dtype!r}: expected one of {sorted(FLOAT_DTYPE_NAMES)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fresh_tmp_dir(out_dir)
     float_dtype = torch_dtype(dtype)
     state, own = {}, {**model.state_dict(), "fc.weight": model.servable_fc_weight()}
     for name, (_, kind) in expected_tensors(model.shape).items():
         t = own[name].detach().cpu()
         state[name] = t.to(float_dtype) if kind == "float" else t.to(torch.int64 if kind == "int64" else torch.bool)
-    save_file({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     cfg = hf_config(model.shape, getattr(model, "hf_config_extra", None), dtype)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    swap_dir(tmp, out_dir)
+    files = {"config.json": json_text(cfg, indent=2, sort_keys=True) + "\n", **(extra_files or {})}
+    tmp = fresh_tmp_dir(out_dir)
+    try:
+        _save_weights({k: v.contiguous() for k, v in state.items()}, tmp / WEIGHTS_NAME, out_dir / WEIGHTS_NAME)
+        for name, text in files.items():
+            with named_errors(out_dir / name):
+                (tmp / name).write_text(text)
+        swap_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk's partial copy would hold the space a rerun needs
+        raise
     return out_dir
+
+
+def _save_weights(state: dict[str, torch.Tensor], path: Path, name: Path) -> None:
+    """safetensors' save_file, whose failed write (a full disk) is an OSError naming ``name``: safetensors raises
+    its own error type for it, with the errno only in its text."""
+    try:
+        save_file(state, path, metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(name)) from None
 
 
 def fingerprint(ckpt_dir: str | Path) -> str:
@@ -269,33 +305,54 @@ def _config_problems(cfg: dict, where: str) -> list[str]:
     return p
 
 
+def weights_path(ckpt_dir: str | Path) -> Path:
+    """The file an error about the weights names: the shard index of a sharded checkpoint, else model.safetensors."""
+    d = Path(ckpt_dir)
+    return d / INDEX_NAME if (d / INDEX_NAME).is_file() else d / WEIGHTS_NAME
+
+
+def require_layout(ckpt_dir: str | Path, shape: DrafterShape, infos: dict[str, TensorInfo],
+                   strict: bool = True) -> None:
+    """CheckpointError unless the weights hold every tensor the config's shape needs, at its shape (and, when
+    ``strict``, nothing else: SGLang silently skips a name it does not know, so a renamed weight would serve
+    randomly initialised). ``load_checkpoint`` is not strict: it ignores a shipped embed_tokens, as SGLang does."""
+    wanted = expected_tensors(shape)
+    wrong = [f"missing tensor {name}" for name in sorted(set(wanted) - set(infos))]
+    if strict:
+        wrong += [f"unexpected tensor {name}" for name in sorted(set(infos) - set(wanted))]
+    wrong += [f"{name} has shape {list(infos[name].shape)}, expected {list(shp)}"
+              for name, (shp, _) in wanted.items() if name in infos and infos[name].shape != shp]
+    if wrong:
+        raise CheckpointError(f"{weights_path(ckpt_dir)}: {', '.join(wrong)} (for the shape in config.json); "
+                              f"{_REDO}")
+
+
+def require_finite(ckpt_dir: str | Path) -> None:
+    """CheckpointError when a float tensor holds NaN or inf: nothing meaningful to measure or serve."""
+    bad = nonfinite_tensors(ckpt_dir)
+    if bad:
+        raise CheckpointError(f"{weights_path(ckpt_dir)}: non-finite weights (NaN/inf) in {', '.join(bad)}; pick an "
+                              "earlier checkpoint (training skips non-finite steps, so this one was damaged after "
+                              "it was saved)")
+
+
 def check_checkpoint(ckpt_dir: str | Path, check_finite: bool = True) -> list[str]:
-    """Every reason SGLang would fail to serve ``ckpt_dir`` faithfully; empty when it is fine."""
-    try:
-        cfg = read_config(ckpt_dir)
-    except CheckpointError as e:
-        return [str(e)]
+    """Every reason SGLang would serve the drafter at ``ckpt_dir`` wrongly (its config, dtypes, vocab map): a
+    drafter the gate rejects; empty when it is fine. CheckpointError (an error, not a rejection) when
+    ``ckpt_dir`` is not a readable drafter checkpoint at all: no config, unreadable weights, tensors missing,
+    unknown or of the wrong shape, and (``check_finite``) NaN or inf weights."""
+    cfg = read_config(ckpt_dir)
     where = f"{ckpt_dir}/config.json"
     problems = _config_problems(cfg, where)
-    try:
-        shape = shape_from_config(cfg, where, num_target_layers=None)
-        infos = tensor_infos(ckpt_dir)
-    except (CheckpointError, OSError, json.JSONDecodeError) as e:
-        return problems + [str(e)]
-    except Exception as e:  # a corrupt safetensors header raises the library's own error types
-        return problems + [f"{ckpt_dir}: unreadable weights ({type(e).__name__}: {e})"]
-    wanted = expected_tensors(shape)
-    for name in sorted(set(wanted) - set(infos)):
-        problems.append(f"{ckpt_dir}: missing tensor {name}")
-    for name in sorted(set(infos) - set(wanted)):
-        problems.append(f"{ckpt_dir}: unexpected tensor {name} (SGLang would silently skip it)")
+    # The aux layer ids shape no tensor: a legacy config without them (reported above) is checked all the same.
+    shape = shape_from_config(cfg, where, num_target_layers=0)
+    infos = tensor_infos(ckpt_dir)
+    require_layout(ckpt_dir, shape, infos)
+    if check_finite:
+        require_finite(ckpt_dir)
     float_dtypes = set()
-    for name, (shp, kind) in wanted.items():
-        info = infos.get(name)
-        if info is None:
-            continue
-        if info.shape != shp:
-            problems.append(f"{ckpt_dir}: {name} has shape {list(info.shape)}, expected {list(shp)}")
+    for name, (_, kind) in expected_tensors(shape).items():
+        info = infos[name]
         want = {"int64": {"I64"}, "bool": {"BOOL"}, "float": {"BF16", "F16", "F32"}}[kind]
         if info.dtype not in want:
             problems.append(f"{ckpt_dir}: {name} has dtype {info.dtype}, expected one of {sorted(want)}")
@@ -306,10 +363,7 @@ def check_checkpoint(ckpt_dir: str | Path, check_finite: bool = True) -> list[st
     if problems:
         return problems
     vocab = load_tensors(ckpt_dir, ["d2t", "t2d"])
-    problems += [f"{ckpt_dir}: {m}" for m in vocab_map_problems(vocab["d2t"], vocab["t2d"])]
-    if check_finite:
-        problems += [f"{ckpt_dir}: {name} holds non-finite values" for name in nonfinite_tensors(ckpt_dir)]
-    return problems
+    return [f"{ckpt_dir}: {m}" for m in vocab_map_problems(vocab["d2t"], vocab["t2d"])]
 
 
 def nonfinite_tensors(ckpt_dir: str | Path) -> list[str]:

@@ -8,7 +8,6 @@ too, never 1. ``run``, ``gate`` (``--live`` too), ``quality`` and ``sweep --conf
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -16,23 +15,20 @@ from pathlib import Path
 
 from common.cli import EXIT_OK, EXIT_REJECTED, one_line_errors
 from common.config import load_config
-from common.files import write_text_atomic
+from common.files import json_text, write_text_atomic
 from common.locking import run_lock
 from common.wheels import MissingWheelError
-from drafter.sglang_checkpoint import CheckpointError, check_checkpoint, nonfinite_tensors
+from drafter.sglang_checkpoint import check_checkpoint
 from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate
 from eval.live_gate import live_gate, live_prompts, run_live
 from eval.quality import DEFAULT_SETTINGS, parse_settings, quality, quality_config, target_and_prompts
-from eval.report import json_safe
 from eval.serving_sweep import SweepError, markdown, measure_table, read_table, recommend, write_sweep
 from eval.sglang_client import ServerError
 
 
 def _report_name(checkpoint: str, name: str | None) -> str:
-    if not Path(checkpoint).is_dir():
-        raise CheckpointError(f"{checkpoint}: no such checkpoint directory")
     return name or Path(checkpoint).resolve().name
 
 
@@ -40,8 +36,7 @@ def _report_name(checkpoint: str, name: str | None) -> str:
 def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (),
                 name: str | None = None, live: bool = False) -> int:
     """Speculative decoding on the eval datasets, against the HF target or (``live``) the eval.sglang servers;
-    the report only. NaN or inf weights are refused (nothing meaningful to measure); other layout problems are
-    warnings, since a legacy drafter (no aux ids in its config) is still worth measuring."""
+    the report only. A checkpoint that is not a readable, finite drafter is an error (``_measurable``)."""
     cfg = load_config(config, list(overrides))
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
@@ -55,13 +50,9 @@ def run_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[
 
 
 def _measurable(checkpoint: str) -> None:
-    """Refuse NaN or inf weights (nothing meaningful to measure); warn about other layout problems."""
-    bad = nonfinite_tensors(checkpoint)
-    if bad:
-        raise CheckpointError(f"{checkpoint}: non-finite weights (NaN/inf) in {', '.join(bad)}; nothing to measure: "
-                              "pick an earlier checkpoint (training skips non-finite steps, so this one was "
-                              "damaged after it was saved)")
-    for problem in check_checkpoint(checkpoint, check_finite=False):
+    """Refuse what is not a readable, finite drafter checkpoint (``CheckpointError``: exit 2), before any target
+    is loaded; warn about what SGLang would serve wrongly (a legacy config is still worth measuring)."""
+    for problem in check_checkpoint(checkpoint):
         print(f"warning: {problem}", file=sys.stderr)
 
 
@@ -82,8 +73,8 @@ def quality_command(config: str | Path, checkpoint: str | Path, overrides: Seque
         figures = quality(cfg, target, prompts, checkpoint, pairs, timing_prompts)
         out = cfg.eval_dir / report_name / "quality.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out, json.dumps(json_safe(figures), indent=1) + "\n")
-    print(json.dumps(json_safe(figures), indent=1))
+        write_text_atomic(out, json_text(figures, indent=1) + "\n")
+    print(json_text(figures, indent=1))
     print(f"quality: {out}")
     return EXIT_OK
 
@@ -129,12 +120,12 @@ def sweep_command(config: str | Path | None = None, table: str | Path | None = N
 @one_line_errors(MissingWheelError, ServerError)
 def breakeven_command(decode_ms: float, cycle_ms: float, steps: int = 3, target_tps: float | None = None) -> int:
     """τ* and the α a tok/s goal needs, from given timings, as JSON on stdout."""
-    print(json.dumps(breakeven.breakeven(decode_ms, cycle_ms, steps, target_tps), indent=2))
+    print(json_text(breakeven.breakeven(decode_ms, cycle_ms, steps, target_tps), indent=2))
     return EXIT_OK
 
 
 @one_line_errors(MissingWheelError, ServerError)
 def sglang_command(config: str | Path, overrides: Sequence[str] = ()) -> int:
     """τ and α_k from a live SGLang server, as JSON on stdout."""
-    print(json.dumps(evaluate_live(load_config(config, list(overrides))), indent=2))
+    print(json_text(evaluate_live(load_config(config, list(overrides))), indent=2))
     return EXIT_OK

@@ -2,7 +2,7 @@
 
 A candidate ships iff, on every gate dataset, tau >= tau* (1 + margin) — speculation must beat plain
 decoding — and tau >= incumbent tau + min_delta — it must beat what is serving now. A checkpoint
-SGLang would serve wrongly (``check_checkpoint``: layout, vocab map, non-finite weights) or a T=0
+SGLang would serve wrongly (``check_checkpoint``: config, dtypes, vocab map) or a T=0
 output that differs from the target's own greedy output is rejected whatever its tau.
 
 Promotion layout: ``promoted`` is a symlink to ``promotions/<fingerprint[:16]>/`` beside it, an immutable

@@ -3,8 +3,13 @@
 and the report. ``gate`` measures with the HF target here (``eval.evaluate``); ``eval.live_gate.live_gate`` on
 live SGLang servers. Both hand ``run_gate`` how to measure and how to save the report.
 
-A checkpoint that fails ``check_checkpoint`` is rejected without measuring (SGLang would serve it
-wrongly); an incumbent that fails it is dropped, and the candidate is held to break-even only.
+A candidate that is not a readable, finite drafter checkpoint is an error (``CheckpointError``, exit 2): nothing
+is recorded, since no drafter was judged. One that ``check_checkpoint`` finds SGLang would serve wrongly is
+rejected without measuring; an incumbent that is either is dropped, and the candidate held to break-even only.
+
+A promotion's side effects come in the order that keeps what the gate says true of what serves: the record is
+appended (fsynced), ``promoted`` is switched, and only then does the report say "promoted" and the gate print
+PROMOTED. A kill before the switch leaves the old drafter serving and no output claiming otherwise.
 
 The whole gate holds the promotions lock (``promotions/.lock``): the incumbent it measures stays the
 incumbent until its decision is recorded, and no second gate promotes in between. It first reconciles the
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import RunConfig
-from drafter.sglang_checkpoint import check_checkpoint, fingerprint
+from drafter.sglang_checkpoint import CheckpointError, check_checkpoint, fingerprint
 from eval.evaluate import evaluate, save_report
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
 
@@ -48,7 +53,7 @@ def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
     with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, holder):
         record: dict = {"checkpoint": str(Path(checkpoint).resolve()), "fingerprint": None, "incumbent": None,
                         **(record_fields or {})}
-        problems = check_checkpoint(checkpoint)
+        problems = check_checkpoint(checkpoint)  # a CheckpointError (not a drafter at all) ends the gate here
         if problems:  # nothing to measure: SGLang would serve it wrongly
             d = decide({}, float("nan"), cfg.gate.margin, checkpoint_problems=problems)
             append_history(cfg.gate.history_file, record | {"decision": "rejected", "reasons": d.reasons})
@@ -64,12 +69,12 @@ def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
         reasons = list(measured.reasons)
         if decision == "promoted":
             reasons.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
+        record |= measured.record | {"decision": decision, "reasons": reasons}
+        record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)  # a promotion switches here
         report = measured.report
         report["gate"] = {"decision": decision, "reasons": reasons, "datasets": gate_datasets(cfg),
                           "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
         save(cfg, report)
-        record |= measured.record | {"decision": decision, "reasons": reasons}
-        record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)
         print(decision.upper())
         return decision
 
@@ -96,7 +101,7 @@ def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving:
         incumbent = None
     elif incumbent is None and (Path(cfg.gate.promoted_dir) / "config.json").is_file():
         incumbent = str(Path(cfg.gate.promoted_dir).resolve())  # what is serving now (its immutable copy)
-    if incumbent is not None and check_checkpoint(incumbent, check_finite=False):
+    if incumbent is not None and not _servable(incumbent):
         notes.append(f"incumbent {incumbent} fails check_checkpoint; compared against break-even only")
         incumbent = None
     checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
@@ -114,3 +119,11 @@ def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving:
               "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
               "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"]}
     return Measured(report, d.promote, d.reasons + notes, record)
+
+
+def _servable(incumbent: str) -> bool:
+    """Whether the incumbent passes the checker (non-finite weights aside: its measured tau says what they do)."""
+    try:
+        return not check_checkpoint(incumbent, check_finite=False)
+    except CheckpointError:
+        return False

@@ -21,13 +21,12 @@ on every gate dataset); the candidate ships only if it passes at every concurren
 baseline must not, all must serve one target, and a server must serve the checkpoint it is gated as.
 
 The gate's frame is the HF gate's (``eval.gate_flow.run_gate``), with this measurement: the whole gate holds the
-promotions lock after ``reconcile``, the report is saved, then the decision record is appended (for a promotion,
-before ``promoted`` switches to its immutable copy), then the decision is printed.
+promotions lock after ``reconcile``, the decision record is appended (for a promotion, before ``promoted`` switches
+to its immutable copy), then the report is saved and the decision printed.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,12 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, RunConfig
-from common.files import write_text_atomic
+from common.files import json_safe, json_text, write_text_atomic
 from eval import breakeven, metrics
 from eval.gate import decide
 from eval.gate_flow import Measured, gate_datasets, run_gate
 from eval.prompts import rendered_datasets
-from eval.report import decimals, json_safe
+from eval.report import decimals
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
 from target_model.hf_model import load_tokenizer, resolve_source
 
@@ -297,7 +296,7 @@ def write_live_report(cfg: RunConfig, report: dict) -> Path:
     out = cfg.eval_dir / report["name"]
     out.mkdir(parents=True, exist_ok=True)
     clean = json_safe(report)
-    write_text_atomic(out / "report.json", json.dumps(clean, indent=2) + "\n")
+    write_text_atomic(out / "report.json", json_text(clean, indent=2) + "\n")
     write_text_atomic(out / "report.md", markdown(clean))
     print(markdown(clean))
     print(f"report: {out}/report.{{json,md}}")

@@ -3,24 +3,12 @@ and log the figures to the run config's experiment trackers (``tracking:``)."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
-from common.files import write_text_atomic
+from common.files import json_safe, json_text, write_text_atomic
 from common.tracking import flat_config, make_trackers
-
-
-def json_safe(x: Any) -> Any:
-    """NaN/inf become null: strict JSON readers reject the bare NaN that json.dumps writes."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [json_safe(v) for v in x]
-    return x
 
 
 def decimals(x: Any, places: int = 3) -> str:
@@ -167,7 +155,7 @@ def write_report(r: dict, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     r = json_safe(r)
-    write_text_atomic(out / "report.json", json.dumps(r, indent=2) + "\n")
+    write_text_atomic(out / "report.json", json_text(r, indent=2) + "\n")
     write_text_atomic(out / "report.md", markdown(r))
     plots(r, out)
     return out

@@ -18,7 +18,6 @@ with it (``common.parent_death``), so a killed pipeline leaves no stage writing 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -33,7 +32,7 @@ from common import parent_death
 from common.cli import EXIT_OK, EXIT_REJECTED, exit_reason, one_line_errors
 from common.config import ConfigError, RunConfig, dump_config, load_config
 from common.dtypes import torch_dtype
-from common.files import write_text_atomic
+from common.files import json_text, named_errors, write_text_atomic
 from common.locking import inherit_env, run_lock
 from common.wheels import BUILTIN_TARGET, MissingWheelError, builtin_data_path, builtin_gguf
 from eval.gate import read_history
@@ -94,8 +93,8 @@ def run_stage(cmd: list[str], log: Path, env: dict[str, str] | None = None, gate
     start = time.time()
     with subprocess.Popen(cmd, env=os.environ | (env or {}), **parent_death.stage_kwargs()) as proc:
         rc = proc.wait()
-    with log.open("a") as f:
-        f.write(json.dumps({"cmd": cmd, "rc": rc, "seconds": round(time.time() - start, 1)}) + "\n")
+    with named_errors(log), log.open("a") as f:
+        f.write(json_text({"cmd": cmd, "rc": rc, "seconds": round(time.time() - start, 1)}) + "\n")
     if rc != EXIT_OK and not (gate and rc == EXIT_REJECTED):
         raise PipelineError(f"stage failed ({exit_reason(rc)}); fix the message above and rerun the same command "
                             f"(stages resume): {' '.join(cmd)}")

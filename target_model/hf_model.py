@@ -172,15 +172,23 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def is_local_path(name: str) -> bool:
+    """Whether ``name`` can only mean a path on this machine: a hub id never starts with '/', './', '../' or '~'.
+    A missing one is then a missing directory, not a hub id the hub rejects ("Repo id must be in the form ...")."""
+    return name.startswith(("/", "./", "../", "~"))
+
+
 def resolve_source(name: str, gguf_file: str | None) -> Path | str:
     """A local directory for builtin names and GGUF files; hub ids pass through unchanged."""
     if name == BUILTIN_TARGET:
         return converted_gguf_dir(builtin_gguf())
-    path = Path(name)
+    path = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not path.is_file():
             raise TargetError(f"target.name: GGUF file {name} not found")
         return converted_gguf_dir(path)
+    if is_local_path(name) and not path.exists():
+        raise TargetError(f"target.name: no such directory {name}; point it at the local checkpoint")
     if gguf_file:
         return converted_gguf_dir(path / gguf_file)
     if path.exists() and not (path / "config.json").is_file():

@@ -36,6 +36,21 @@ def test_our_errors_and_os_errors_are_one_line_exit_2(capsys, exc, line):
     assert capsys.readouterr().err.strip().splitlines() == [line]
 
 
+def test_an_os_error_naming_no_file_shows_where_instead_of_a_question_mark(capsys):
+    """Our writers name their file (``common.files.named_errors``); one that forgot leaves an OSError without a
+    file name, whose line then points at its traceback, never at a ``?``."""
+    @one_line_errors()
+    def command() -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    assert command() == EXIT_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("Traceback") and "?" not in err[-1]
+    assert err[-1] == ("error: no space left on the device: free some, or point run_dir at a bigger disk "
+                       "(--set run_dir=/big/disk/run), then rerun (stages resume) (no file named: the traceback "
+                       "above says where)")
+
+
 def test_a_bug_shows_its_traceback_then_the_line_and_still_exits_2(capsys):
     @one_line_errors()
     def command() -> int:

@@ -1,7 +1,10 @@
-"""The JSONL appender of long streams: every record readable at once, fsyncs bounded by time."""
+"""The file helpers: the JSONL appender of long streams (every record readable at once, fsyncs bounded by time),
+errors on a full disk that name their file and leave no temp behind, strict JSON for machines."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import os
 from pathlib import Path
@@ -9,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from common import files
+from common.cli import one_line_errors
 from common.files import JsonlAppender
 
 
@@ -41,3 +45,63 @@ def test_a_real_fsync_runs(tmp_path: Path) -> None:
         out = JsonlAppender(f, sync_every_s=0.0)
         out.append({"id": 1})
         assert out.unsynced == 0 and os.path.getsize(path) > 0
+
+
+class _FullDisk:
+    """A file whose writes fail as on a full disk: the kernel's ENOSPC names no file."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, _data) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name: str):
+        return getattr(self.f, name)
+
+    def __enter__(self) -> _FullDisk:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.f.close()
+
+
+@pytest.fixture
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files, "open", lambda *a, **k: _FullDisk(builtins.open(*a, **k)), raising=False)
+
+
+def test_a_full_disk_names_the_file_and_leaves_no_temp_file(tmp_path: Path, full_disk: None, capsys) -> None:
+    """The error line names the file (never ``?``), and the half-written temp file is gone: on a full disk it
+    would hold the very space the rerun needs."""
+    path = tmp_path / "store" / "target_head.safetensors"
+
+    @one_line_errors()
+    def command() -> int:
+        files.write_bytes_atomic(path, b"x" * 1000)
+        return 0
+
+    assert command() == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path}: no space left on the device: free some, or point run_dir at a bigger disk "
+        "(--set run_dir=/big/disk/run), then rerun (stages resume)"]
+    assert os.listdir(path.parent) == []
+
+
+def test_a_full_disk_during_an_append_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "promotions.jsonl"
+    with open(path, "ab") as f:
+        with pytest.raises(OSError) as e:
+            files.append_jsonl(_FullDisk(f), {"decision": "rejected"})
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_machine_json_holds_null_for_a_non_finite_float(tmp_path: Path, value: float) -> None:
+    """json.dumps writes bare NaN and Infinity, which strict readers (jq, JSON.parse) reject."""
+    record = {"alpha": {"mtbench": [0.5, value]}, "tau": (value, 2.0)}
+    text = files.json_line(record)
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text, parse_constant=pytest.fail) == {"alpha": {"mtbench": [0.5, None]}, "tau": [None, 2.0]}
+    files.write_json_atomic(tmp_path / "m.json", record)
+    assert json.loads((tmp_path / "m.json").read_text(), parse_constant=pytest.fail)["tau"] == [None, 2.0]

@@ -4,6 +4,7 @@ warm starts, and the strict checker (in process and as `python -m drafter check`
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from drafter.factory import load_for_target
 from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.sglang_checkpoint import (
+    CheckpointError,
     check_checkpoint,
     expected_tensors,
     fingerprint,
@@ -135,6 +137,28 @@ def test_save_replaces_an_existing_checkpoint_whole(tmp_path: Path, tiny_drafter
 
 
 # -- the key table SGLang reads --------------------------------------------------------------------
+def test_a_full_disk_names_the_checkpoint_file_and_leaves_no_temp_dir(tmp_path: Path, tiny_drafter: Eagle3Drafter,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """safetensors reports a full disk as its own error type, errno only in its text: an OSError naming the file
+    comes out (one line, exit 2, not a crash), and the half-written temp dir is gone (it would hold the space the
+    rerun needs); an old checkpoint there stays whole."""
+    import drafter.sglang_checkpoint as ckpt_module
+
+    old = save_checkpoint(tiny_drafter, tmp_path / "ckpts" / "best", dtype="float32")
+    before = (old / "model.safetensors").read_bytes()
+
+    def full(_state, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ckpt_module, "save_file", full)
+    with pytest.raises(OSError) as e:
+        save_checkpoint(tiny_drafter, old, dtype="float32")
+    assert e.value.errno == 28 and e.value.filename == str(old / "model.safetensors")
+    assert sorted(p.name for p in old.parent.iterdir()) == ["best"]
+    assert (old / "model.safetensors").read_bytes() == before
+
+
 def test_smollm2_shaped_checkpoint_has_exactly_sglangs_tensors(tmp_path: Path) -> None:
     shape = DrafterShape(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, vocab_size=49152, draft_vocab_size=8192, aux_layer_ids=(2, 15, 27),
@@ -270,19 +294,10 @@ def _set(t: dict, k: str, v: torch.Tensor) -> None:
     t[k] = v
 
 
+# Readable, finite drafters that SGLang would serve wrongly: the checker's problems (a rejection, exit 1).
 BREAKAGES: dict[str, tuple[Callable[[Path], None], str]] = {
-    "missing_key": (lambda d: _edit_tensors(d, lambda t: t.pop("norm.weight")), "missing tensor norm.weight"),
-    "extra_key": (lambda d: _edit_tensors(d, lambda t: _set(t, "midlayer.self_attn.qkv_proj.weight",
-                                                            torch.zeros(2, 2))),
-                  "unexpected tensor midlayer.self_attn.qkv_proj.weight"),
-    "embed_tokens": (lambda d: _edit_tensors(d, lambda t: _set(t, "embed_tokens.weight", torch.zeros(97, 32))),
-                     "unexpected tensor embed_tokens.weight"),
-    "wrong_shape": (lambda d: _edit_tensors(d, lambda t: _set(t, "norm.weight", torch.ones(33))),
-                    "norm.weight has shape [33], expected [32]"),
     "d2t_outside_vocab": (lambda d: _edit_tensors(d, lambda t: t["d2t"].__setitem__(-1, 97)),
                           "outside the target vocab"),
-    "nan_weight": (lambda d: _edit_tensors(d, lambda t: t["fc.weight"].__setitem__((0, 0), float("nan"))),
-                   "fc.weight holds non-finite values"),
     "tied": (lambda d: _edit_config(d, lambda c: c.__setitem__("tie_word_embeddings", True)),
              "tie_word_embeddings must be false"),
     "no_aux_ids": (lambda d: _edit_config(d, lambda c: c["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")),
@@ -293,6 +308,20 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], str]] = {
                    "architectures"),
     "int32_d2t": (lambda d: _edit_tensors(d, lambda t: _set(t, "d2t", t["d2t"].int())), "d2t has dtype I32"),
 }
+# Not a readable, finite drafter at all: CheckpointError (an error, exit 2; tests/test_drafter_checkpoint_exit_codes.py
+# has the rest, at every entry point).
+DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
+    "missing_key": (lambda d: _edit_tensors(d, lambda t: t.pop("norm.weight")), "missing tensor norm.weight"),
+    "extra_key": (lambda d: _edit_tensors(d, lambda t: _set(t, "midlayer.self_attn.qkv_proj.weight",
+                                                            torch.zeros(2, 2))),
+                  "unexpected tensor midlayer.self_attn.qkv_proj.weight"),
+    "embed_tokens": (lambda d: _edit_tensors(d, lambda t: _set(t, "embed_tokens.weight", torch.zeros(97, 32))),
+                     "unexpected tensor embed_tokens.weight"),
+    "wrong_shape": (lambda d: _edit_tensors(d, lambda t: _set(t, "norm.weight", torch.ones(33))),
+                    "norm.weight has shape [33], expected [32]"),
+    "nan_weight": (lambda d: _edit_tensors(d, lambda t: t["fc.weight"].__setitem__((0, 0), float("nan"))),
+                   "non-finite weights (NaN/inf) in fc.weight"),
+}
 
 
 def make_broken(saved: Path, root: Path, kind: str) -> Path:
@@ -300,7 +329,7 @@ def make_broken(saved: Path, root: Path, kind: str) -> Path:
 
     d = root / kind
     shutil.copytree(saved, d)
-    BREAKAGES[kind][0](d)
+    {**BREAKAGES, **DAMAGES}[kind][0](d)
     return d
 
 
@@ -313,15 +342,26 @@ def test_checker_names_each_breakage(saved: Path, tmp_path: Path, kind: str) -> 
     assert all("\n" not in p for p in problems)
 
 
+@pytest.mark.parametrize("kind", sorted(DAMAGES))
+def test_checker_raises_on_each_damage(saved: Path, tmp_path: Path, kind: str) -> None:
+    broken = make_broken(saved, tmp_path, kind)
+    with pytest.raises(CheckpointError, match=re.escape(DAMAGES[kind][1])) as e:
+        check_checkpoint(broken)
+    assert str(e.value).startswith(f"{broken / 'model.safetensors'}: ") and "\n" not in str(e.value)
+    if kind == "nan_weight":
+        assert check_checkpoint(broken, check_finite=False) == []  # what --no-finite skips
+
+
 def test_checker_survives_unreadable_weights(saved: Path, tmp_path: Path) -> None:
     sharded, _ = write_aq_dir(tmp_path / "aq", sharded=True)
     (sharded / "model-00002-of-00002.safetensors").unlink()
-    assert check_checkpoint(sharded)  # a shard named in the index is gone: reported, no crash
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: unreadable safetensors file"):
+        check_checkpoint(sharded)  # a shard named in the index is gone: one error naming it, no crash
     truncated = make_broken(saved, tmp_path, "nan_weight")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
-    problems = check_checkpoint(truncated)
-    assert len(problems) == 1 and "unreadable safetensors file" in problems[0], problems
+    with pytest.raises(CheckpointError, match="unreadable safetensors file"):
+        check_checkpoint(truncated)
     with pytest.raises(ValueError, match="save dtype 'fp8'"):
         save_checkpoint(load_checkpoint(saved), tmp_path / "x", dtype="fp8")
 
@@ -343,16 +383,18 @@ def test_cli_check_exit_codes(saved: Path, tmp_path: Path) -> None:
         assert BREAKAGES[d.name][1] in section, (d.name, bad.stdout)
 
 
-def test_cli_check_that_cannot_read_a_checkpoint_is_one_line_and_exit_2(saved: Path, tmp_path: Path) -> None:
-    """A checkpoint the checker cannot even read (config.json not UTF-8) is an error, not a crash that exits 1
-    (which reads as "checked: FAIL"): one line on stderr naming the directory, exit 2, as every command."""
+def test_cli_check_on_a_dir_without_config_json_is_one_line_and_exit_2(saved: Path, tmp_path: Path) -> None:
+    """What a user types: `python -m drafter check DIR` on a directory that is no drafter checkpoint is an error,
+    not a rejection (exit 1 reads as "checked: FAIL"): one line on stderr naming the file, exit 2, as every
+    command. tests/test_drafter_checkpoint_exit_codes.py has every other damage, in process."""
     import shutil
 
-    bad = tmp_path / "latin1"
+    bad = tmp_path / "no-config"
     shutil.copytree(saved, bad)
-    (bad / "config.json").write_bytes(b"\xff\xfe{not utf-8}")
+    (bad / "config.json").unlink()
     r = subprocess.run([sys.executable, "-m", "drafter", "check", str(bad)], capture_output=True, text=True,
                        cwd=REPO, timeout=120)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {bad}: cannot be checked"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bad / 'config.json'}: missing"), r.stderr
+    assert "FAIL" not in r.stdout

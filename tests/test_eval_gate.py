@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
     ("beats break-even and incumbent", {"a": 2.7, "b": 2.4}, {"a": 2.6, "b": 2.3}, [], [], True, None),
     ("no incumbent, clears break-even", {"a": 2.1}, None, [], [], True, None),
     ("below break-even on one dataset", {"a": 2.7, "b": 1.9}, None, [], [], False, "b: tau 1.900 < break-even"),
-    ("NaN weights", {"a": 3.0}, None, ["ckpt: fc.weight holds non-finite values"], [], False, "non-finite"),
+    ("served wrongly", {"a": 3.0}, None, ["ckpt/config.json: tie_word_embeddings must be false"], [], False,
+     "tie_word_embeddings"),
     ("lossless mismatch", {"a": 3.0}, None, [], ["mtbench prompt 0 differs at token 5"], False, "lossless"),
     ("NaN tau", {"a": float("nan")}, None, [], [], False, "< break-even"),
 ])
@@ -52,6 +53,14 @@ def test_history_appends_whole_lines(tmp_path):
     assert [r["decision"] for r in rows] == ["rejected", "promoted"] and all("time" in r for r in rows)
 
 
+def test_history_is_strict_json_with_null_for_a_non_finite_figure(tmp_path):
+    """An alpha of a dataset without cycles is NaN: the record holds null, which jq and JSON.parse read."""
+    h = tmp_path / "promotions.jsonl"
+    append_history(h, {"decision": "rejected", "alpha": {"mtbench": [float("nan"), 0.5]}, "tau_star": float("inf")})
+    row = json.loads(h.read_text(), parse_constant=pytest.fail)
+    assert row["alpha"] == {"mtbench": [None, 0.5]} and row["tau_star"] is None
+
+
 def write_config(tmp_path: Path, tracking: dict | None = None, **eval_extra) -> Path:
     cfg = {"run_dir": str(tmp_path / "run"), "tracking": tracking or {},
            "target": {"name": "smollm2-135m-instruct", "device": "cpu", "aux_layer_ids": [2, 15, 27]},
@@ -64,15 +73,14 @@ def write_config(tmp_path: Path, tracking: dict | None = None, **eval_extra) -> 
     return path
 
 
-def test_cli_rejects_nan_weights_and_errors_are_exit_2(tmp_path, tiny_drafter, capsys):
+def test_cli_rejects_a_drafter_sglang_would_serve_wrongly_and_errors_are_exit_2(tmp_path, tiny_drafter, capsys):
     ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
-    state = load_file(ckpt / "model.safetensors")
-    state["fc.weight"][0, 0] = float("nan")
-    save_file(state, ckpt / "model.safetensors")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
     cfg = write_config(tmp_path)
-    assert gate_command(cfg, ckpt) == 1
+    assert gate_command(cfg, ckpt) == 1  # a readable drafter, judged without measuring: recorded
     row = json.loads((tmp_path / "promotions.jsonl").read_text())
-    assert row["decision"] == "rejected" and any("non-finite" in r for r in row["reasons"])
+    assert row["decision"] == "rejected" and any("tie_word_embeddings" in r for r in row["reasons"])
     assert gate_command(cfg, tmp_path / "nope") == 2
     assert run_command(tmp_path / "missing.yaml", ckpt) == 2
     bad = tmp_path / "bad.yaml"
@@ -174,7 +182,7 @@ def test_eval_run_refuses_nan_weights_and_a_truncated_checkpoint_in_one_line(tmp
     save_file(state, ckpt / "model.safetensors")
     assert run_command(cfg, ckpt) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {ckpt}: non-finite weights (NaN/inf) in midlayer.mlp.up_proj.weight; nothing to measure: "
+    assert err == [f"error: {ckpt / 'model.safetensors'}: non-finite weights (NaN/inf) in midlayer.mlp.up_proj.weight; "
                    "pick an earlier checkpoint (training skips non-finite steps, so this one was damaged after it was "
                    "saved)"]
 

@@ -188,8 +188,9 @@ def test_live_gate_promotes_k25_drafter_over_k2_drafter(tmp_path, serve, ckpts):
 
 
 def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatch, capsys):
-    """The live gate promotes as the HF gate does: report saved, then the record (fsynced), then ``promoted``
-    switched to an immutable copy; a kill between the last two is finished by the next gate, which does not
+    """The live gate promotes as the HF gate does: the record (fsynced), then ``promoted`` switched to an immutable
+    copy, and only then the report's "promoted" and the printed PROMOTED, so a kill before the switch leaves no
+    output claiming a promotion while the old drafter serves. The next gate finishes the switch and does not
     measure a drafter that is already serving; a second gate fails at once on the promotions lock."""
     urls = three_servers(serve, ckpts, CAND_GOOD, INC_K2)
     cand, _, _ = urls.pop("_servers")
@@ -201,10 +202,11 @@ def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatc
         raise KeyboardInterrupt("killed before the switch")
 
     monkeypatch.setattr(gate_module, "_switch", killed)
+    capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):
         live_gate(cfg, k25, None, True, "k25", prompts=PROMPTS)
-    report = json.loads((tmp_path / "run" / "eval" / "k25" / "report.json").read_text())
-    assert report["gate"]["decision"] == "promoted"  # saved first
+    assert not (tmp_path / "run" / "eval" / "k25" / "report.json").exists()  # no "promoted" before the switch
+    assert "PROMOTED" not in capsys.readouterr().out
     assert [(r["decision"], r["fingerprint"], r["mode"]) for r in read_history(history)] == [("promoted", fp, "live")]
     assert not promoted.exists()  # the record is on disk, the switch never happened
     monkeypatch.undo()
@@ -294,6 +296,19 @@ def test_cli_exit_codes_and_server_checks(tmp_path, serve, ckpts):
                      {"candidate": str(k25)})
     with pytest.raises(ServerError, match="speculates"):
         measure_live(parse_config(cfg_tree(tmp_path, bad)), PROMPTS, {})
+
+
+def test_the_production_gate_on_a_machine_without_the_target_says_so(tmp_path, ckpts, capsys):
+    """The README's production gate (configs/kimi-k25-from-k2.yaml) where target.name, a local path, does not exist
+    yet: one line naming the key and the fix, not the hub's "Repo id must be in the form ..."; nothing recorded."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "kimi-k25-from-k2.yaml"
+    target = f"{tmp_path}/models/moonshotai/Kimi-K2.5"
+    overrides = [f"run_dir={tmp_path / 'run'}", f"target.name={target}", f"gate.promoted_dir={tmp_path / 'promoted'}",
+                 f"gate.history_file={tmp_path / 'promotions.jsonl'}"]
+    assert gate_command(config, ckpts["Kimi-K25-eagle3"], overrides, live=True) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: target.name: no such directory {target}; point it at the local checkpoint"]
+    assert not (tmp_path / "promotions.jsonl").exists()
 
 
 def test_without_baseline_the_configured_timings_for_the_served_k(tmp_path, serve, ckpts):

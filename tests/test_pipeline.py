@@ -137,20 +137,17 @@ def _tiny_run(tmp_path: Path, **regen) -> Path:
 def test_a_crashing_gate_exits_2_and_the_round_is_not_done(tmp_path, tiny_drafter):
     """The real gate (python -m eval gate) crashes on an unusable history file; every other stage is a stub
     that succeeds. The pipeline must stop with exit 2 and leave the round to be rerun."""
-    from safetensors.torch import load_file, save_file
-
     from drafter.sglang_checkpoint import save_checkpoint
 
     cfg = _tiny_run(tmp_path)
     tree = yaml.safe_load(cfg.read_text())
     history = tmp_path / "run" / "promotions.jsonl"
     history.mkdir()  # appending a record to it fails: an OSError inside the gate
-    # The candidate the stub "train" left: NaN weights, so the gate rejects it without a target model, and
-    # then has to record that rejection.
+    # The candidate the stub "train" left: a config SGLang would serve wrongly (tied embeddings), so the gate
+    # rejects it without a target model, and then has to record that rejection.
     best = save_checkpoint(tiny_drafter, tmp_path / "run" / "round-1" / "checkpoints" / "step-000001", "float32")
-    state = load_file(best / "model.safetensors")
-    state["fc.weight"][0, 0] = float("nan")
-    save_file(state, best / "model.safetensors")
+    config = json.loads((best / "config.json").read_text())
+    (best / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
     (best.parent / "best").symlink_to(best.name)
     fake_py = tmp_path / "python"
     fake_py.write_text(f'#!/bin/sh\ncase "$*" in *"-m eval gate"*) exec {sys.executable} "$@";; esac\nexit 0\n')
@@ -164,6 +161,30 @@ def test_a_crashing_gate_exits_2_and_the_round_is_not_done(tmp_path, tiny_drafte
     assert "stage failed (exit 2)" in r.stderr.splitlines()[-1]
     assert not (tmp_path / "run" / "round-1" / "ROUND_DONE").exists()
     assert rounds.next_round(tmp_path / "run") == 1
+
+
+def test_the_pipeline_stops_with_exit_2_when_the_gate_errors(tmp_path, tiny_drafter, monkeypatch, capfd):
+    """The real gate on a round whose best checkpoint lost its config.json (every other stage a stub that
+    succeeds): not a drafter, so the gate exits 2 recording nothing, and the pipeline stops with exit 2, no verdict,
+    the round not done (a gate exiting 1 would close the round as if it had judged a drafter)."""
+    from drafter.sglang_checkpoint import save_checkpoint
+
+    cfg = _tiny_run(tmp_path)
+    root = tmp_path / "run"
+    best = save_checkpoint(tiny_drafter, root / "round-1" / "checkpoints" / "step-000001", "float32")
+    (best / "config.json").unlink()
+    (best.parent / "best").symlink_to(best.name)
+    fake_py = tmp_path / "python"  # runs the gate for real, and nothing else
+    fake_py.write_text(f'#!/bin/sh\ncase "$*" in *"-m eval gate"*) exec {sys.executable} "$@";; esac\nexit 0\n')
+    fake_py.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake_py))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert rounds.run_round(cfg) == 2
+    err = capfd.readouterr().err
+    assert f"error: {best.parent / 'best' / 'config.json'}: missing" in err, err
+    assert "stage failed (exit 2)" in err.strip().splitlines()[-1], err
+    assert not (root / "promotions.jsonl").exists()
+    assert not (root / "round-1" / "ROUND_DONE").exists()
 
 
 def _env() -> dict[str, str]:

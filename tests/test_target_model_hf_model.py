@@ -16,7 +16,7 @@ from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import legacy_aux_layer_ids, save_checkpoint
 from drafter.vocab_map import build_vocab_map
 from target_model.aux_layers import TargetError, default_aux_layer_ids, resolve_aux_layer_ids, sglang_captured_outputs
-from target_model.hf_model import TargetModel
+from target_model.hf_model import TargetModel, resolve_source
 
 TINY_IDS = (0, 2, 4)
 
@@ -271,3 +271,20 @@ def test_smollm2_aux_logits_and_tokenizer(smollm2: TargetModel) -> None:
     assert (shape.hidden_size, shape.intermediate_size, shape.num_attention_heads, shape.num_key_value_heads,
             shape.head_dim, shape.vocab_size, shape.rope_theta) == (576, 1536, 9, 3, 64, 49152, 100000.0)
     assert smollm2.hf_config.tie_word_embeddings  # why our config.json must say false explicitly
+
+
+# -- where the target comes from -------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["/models/moonshotai/Kimi-K2.5", "./models/Kimi-K2.5", "../models/Kimi-K2.5",
+                                  "~/no-such-dir/Kimi-K2.5"])
+def test_a_missing_local_path_is_a_missing_directory_not_a_hub_id(name: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name only a path can have, that does not exist yet: the hub's "Repo id must be in the form ..." would send
+    the user the wrong way."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if name.startswith("/"):
+        name = f"{tmp_path}{name}"
+    with pytest.raises(TargetError) as e:
+        resolve_source(name, None)
+    assert str(e.value) == f"target.name: no such directory {name}; point it at the local checkpoint"
+    assert resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct", None) == "HuggingFaceTB/SmolLM2-135M-Instruct"

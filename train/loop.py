@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from common.cli import StopRequest, one_line_errors, stop_on_sigterm
 from common.config import dump_config, load_config
-from common.files import remove_temps, write_text_atomic
+from common.files import json_text, named_errors, remove_temps, write_text_atomic
 from common.locking import run_lock
 from common.queued_copy import queued_to_device, queued_to_host
 from common.step_clock import StepClock
@@ -78,8 +78,8 @@ class JsonlLog:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            with named_errors(self.path), open(self.path, "a") as f:
+                f.write(json_text(record) + "\n")
 
 
 def pad_multiple(device: torch.device) -> int:
@@ -242,125 +242,173 @@ def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float] | None) -> N
     accelerator.wait_for_everyone()
 
 
+@dataclass
+class Window:
+    """What the step loop carries between micro-batches: the current accumulation window's figures (this process),
+    the per-position counts since the last train/ summary, and the last held-out metrics (what a save records).
+
+    The clock takes four marks a micro-batch (around the target's forward, around the drafter's forward and
+    backward), read at the step's one wait, so the log splits each step without a wait of its own. The window's
+    loss and non-finite losses stay on the device: the step reads them with everything else it needs from the GPU
+    in that one wait (a wait drains the queue the host would otherwise keep ahead of)."""
+
+    counts: Counts
+    clock: StepClock
+    loss: torch.Tensor
+    nonfinite: torch.Tensor
+    tokens: int = 0  # padded tokens
+    real: int = 0  # real tokens
+    t0: float = field(default_factory=time.perf_counter)
+    last_eval: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, device: torch.device, n: int) -> Window:
+        zero = torch.zeros((), device=device, dtype=torch.float64)
+        return cls(Counts.zeros(n, device), StepClock(device.type == "cuda"), zero, zero.clone())
+
+    def reset(self) -> None:
+        """A new accumulation window (the counts and the clock go on)."""
+        self.loss.zero_()
+        self.nonfinite.zero_()
+        self.tokens, self.real, self.t0 = 0, 0, time.perf_counter()
+
+
+def accumulate(run: Run, train_cfg: Any, w: Window, raw: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
+               steps_in_backward: bool) -> None:
+    """One micro-batch's forward and backward into the window. DeepSpeed steps its optimizer inside backward: a
+    non-finite loss must be kept from it there, which costs a wait per micro-batch. Elsewhere the loss's gradients
+    are non-finite too, and the step skips the window."""
+    accelerator, model = run.accelerator, run.model
+    w.clock.mark()  # (the previous step's optimizer may run between the target's forward and here)
+    with accelerator.accumulate(model):
+        res = model(**batch)
+        w.nonfinite += (~torch.isfinite(res.loss.detach())).double()
+        w.loss += res.loss.detach().double() / train_cfg.grad_accum
+        # every process must agree to skip, or DDP would wait for a backward that never comes
+        if not (steps_in_backward and accelerator.reduce(w.nonfinite, reduction="sum") > 0):
+            accelerator.backward(res.loss)
+        w.counts.add(res.step_losses, res.correct, res.scored)
+        w.tokens += int(batch["loss_mask"].numel())
+        w.real += int(raw["attention_mask"].sum())
+    w.clock.mark()
+
+
+def optimizer_step(run: Run, train_cfg: Any, w: Window, k: int, micro_batches: TargetAhead,
+                   stop: StopRequest | None) -> tuple[dict[str, Any], bool]:
+    """The window's optimizer step (skipped when its loss or gradient norm is not finite) and the state after it;
+    returns the step's log record and whether any process was asked to stop. The one wait of the step: the window's
+    figures summed over processes, and the gradient norm (the same in every process after the all-reduce; None
+    where DeepSpeed clips inside its own step). The clip itself runs inside the fused AdamW step where it can
+    (train/optim.py says where)."""
+    accelerator, optimizer, scheduler, state = run.accelerator, run.optimizer, run.scheduler, run.state
+    grad_norm = clip_into_step(optimizer, trainable(run.model), train_cfg.max_grad_norm, accelerator.clip_grad_norm_)
+    host = torch.tensor([w.tokens, w.real, float(bool(stop))], dtype=torch.float64)
+    summed = accelerator.reduce(torch.cat([torch.stack([w.nonfinite, w.loss]),
+                                           queued_to_device(host, accelerator.device)]), reduction="sum")
+    if grad_norm is not None:
+        summed = torch.cat([summed, torch.as_tensor(grad_norm, dtype=torch.float64,
+                                                    device=accelerator.device).reshape(1)])
+    figures = queued_to_host(summed)
+    landed = torch.cuda.Event() if w.clock.cuda else None
+    if landed is not None:
+        landed.record()
+    next_clock = StepClock(w.clock.cuda)
+    if state["step"] + 1 < run.total_steps:  # the next micro-batch's target runs while the host waits and steps
+        micro_batches.queue(next_clock)
+    if landed is not None:
+        landed.synchronize()
+    nonfinite, loss_sum, padded, real, stopping, *rest = figures.tolist()
+    spans = w.clock.spans_ms()  # (the wait above has run every marked span)
+    w.clock = next_clock
+    norm = rest[0] if rest else None  # (a bad window's may be NaN: the log writes None, strict JSON)
+    window_bad = nonfinite > 0 or (norm is not None and not math.isfinite(norm))
+    if not window_bad:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    state["step"] += 1
+    state["batch"] = k + 1
+    state["nonfinite_total"] += int(window_bad)
+    state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
+    state["tokens_seen"] += int(real)
+    elapsed = time.perf_counter() - w.t0
+    record = {"step": state["step"], "epoch": state["epoch"],
+              "loss": loss_sum / accelerator.num_processes if not window_bad else None,
+              "lr": scheduler.get_last_lr()[0], "grad_norm": None if window_bad else norm,
+              "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
+              "tokens_per_s": padded / elapsed, "real_tokens_per_s": real / elapsed,
+              "tokens_seen": state["tokens_seen"],
+              "target_ms": round(sum(spans[0::4]), 2), "drafter_ms": round(sum(spans[2::4]), 2)}
+    return record, stopping > 0
+
+
+def log_step(run: Run, train_cfg: Any, w: Window, record: dict[str, Any], bar: tqdm) -> None:
+    """The step's record (train_log.jsonl, the bar), the abort after too many non-finite steps in a row, and every
+    train.log_every steps the train/ summary since the last one (to the trackers too)."""
+    accelerator, state, n = run.accelerator, run.state, train_cfg.ttt_length
+    run.log.write(record)
+    bar.update(1)
+    if state["nonfinite_in_row"] >= train_cfg.max_nonfinite_in_row:
+        raise TrainingAborted(
+            f"{state['nonfinite_in_row']} non-finite losses/gradients in a row (train.max_nonfinite_in_row="
+            f"{train_cfg.max_nonfinite_in_row}) at step {state['step']}; the last good checkpoint in "
+            f"{run.ckpt_root} is intact; lower train.lr or check the store for non-finite values")
+    if state["step"] % train_cfg.log_every == 0 or state["step"] == run.total_steps:
+        summary = Counts.from_flat(accelerator.reduce(w.counts.flat(), reduction="sum"), n).summary("train/")
+        accelerator.log({**{k: v for k, v in record.items() if v is not None and k != "step"}, **summary},
+                        step=state["step"])
+        run.log.write({"step": state["step"], **summary})
+        bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
+        w.counts = Counts.zeros(n, accelerator.device)
+
+
+def evaluate_and_save(run: Run, train_cfg: Any, w: Window, stopping: bool) -> tuple[bool, bool]:
+    """The held-out pass (every train.eval_every steps and before each save) and the save (every
+    train.save_every steps, at train.save_at and at the end; a stop's save at once, without a held-out pass: done
+    well before timeout's SIGKILL). Returns (at the end, stopped early)."""
+    accelerator, state = run.accelerator, run.state
+    at_end = state["step"] >= run.total_steps
+    stopped = stopping and not at_end
+    due = state["step"] % train_cfg.save_every == 0 or state["step"] in run.milestones or at_end
+    if len(run.data.holdout) and (state["step"] % train_cfg.eval_every == 0 or due):
+        w.last_eval = holdout_metrics(accelerator, run.model, run.data, run.holdout_sampler, train_cfg.ttt_length)
+        accelerator.log(w.last_eval, step=state["step"])
+        run.log.write({"step": state["step"], **w.last_eval})
+        accelerator.print(f"step {state['step']}: " + ", ".join(
+            f"{k.split('/')[1]} {v:.3f}" for k, v in w.last_eval.items() if "loss_" not in k))
+    if due:
+        save_step(run, train_cfg, w.last_eval)
+    elif stopped:
+        save_step(run, train_cfg, None)
+    return at_end, stopped
+
+
 def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bool:
-    """The step loop: accumulate, backward, clip, step, log, held-out eval, save; from ``run.state`` to
-    ``run.total_steps``, or to the first step that ends after ``stop`` was set in any process (all of them
-    learn it in the step's token count reduction, so they stop at the same step, and save it). Returns whether
-    it stopped early: every process gets the same answer, the one that was signalled or not."""
-    accelerator, data, model, optimizer, scheduler = run.accelerator, run.data, run.model, run.optimizer, run.scheduler
-    state, log, sampler, total_steps, ckpt_root = run.state, run.log, run.sampler, run.total_steps, run.ckpt_root
-    train_ds, holdout_ds = data.train, data.holdout
-    n = train_cfg.ttt_length
-    last_eval: dict[str, float] = {}
-    counts, t0 = Counts.zeros(n, accelerator.device), time.perf_counter()
-    window_tokens, window_real = 0, 0  # padded and real tokens of this window (this process)
-    # Four marks a micro-batch (around the target's forward, around the drafter's forward and backward): read at the
-    # step's one wait, so the log splits each step without a wait of its own (issue #20: the loop against the bench).
-    clock = StepClock(accelerator.device.type == "cuda")
-    # This window's loss and non-finite losses (this process), on the device: the step reads them with everything
-    # else it needs from the GPU in one wait (a wait drains the queue the host would otherwise keep ahead of).
-    window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    window_nonfinite = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    # DeepSpeed steps its optimizer inside backward: a non-finite loss must be kept from it there, which costs a
-    # wait per micro-batch. Elsewhere the loss's gradients are non-finite too, and the step skips the window.
+    """The step loop: accumulate, step, log, held-out eval, save; from ``run.state`` to ``run.total_steps``, or to
+    the first step that ends after ``stop`` was set in any process (all of them learn it in the step's token count
+    reduction, so they stop at the same step, and save it). Returns whether it stopped early: every process gets
+    the same answer, the one that was signalled or not."""
+    accelerator, data, state = run.accelerator, run.data, run.state
+    w = Window.start(accelerator.device, train_cfg.ttt_length)
     steps_in_backward = accelerator.distributed_type == DistributedType.DEEPSPEED
-    bar = tqdm(total=int(total_steps), initial=state["step"], desc="train", unit="step",
+    bar = tqdm(total=int(run.total_steps), initial=state["step"], desc="train", unit="step",
                disable=not accelerator.is_local_main_process)
-    model.train()
+    run.model.train()
     stopped = False
-    while state["step"] < total_steps and not stopped:
-        sampler.set_epoch(state["epoch"])
-        batches = sampler.batches()[: run.windows_per_epoch * train_cfg.grad_accum]
-        loader = data.loader(train_ds, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
+    while state["step"] < run.total_steps and not stopped:
+        run.sampler.set_epoch(state["epoch"])
+        batches = run.sampler.batches()[: run.windows_per_epoch * train_cfg.grad_accum]
+        loader = data.loader(data.train, batches[state["batch"]:], accelerator.device, pad_multiple(accelerator.device))
         micro_batches = TargetAhead(loader, data.complete, accelerator.device, start=state["batch"])
-        while (item := micro_batches.take(clock)) is not None:
+        while (item := micro_batches.take(w.clock)) is not None:
             k, raw, batch = item
-            clock.mark()  # (the previous step's optimizer may run between the target's forward and here)
-            with accelerator.accumulate(model):
-                res = model(**batch)
-                window_nonfinite += (~torch.isfinite(res.loss.detach())).double()
-                window_loss += res.loss.detach().double() / train_cfg.grad_accum
-                # every process must agree to skip, or DDP would wait for a backward that never comes
-                if not (steps_in_backward and accelerator.reduce(window_nonfinite, reduction="sum") > 0):
-                    accelerator.backward(res.loss)
-                counts.add(res.step_losses, res.correct, res.scored)
-                window_tokens += int(batch["loss_mask"].numel())
-                window_real += int(raw["attention_mask"].sum())
-            clock.mark()
+            accumulate(run, train_cfg, w, raw, batch, steps_in_backward)
             if not accelerator.sync_gradients:
                 continue
-            # The one wait of the step: the window's figures summed over processes, and the gradient norm (the same
-            # in every process after the all-reduce; None where DeepSpeed clips inside its own step). The clip itself
-            # runs inside the fused AdamW step where it can (train/optim.py says where).
-            grad_norm = clip_into_step(optimizer, trainable(model), train_cfg.max_grad_norm,
-                                       accelerator.clip_grad_norm_)
-            host = torch.tensor([window_tokens, window_real, float(bool(stop))], dtype=torch.float64)
-            summed = accelerator.reduce(torch.cat([torch.stack([window_nonfinite, window_loss]),
-                                                   queued_to_device(host, accelerator.device)]), reduction="sum")
-            if grad_norm is not None:
-                summed = torch.cat([summed, torch.as_tensor(grad_norm, dtype=torch.float64,
-                                                            device=accelerator.device).reshape(1)])
-            figures = queued_to_host(summed)
-            landed = torch.cuda.Event() if clock.cuda else None
-            if landed is not None:
-                landed.record()
-            next_clock = StepClock(clock.cuda)
-            if state["step"] + 1 < total_steps:  # the next micro-batch's target runs while the host waits and steps
-                micro_batches.queue(next_clock)
-            if landed is not None:
-                landed.synchronize()
-            nonfinite, loss_sum, padded, real, stopping, *rest = figures.tolist()
-            spans = clock.spans_ms()  # (the wait above has run every marked span)
-            clock = next_clock
-            norm = rest[0] if rest else None  # (a bad window's may be NaN: the log writes None, strict JSON)
-            window_bad = nonfinite > 0 or (norm is not None and not math.isfinite(norm))
-            if not window_bad:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            state["step"] += 1
-            state["batch"] = k + 1
-            state["nonfinite_total"] += int(window_bad)
-            state["nonfinite_in_row"] = state["nonfinite_in_row"] + 1 if window_bad else 0
-            state["tokens_seen"] += int(real)
-            elapsed = time.perf_counter() - t0
-            record = {"step": state["step"], "epoch": state["epoch"],
-                      "loss": loss_sum / accelerator.num_processes if not window_bad else None,
-                      "lr": scheduler.get_last_lr()[0], "grad_norm": None if window_bad else norm,
-                      "skipped_nonfinite": window_bad, "nonfinite_total": state["nonfinite_total"],
-                      "tokens_per_s": padded / elapsed, "real_tokens_per_s": real / elapsed,
-                      "tokens_seen": state["tokens_seen"],
-                      "target_ms": round(sum(spans[0::4]), 2), "drafter_ms": round(sum(spans[2::4]), 2)}
-            log.write(record)
-            bar.update(1)
-            if state["nonfinite_in_row"] >= train_cfg.max_nonfinite_in_row:
-                raise TrainingAborted(
-                    f"{state['nonfinite_in_row']} non-finite losses/gradients in a row (train.max_nonfinite_in_row="
-                    f"{train_cfg.max_nonfinite_in_row}) at step {state['step']}; the last good checkpoint in "
-                    f"{ckpt_root} is intact; lower train.lr or check the store for non-finite values")
-            if state["step"] % train_cfg.log_every == 0 or state["step"] == total_steps:
-                summary = Counts.from_flat(accelerator.reduce(counts.flat(), reduction="sum"), n).summary("train/")
-                accelerator.log({**{k2: v for k2, v in record.items() if v is not None and k2 != "step"},
-                                 **summary}, step=state["step"])
-                log.write({"step": state["step"], **summary})
-                bar.set_postfix(loss=record["loss"], acc0=round(summary["train/acc_0"], 3))
-                counts = Counts.zeros(n, accelerator.device)
-            at_end = state["step"] >= total_steps
-            stopped = stopping > 0 and not at_end
-            due = state["step"] % train_cfg.save_every == 0 or state["step"] in run.milestones or at_end
-            if len(holdout_ds) and (state["step"] % train_cfg.eval_every == 0 or due):
-                last_eval = holdout_metrics(accelerator, model, data, run.holdout_sampler, n)
-                accelerator.log(last_eval, step=state["step"])
-                log.write({"step": state["step"], **last_eval})
-                accelerator.print(f"step {state['step']}: " + ", ".join(
-                    f"{k2.split('/')[1]} {v:.3f}" for k2, v in last_eval.items() if "loss_" not in k2))
-            if due:
-                save_step(run, train_cfg, last_eval)
-            elif stopped:  # saved at once, without a held-out pass: done well before timeout's SIGKILL
-                save_step(run, train_cfg, None)
-            window_loss.zero_()
-            window_nonfinite.zero_()
-            window_tokens, window_real, t0 = 0, 0, time.perf_counter()
+            record, stopping = optimizer_step(run, train_cfg, w, k, micro_batches, stop)
+            log_step(run, train_cfg, w, record, bar)
+            at_end, stopped = evaluate_and_save(run, train_cfg, w, stopping)
+            w.reset()
             if at_end or stopped:
                 break
         else:

@@ -17,7 +17,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from common.files import remove_temps, replace_symlink, sha256_file, swap_dir, temp_path, write_text_atomic
+from common.files import (
+    json_text,
+    named_errors,
+    remove_temps,
+    replace_symlink,
+    sha256_file,
+    swap_dir,
+    temp_path,
+    write_text_atomic,
+)
 from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import CheckpointError, save_checkpoint
 
@@ -75,13 +84,14 @@ def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer:
         if tmp.exists():
             shutil.rmtree(tmp)
         save_checkpoint(model, tmp, dtype=dtype,
-                        extra_files={"run_config.json": json.dumps(run_config, indent=2) + "\n"})
+                        extra_files={"run_config.json": json_text(run_config, indent=2) + "\n"})
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / STATE_DIR))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         record = {**trainer, "state_sha256": _state_digests(tmp / STATE_DIR)}
-        (tmp / STATE_DIR / TRAINER_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        with named_errors(tmp / STATE_DIR / TRAINER_FILE):
+            (tmp / STATE_DIR / TRAINER_FILE).write_text(json_text(record, indent=2) + "\n")
         swap_dir(tmp, final)
     accelerator.wait_for_everyone()
     return final
@@ -100,7 +110,7 @@ def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | N
         return False
     replace_symlink(root / "best", ckpt.name)
     record = {"metric": metric, "value": value, "step": step, "checkpoint": ckpt.name}
-    write_text_atomic(root / "best.json", json.dumps(record, indent=2) + "\n")
+    write_text_atomic(root / "best.json", json_text(record, indent=2) + "\n")
     return True
 
 
