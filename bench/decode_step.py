@@ -41,6 +41,7 @@ from engine import batched  # noqa: E402
 from engine.batched import PAGE, BatchedTarget  # noqa: E402
 from engine.continuous_batching import Stream  # noqa: E402
 from engine.decode_graphs import DecodeGraphs  # noqa: E402
+from engine.profile import EngineProfile  # noqa: E402
 
 
 def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> BatchedTarget:
@@ -105,7 +106,9 @@ def stream_steps(target: BatchedTarget, rows: int, context: int, steps: int) -> 
     max_len = context + steps + 16
     # every row's pages and the admission's reserve (a quarter page a live row), so that all rows are admitted
     pages = 1 + rows * (-(-max_len // PAGE) + 1)
-    stream = Stream(target, [], max_len=max_len, rows=rows, wanted=rows, pages=pages, attention="flex")
+    profile = EngineProfile()
+    stream = Stream(target, [], max_len=max_len, rows=rows, wanted=rows, pages=pages, attention="flex",
+                    profile=profile)
     for i in range(rows):
         stream.submit(i, torch.randint(0, vocab, (context,), generator=g).tolist(), steps + 12)
     for _ in range(rows):  # each poll prefills what fits its token budget
@@ -116,7 +119,7 @@ def stream_steps(target: BatchedTarget, rows: int, context: int, steps: int) -> 
         raise RuntimeError(f"decode_step: {stream.live} of {rows} rows admitted with {pages} pages")
     for _ in range(4):  # the first steps compile, capture and warm the graph
         stream.poll()
-    timing = stream.timing
+    timing = profile.times
 
     def split() -> tuple[float, float, float]:  # the host's decode, the device's decode, the engine's own host work
         return (timing.decode_s, timing.decode_device_s,

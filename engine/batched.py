@@ -25,7 +25,6 @@ modules, so the numbers are the model's, up to the summation order of the attent
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -51,7 +50,6 @@ PAGE = 128  # positions per page of a PagedKVCache: flex attention's key block, 
 # that builds several streams (an eval's references, a module of CUDA tests) adds up to four each, and dynamo's
 # default limit of 8 sent the third stream's decode to gather. Called only eagerly and at CUDA graph captures.
 DECODE_COMPILES = 64
-ATTENTION_ENV = "EAGLE3_PAGED_ATTENTION"  # "flex" or "gather": overrides the device's default (benchmarks A/B them)
 
 
 class UnsupportedTargetError(ValueError):
@@ -442,12 +440,13 @@ def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, 
     return "suffix" if cache.suffix_kernel == "flex" else None
 
 
+ATTENTIONS = ("flex", "gather")
+
+
 def default_attention(device: torch.device) -> str:
-    """The paged cache's decode attention: $EAGLE3_PAGED_ATTENTION, else flex on CUDA and gather elsewhere."""
-    chosen = os.environ.get(ATTENTION_ENV) or ("flex" if device.type == "cuda" else "gather")
-    if chosen not in ("flex", "gather"):
-        raise ValueError(f"{ATTENTION_ENV}={chosen!r}: use flex or gather")
-    return chosen
+    """The paged cache's attention unless the caller picks one: flex on CUDA, gather (the reference math)
+    elsewhere, where flex's kernels are slow to compile."""
+    return "flex" if device.type == "cuda" else "gather"
 
 
 @dataclass
@@ -600,6 +599,9 @@ class BatchedTarget:
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def new_paged_cache(self, rows: int, pages: int, max_len: int, attention: str | None = None) -> PagedKVCache:
+        """A paged cache attended by ``attention`` (one of ``ATTENTIONS``; default ``default_attention``)."""
+        if attention is not None and attention not in ATTENTIONS:
+            raise ValueError(f"paged attention {attention!r}: use one of {list(ATTENTIONS)}")
         return PagedKVCache(len(self.layers), self.kv_heads, self.head_dim, rows, pages, max_len, self.dtype,
                             self.device, attention or default_attention(self.device))
 

@@ -64,6 +64,7 @@ def test_cpu_runs_record_the_full_run_and_each_share_with_their_spans(bench_resu
     shares = results["regenerate_shares"]
     assert results["regenerate"] == whole, "a call without a full run replaced the full run's object"
     assert whole["conversations"] == 4 and whole["spans"]["conversations"] == 4
+    assert whole["host_samples"] and "timeline" in whole["engine"]  # the child's engine was profiled
     assert shares["ranks_measured"] == ["0", "1"] and shares["full"]["seconds"] == whole["seconds"]
     assert sum(shares["ranks"][r]["conversations"] for r in "01") == 4
     assert sum(shares["ranks"][r]["gen_tokens"] for r in "01") == whole["gen_tokens"]

@@ -28,9 +28,10 @@ import yaml
 from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
 from common.process_clock import process_age_s
-from data_prep.backends import BackendError, HFChatBackend
-from data_prep.regenerate import HOST_SAMPLES_ENV, PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
+from data_prep.backends import BackendError, HFChatBackend, make_chat_backend
+from data_prep.regenerate import PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
 from data_prep.step_failed import StepFailed
+from engine.profile import EngineProfile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -381,17 +382,27 @@ def test_the_summary_says_where_the_process_seconds_went(tmp_path: Path, fake: A
     assert "seconds by phase: startup " in r.stdout or "seconds by phase: before the step (" in r.stdout
 
 
-def test_host_samples_of_the_step_go_where_the_env_var_says(tmp_path: Path, fake: Any) -> None:
-    """With $EAGLE3_HOST_SAMPLES the step's main thread is sampled and the summary written there: samples taken,
-    the regenerate loop among the inclusive functions."""
+def test_a_profiled_step_samples_its_host_and_the_command_does_not(tmp_path: Path, fake: Any) -> None:
+    """Profiled (a benchmark's ``EngineProfile(sample_host=True)``), the step's main thread is sampled and the
+    summary's engine holds the samples: the regenerate loop among the functions sampled. The command profiles
+    nothing."""
+    from data_prep.regenerate import load_prompt_records, regenerate
+
     tree = config_tree(tmp_path, backend="openai", server_urls=[fake.url], concurrency=2, batch_size=2)
-    write_prompts(parse_config(tree), [[user(f"q{i}")] for i in range(4)])
-    out = tmp_path / "samples.json"
-    r = _regenerate_cli(tree, tmp_path, env={HOST_SAMPLES_ENV: str(out)})
+    cfg = parse_config(tree)
+    write_prompts(cfg, [[user(f"q{i}")] for i in range(4)])
+    profile, backend = EngineProfile(sample_host=True), make_chat_backend(cfg.target, cfg.regenerate)
+    try:
+        summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend, profile=profile)
+    finally:
+        backend.close()
+    got = summary.engine["host_samples"]
+    assert got["samples"] >= 1 and got["interval_s"] > 0 and profile.sampler is not None
+    assert profile.sampler.inclusive["data_prep/regenerate.py _rounds"] > 0, got
+    cfg.conversations_path.unlink()
+    r = _regenerate_cli(tree, tmp_path)
     assert r.returncode == 0, r.stderr
-    got = json.loads(out.read_text())
-    assert got["samples"] >= 1 and got["interval_s"] > 0
-    assert any(w["where"].endswith("regenerate.py _rounds") for w in got["inclusive"]), got["inclusive"]
+    assert json.loads((tmp_path / "run" / "data_prep_summary.json").read_text())["regenerate"]["engine"] == {}
 
 
 class EchoAuth(BaseHTTPRequestHandler):
@@ -534,7 +545,7 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     max_tokens, max_context = 20, 130
     cfg = make_cfg(tmp_path, max_tokens=max_tokens, batch_size=3, max_context_tokens=max_context)
     ids = write_prompts(cfg, multi_turn_chats())
-    summary = run_regenerate(cfg)
+    summary = run_regenerate(cfg, profile=True)
     records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
     tok, stops = smollm2.tokenizer, hf_model.stop_token_ids(smollm2.tokenizer)
     answers = dropped = 0
@@ -570,8 +581,9 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     # and every first turn was rendered and tokenized on the prefetch thread (the answers above hold for them)
     assert e["prompts_prefetched"] == len(ids) and e["prompts_tokenized_whole"] == 0, e
     assert e["prefetch_error"] is None, e
-    # the caller's time by part: chat templates, tokenizing, detokenizing, writing conversations
+    # profiled: the caller's time by part (chat templates, tokenizing, detokenizing, writing conversations)
     assert set(e["caller_s_by_part"]) == {"render_s", "tokenize_s", "detokenize_s", "write_s"}, e
+    assert e["host_samples"]["samples"] > 0, e
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,
@@ -807,7 +819,7 @@ class ScriptedStreamBackend(ScriptedBackend):
     def __init__(self, out: Path, rows: int = 8, poll_s: float = 0.0):
         self.out, self.rows, self.poll_s, self.streams = out, rows, poll_s, []
 
-    def stream(self, wanted: int) -> ScriptedStream:
+    def stream(self, wanted: int, profile: Any = None) -> ScriptedStream:
         self.streams.append(ScriptedStream(self, self.out, min(self.rows, wanted), self.poll_s))
         return self.streams[-1]
 
