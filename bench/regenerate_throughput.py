@@ -6,12 +6,12 @@
         --prompts-file runs/smollm2-h200/prompts.jsonl --conversations 4000 --gpus 1 2   # and both GPUs of a node
     BENCH_RESULTS=/tmp/smoke.json python bench/regenerate_throughput.py --config configs/smollm2-135m-h200.yaml \
         --prompts-file P --conversations 6 --gpus 1 2 --exact-prompts 2 --exact-max-tokens 8 --ab-prompts 4 \
-        --set target.device=cpu --set target.dtype=float32 --set regenerate.max_tokens=16   # a CPU smoke run
+        --set target.device=cpu --set target.dtype=float32 --set regenerate.max_new_tokens=16   # a CPU smoke run
 
 What runs: the regenerate step as ``python -m data_prep regenerate --config RUN/config.yaml`` runs it, its engine
 profiled (bench/regenerate_profiled.py), as a child process, RUN a fresh run dir (under --out) holding the first
 --conversations records of --prompts-file (an ingested prompts.jsonl: for the shipped config, ShareGPT with up to 8
-turns) and the config with --set applied (its regenerate section as shipped: max_tokens 1,024, stop_loops,
+turns) and the config with --set applied (its regenerate section as shipped: max_new_tokens 1,024, stop_loops,
 max_context_tokens). For --gpus n the config's
 ``regenerate.devices`` is the first n GPUs (on a machine without one: n CPU processes, a smoke run).
 
@@ -155,7 +155,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             **({"device_phases": s["device_phases"]} if s["device_phases"] else {}),
             "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
-            "engine": s["engine"], "spans": s["spans"], "max_tokens": cfg.regenerate.max_tokens,
+            "engine": s["engine"], "spans": s["spans"], "max_tokens": cfg.regenerate.max_new_tokens,
             "dtype": cfg.target.dtype,
             "host_samples": host,
             "compile_caches": cached}
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ab_prompts:
             figures["attention_ab"] = attention_ab(target, prompts[: args.ab_prompts], args.ab_max_tokens)
         if args.baseline_prompts:
-            figures |= baseline(target, prompts[: args.baseline_prompts], cfg.regenerate.max_tokens,
+            figures |= baseline(target, prompts[: args.baseline_prompts], cfg.regenerate.max_new_tokens,
                                 args.baseline_batch)
         record("regenerate" + suffix, figures)
     if args.exact_prompts:

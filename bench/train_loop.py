@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import record  # noqa: E402
 from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
 from bench.train_throughput import bench, shape_figures  # noqa: E402
-from common.config import load_config  # noqa: E402
+from common.config import RunConfig, load_config  # noqa: E402
 from drafter.model import DrafterShape  # noqa: E402
 from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 from target_model.hf_model import target_text_config  # noqa: E402
@@ -44,7 +44,7 @@ NAME = "train_loop_smollm2"
 BAR = 0.85
 
 
-def drafter_shape(cfg: Any) -> DrafterShape:
+def drafter_shape(cfg: RunConfig) -> DrafterShape:
     """The fresh drafter the loop trains for this config (train.build.fresh_shape; the aux ids name layers
     only: they cost nothing)."""
     hf = target_text_config(cfg.target)

@@ -154,6 +154,7 @@ class HFChatStream:
         c = backend.cfg
         self.b = backend
         self.max_len = backend.max_context or self.LONGEST_ROW
+        self.max_new_tokens = c.max_new_tokens  # an answer's budget, cut to the room its prompt leaves
         loops = LoopStop(c.loop_min_repeat_tokens, c.loop_max_period, keep=c.loop_keep_tokens) if c.stop_loops else None
         self.engine = Stream(backend.engine, backend.stop_ids, Sampling(c.temperature, c.top_p, c.top_k, c.seed),
                              max_len=self.max_len, rows=c.slots, cpu_rows=c.batch_size, wanted=wanted or MAX_ROWS,
@@ -219,9 +220,9 @@ class HFChatStream:
             self.profile.add_caller("render_s", t1 - t0)
             self.profile.add_caller("tokenize_s", time.perf_counter() - t1)
         for (key, _, _), (text, x) in zip(items, encoded, strict=True):  # type: ignore[misc]
-            budget = min(self.b.cfg.max_tokens, self.max_len - len(x))
-            if budget > 0:
-                self.engine.submit(key, x, budget, continue_from=key)
+            max_new_tokens = min(self.max_new_tokens, self.max_len - len(x))
+            if max_new_tokens > 0:
+                self.engine.submit(key, x, max_new_tokens, continue_from=key)
                 self.sent[key] = (text, x)
             else:  # no room left for another answer
                 self.ready.append((key, Completion(finish_reason=CONTEXT_FULL)))
@@ -320,7 +321,7 @@ class OpenAIChatBackend:
     def body(self, chat: Chat, tools: Tools = None) -> dict[str, Any]:
         c = self.cfg
         body: dict[str, Any] = {"model": c.model, "messages": chat, "temperature": c.temperature,
-                                "top_p": c.top_p, "max_tokens": c.max_tokens, "seed": c.seed}
+                                "top_p": c.top_p, "max_tokens": c.max_new_tokens, "seed": c.seed}
         if c.top_k is not None:
             body["top_k"] = c.top_k
         if tools:

@@ -257,7 +257,7 @@ class RegenerateSummary:
             f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
             f"{self.duplicate_ids} duplicate ids",
             f"- {self.turns} answers: finish reasons {dict(self.finish_reasons)}; chars {pct}",
-            f"- flagged: {self.empty_answers} empty, {self.length_answers} cut at max_tokens (\"length\"), "
+            f"- flagged: {self.empty_answers} empty, {self.length_answers} cut at max_new_tokens (\"length\"), "
             f"{self.loop_answers} cut at a loop (\"loop\")",
             f"- this run: {self.loop_cuts} answers cut at their loop's first copy, when they had "
             f"{self.loop_tokens_generated} tokens; {self.loop_tokens_kept} kept",

@@ -132,7 +132,7 @@ class Generated:
 class _Request:
     key: Hashable
     prompt: Sequence[int]
-    max_new: int
+    max_new_tokens: int
 
 
 @dataclass
@@ -332,16 +332,16 @@ class Stream:
         """Rows free for new requests at the next poll: the free ones and the finished ones nobody continued."""
         return len(self.free) + len(self.parked)
 
-    def submit(self, key: Hashable, prompt: Sequence[int], max_new: int, continue_from: Hashable | None = None
+    def submit(self, key: Hashable, prompt: Sequence[int], max_new_tokens: int, continue_from: Hashable | None = None
                ) -> None:
         """Queue a request; its answer comes out of ``run`` under ``key``. ``continue_from``: the key of an
         answer handed out by the last poll whose row this request may continue in, prefilling only what follows
         the longest common prefix of that row's ids and ``prompt``; when that row is no longer held (its answer
         came out earlier, or it was never a request here) the request starts from scratch."""
-        if not prompt or max_new < 1 or len(prompt) + max_new > self.max_len:
-            raise ValueError(f"request {key!r}: prompt of {len(prompt)} tokens + {max_new} new does not fit a "
+        if not prompt or max_new_tokens < 1 or len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"request {key!r}: prompt of {len(prompt)} tokens + {max_new_tokens} new does not fit a "
                              f"row of {self.max_len} positions (or is empty)")
-        r = _Request(key, prompt, max_new)
+        r = _Request(key, prompt, max_new_tokens)
         if continue_from is not None and continue_from in self.parked:
             row, held = self.parked.pop(continue_from)
             # At least the prompt's last token is prefilled: its logits give the answer's first token.
@@ -422,7 +422,7 @@ class Stream:
 
     def _owed(self, row: int, r: _Request) -> int:
         """Pages ``row`` may still take: its prompt and whole budget, less what it holds."""
-        return self.cache.pages_for(len(r.prompt) + r.max_new) - len(self.cache.row_pages[row])
+        return self.cache.pages_for(len(r.prompt) + r.max_new_tokens) - len(self.cache.row_pages[row])
 
     def _room(self, pages: int) -> bool:
         """``pages`` free, growing a CPU pool when it must."""
@@ -441,9 +441,9 @@ class Stream:
         """Whether ``row`` may take the pages ``r``'s prompt and first answer token need beyond those it holds,
         while pages stay for the live rows (and ``taken`` rows admitted with it) to grow: a share per row, never
         more than they, and ``r`` after its first token, may still take."""
-        held = len(self.cache.row_pages[row])
-        need = max(0, self.cache.pages_for(len(r.prompt) + 1) - held)
-        later = self.cache.pages_for(len(r.prompt) + r.max_new) - max(held, self.cache.pages_for(len(r.prompt) + 1))
+        held, first = len(self.cache.row_pages[row]), self.cache.pages_for(len(r.prompt) + 1)
+        need = max(0, first - held)
+        later = self.cache.pages_for(len(r.prompt) + r.max_new_tokens) - max(held, first)
         reserve = min(math.ceil(GROWTH_RESERVE * (self.live + taken + 1)), self.owed + later)
         if not self._room(need + reserve) and (self.live or taken):
             return False
@@ -661,19 +661,19 @@ class Stream:
             if start is not None:
                 self._finish(row, "loop", generated=n, cut=off + start + lp.keep)
                 return
-        if n >= r.max_new:
+        if n >= r.max_new_tokens:
             self._finish(row, "length")
             return
         if (self.length[row] + 1) % self.cache.page == 0:  # the token after next opens a page
             self.needs_page.append(row)
-        self.due[row] = self._next_due(row, n, r.max_new)
+        self.due[row] = self._next_due(row, n, r.max_new_tokens)
 
-    def _next_due(self, row: int, n: int, max_new: int) -> int:
+    def _next_due(self, row: int, n: int, max_new_tokens: int) -> int:
         """The next length at which ``row``'s token needs ``_take`` (its answer has ``n`` tokens now): answer
         tokens and lengths grow together, one a step, so each event's length is known ahead."""
         length, page, lp = self.length[row], self.cache.page, self.loops
         ahead = n - length
-        due = min(((length + 1) // page + 1) * page - 1, max_new - ahead)
+        due = min(((length + 1) // page + 1) * page - 1, max_new_tokens - ahead)
         if lp is not None:
             check = -(-max(n + 1, lp.min_repeat_tokens) // lp.every) * lp.every
             due = min(due, check - ahead)

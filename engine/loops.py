@@ -1,7 +1,7 @@
 """Degenerate loops at the end of an answer: find them, cut them, measure them (pure; numpy only).
 
 A small target decoding greedily often ends in a loop: the same block of tokens again and again until
-``max_tokens``. Those tails are easy tokens (the drafter predicts a copy) that inflate held-out accuracy
+``max_new_tokens``. Those tails are easy tokens (the drafter predicts a copy) that inflate held-out accuracy
 and teach nothing about real decoding, so regeneration stops an answer at its loop
 (``engine.continuous_batching``, finish reason "loop") and the reports measure what is left.
 
@@ -112,7 +112,7 @@ def loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, 
 def retokenized_loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256,
                            ragged: int = 1) -> int | None:
     """``loop_start`` of an answer's text tokenized again (a server's answer, a stored one): its last ``ragged``
-    tokens may come out otherwise than they were generated (an answer cut at max_tokens ends anywhere, e.g. in a
+    tokens may come out otherwise than they were generated (an answer cut at its token budget ends anywhere, e.g. in a
     lone space), so a loop that stops up to ``ragged`` tokens before the end counts too (they go with the
     copies)."""
     for k in range(min(ragged, max(len(tokens) - 1, 0)) + 1):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from common.config import TargetConfig
 from common.dtypes import torch_dtype
 from common.step_clock import StepClock
 from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
@@ -217,16 +218,16 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
     return TargetModel(model, tok, name, Path(source) if isinstance(source, Path) else None)
 
 
-def target_text_config(cfg: Any) -> Any:
+def target_text_config(cfg: TargetConfig) -> Any:
     """The target's HF config for its language model (heads, intermediate size, RoPE), without loading weights:
-    a multimodal target (Kimi-K2.5) nests it as ``text_config``. ``cfg`` is a TargetConfig section."""
+    a multimodal target (Kimi-K2.5) nests it as ``text_config``."""
     from transformers import AutoConfig
 
     source = resolve_source(cfg.name, cfg.gguf_file)
     return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code).get_text_config()
 
 
-def load_target_from_config(cfg: Any, seconds: dict[str, float] | None = None) -> TargetModel:
-    """``cfg`` is a TargetConfig section (kept out of the signature above: builders take plain values)."""
+def load_target_from_config(cfg: TargetConfig, seconds: dict[str, float] | None = None) -> TargetModel:
+    """``load_target`` on the config's values (the builders themselves take plain values)."""
     return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code, seconds)
 

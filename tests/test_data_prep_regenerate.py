@@ -130,7 +130,7 @@ def openai_cfg(tmp_path: Path, urls: list[str], template_kwargs: dict | None = N
 
 
 def test_turn_by_turn_feeds_back_the_targets_answers(tmp_path: Path, fake: Any) -> None:
-    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], {"enable_thinking": False}, top_k=20, max_tokens=7, seed=3,
+    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], {"enable_thinking": False}, top_k=20, max_new_tokens=7, seed=3,
                      num_prompts=2)
     system = {"role": "system", "content": "be brief"}
     ids = write_prompts(cfg, [
@@ -447,7 +447,7 @@ def test_a_server_echoing_the_key_leaves_it_in_no_output_and_no_file(tmp_path: P
 
 @pytest.mark.real
 def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
-    cfg = make_cfg(tmp_path, max_tokens=12)
+    cfg = make_cfg(tmp_path, max_new_tokens=12)
     backend = HFChatBackend(cfg.target, cfg.regenerate)
     short = [user("What is the capital of France? Answer in one word.")]
     long = [{"role": "system", "content": "You are a storyteller."},
@@ -464,7 +464,7 @@ def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
 
 @pytest.mark.real
 def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path: Path, smollm2, monkeypatch) -> None:
-    """Greedy SmolLM2 loops on most MT-Bench writing prompts (issue #18). At max_tokens=512 without stop_loops
+    """Greedy SmolLM2 loops on most MT-Bench writing prompts (issue #18). At max_new_tokens=512 without stop_loops
     these run to the cap with a loop at the end; with it they end as "loop" after a few hundred tokens, and what
     is kept is the start of the answer generated without it, token for token. A prompt answered without a loop
     is the same answer either way. The hf backend gives the same answers and counts."""
@@ -480,7 +480,7 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     mtbench = load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)
     chats = [[user(mtbench[i])] for i in (4, 11, 10, 21)]  # a character, Sheldon, Elon Musk; the red house riddle
     ids = [tok(prompt_text(tok, c), add_special_tokens=False)["input_ids"] for c in chats]
-    cfg = make_cfg(tmp_path, max_tokens=512, batch_size=4)
+    cfg = make_cfg(tmp_path, max_new_tokens=512, batch_size=4)
     r = cfg.regenerate
     assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
     engine, stops = BatchedTarget(smollm2.model), hf_model.stop_token_ids(tok)
@@ -542,8 +542,8 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     # chunks of 2 first prompts, fewer than the rows: the stream opens only what the thread has ready
     monkeypatch.setattr(PromptPrefetch, "CHUNK", 2)
-    max_tokens, max_context = 20, 130
-    cfg = make_cfg(tmp_path, max_tokens=max_tokens, batch_size=3, max_context_tokens=max_context)
+    max_new_tokens, max_context = 20, 130
+    cfg = make_cfg(tmp_path, max_new_tokens=max_new_tokens, batch_size=3, max_context_tokens=max_context)
     ids = write_prompts(cfg, multi_turn_chats())
     summary = run_regenerate(cfg, profile=True)
     records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
@@ -558,7 +558,7 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
             if m["role"] != "assistant":
                 continue
             ids_in = tok(prompt_text(tok, msgs[:i]), add_special_tokens=False)["input_ids"]
-            budget = min(max_tokens, max_context - len(ids_in))
+            budget = min(max_new_tokens, max_context - len(ids_in))
             out = smollm2.model.generate(torch.tensor([ids_in]), max_new_tokens=budget, do_sample=False,
                                          eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(ids_in):].tolist()
             end = next((j for j, t in enumerate(out) if t in stops), None)
@@ -606,7 +606,7 @@ def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path:
     there is a whole conversation, each of its turns answered; the rerun skips those and finishes the rest; and
     the file then holds, id for id, what an uninterrupted run writes."""
     chats = multi_turn_chats() + [[user(f"Name a fruit that starts with the letter {c}.")] for c in "ABCD"]
-    tree = config_tree(tmp_path / "killed", backend="hf", batch_size=2, max_tokens=8)
+    tree = config_tree(tmp_path / "killed", backend="hf", batch_size=2, max_new_tokens=8)
     cfg = parse_config(tree)
     ids = write_prompts(cfg, chats)
     cfg_file = tmp_path / "run.yaml"
@@ -637,7 +637,7 @@ def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path:
     assert summary.duplicate_ids == 0 and summary.missing == 0
     assert cfg.conversations_path.read_bytes().startswith(whole)
     resumed = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
-    straight = make_cfg(tmp_path / "straight", backend="hf", batch_size=2, max_tokens=8)
+    straight = make_cfg(tmp_path / "straight", backend="hf", batch_size=2, max_new_tokens=8)
     write_prompts(straight, chats)
     run_regenerate(straight)
     for r in assert_each_id_once(straight, ids):
@@ -709,7 +709,8 @@ def test_real_llama_cpp_server_killed_mid_run_then_resumed(tmp_path: Path) -> No
         servers.append(LlamaServer(tmp_path / "server1.log"))
         servers[0].wait_ready()
         # A slow answer on a loaded machine must not read as a dead server: a long timeout, few retries.
-        regen = {"max_tokens": 24, "max_retries": 1, "timeout_s": 120, "top_k": 40, "concurrency": 1, "batch_size": 1}
+        regen = {"max_new_tokens": 24, "max_retries": 1, "timeout_s": 120, "top_k": 40, "concurrency": 1,
+                 "batch_size": 1}
         cfg = openai_cfg(tmp_path, [servers[0].url], **regen)
         ids = write_prompts(cfg, chats)
         result: dict[str, Any] = {}
@@ -947,8 +948,8 @@ def test_part_files_merge_once_after_a_kill(tmp_path: Path) -> None:
 @pytest.mark.real
 def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path) -> None:
     chats = [[user(f"Give one word that rhymes with {w}.")] for w in ("cat", "dog", "sun", "tree", "blue")]
-    one = make_cfg(tmp_path / "one", max_tokens=8, batch_size=8)
-    two = make_cfg(tmp_path / "two", max_tokens=8, batch_size=8, devices=["cpu", "cpu"])
+    one = make_cfg(tmp_path / "one", max_new_tokens=8, batch_size=8)
+    two = make_cfg(tmp_path / "two", max_new_tokens=8, batch_size=8, devices=["cpu", "cpu"])
     ids = write_prompts(one, chats)
     write_prompts(two, chats)
     run_regenerate(one)
@@ -1076,7 +1077,7 @@ def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path
     from target_model import hf_model
 
     monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
-    cfg = make_cfg(tmp_path, max_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
+    cfg = make_cfg(tmp_path, max_new_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
                    max_consecutive_failures=100)
     write_prompts(cfg, [[user(f"{i} " + "a long question about the weather in every city " * 6)] for i in range(7)])
     backend = make_chat_backend(cfg.target, cfg.regenerate)
