@@ -87,8 +87,8 @@ class DrafterConfig(Section):
         "allow (lm_head rows, final norm, last layer, fc passing the top aux layer through).")
     aux_scale: Literal["none", "per_state"] = Field(
         "none", description="per_state: while training, fc reads each aux state scaled to rows of RMS about 1 "
-        "(sqrt(H) / its median row norm over the first training samples; deeper states are several times larger, "
-        "bench/aux_scales.py); every saved checkpoint has the scale folded into fc, so SGLang serves it as is.")
+        "(sqrt(H) / its median row norm over the first training samples; deeper states are several times "
+        "larger); every saved checkpoint has the scale folded into fc, so SGLang serves it as is.")
     draft_vocab_size: PositiveInt = 32000
     intermediate_size: PositiveInt | None = None
     num_attention_heads: PositiveInt | None = None

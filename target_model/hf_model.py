@@ -110,11 +110,11 @@ class TargetModel:
     def forward_right_padded(self, input_ids: Tensor, aux_layer_ids: Sequence[int]) -> TargetOutput:
         """Aux and last hidden states of right-padded rows (capture's batches, online training's). No padding
         mask: under the causal mask a real token never sees the padding after it, while a padding mask makes HF
-        build a 4-D mask every batch and keeps SDPA off its fused causal kernels (issue #20: the online target
-        cost a fifth of the training loop's time). Padding positions come out finite and are never scored."""
-        # SDPA without cuDNN (``RIGHT_PADDED_SDPA``; issue #20: 117 ms a step in the loop), and on CUDA the layers
-        # compiled (``target_model.compiled_layers``: the eager layer's small kernels took two thirds of the forward).
-        # bench/target_forward.py measures each.
+        build a 4-D mask every batch and keeps SDPA off its fused causal kernels (the online target runs this every
+        training step). Padding positions come out finite and are never scored."""
+        # SDPA without cuDNN (``RIGHT_PADDED_SDPA``: cuDNN builds a plan for every new batch shape, and a token budget
+        # meets new shapes step after step), and on CUDA the layers compiled (``target_model.compiled_layers``: the
+        # eager layer is many small kernels whose launches, not their work, bound the forward).
         with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
             if self.device.type != "cuda":
                 return self.forward(input_ids, aux_layer_ids, logits=False)

@@ -65,7 +65,7 @@ AUX_SCALE_SAMPLES = 64
 def aux_state_scales(data: TrainingData, device: torch.device, samples: int = AUX_SCALE_SAMPLES) -> Tensor:
     """(3H,) fp32 for ``drafter.aux_scale: per_state``: per aux state, sqrt(H) / its median row norm over every
     token of the first ``samples`` training samples, repeated over the state's H columns. The median, not the
-    mean: a few rows carry massive activations (bench/aux_scales.py). The same samples on every process and at
+    mean: a few rows carry massive activations. The same samples on every process and at
     every resume, so all of them scale alike."""
     ds = data.train.head(samples)
     norms: list[list[Tensor]] = [[], [], []]
