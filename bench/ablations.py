@@ -29,7 +29,7 @@ user's own command (``python -m train``, a process of its own: <row>/train.out) 
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
 rows it finished; a rerun skips them (a row cut mid-training resumes from its checkpoint of every 100 steps).
 A row whose training prints nothing for --stall-seconds is killed and listed under "rows_failed" with the reason
-(side by side on one H200, trainers have stopped right after loading the target; a rerun retries the row).
+(side by side on one GPU, trainers have stopped right after loading the target; a rerun retries the row).
 
 <out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin, for the
 final run to use ("keep what helps"; data rows are reported, not kept: they change regeneration).

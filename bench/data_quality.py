@@ -1,4 +1,4 @@
-"""How much of the regenerated answers is a degenerate loop (issue #18), before and after regenerate.stop_loops.
+"""How much of the regenerated answers is a degenerate loop, before and after regenerate.stop_loops.
 
     # a conversations.jsonl already regenerated, measured under a label:
     python bench/data_quality.py --config configs/smollm2-135m-h200.yaml --label before \

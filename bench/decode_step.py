@@ -3,10 +3,10 @@
     python bench/decode_step.py                                    # one H200 -> "decode_step"
     python bench/decode_step.py --device cpu --rows 4 --context 100 --layers 2 --steps 2   # plumbing only
 
-Why: in the multi-turn regeneration bench a step with more than 512 live rows took 29 ms, and decode was 67 of
-its 178 engine seconds (issue #20). This measures that step alone, on a random-weight target of SmolLM2-135M's
-shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a step's time), every row holding
---context cached positions in pages of the shared pool, as in the engine:
+Why: in a multi-turn regeneration a full-batch decode step (hundreds of live rows) is most of the engine's decode
+time, and inside the engine its cost mixes with the host's. This measures that step alone, on a random-weight target
+of SmolLM2-135M's shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a step's time), every
+row holding --context cached positions in pages of the shared pool, as in the engine:
 
 - ``graph_ms``: the step replayed from its CUDA graph (``engine.decode_graphs``, what the engine runs), median of
   --steps replays timed with CUDA events; ``eager_ms`` the same step run eagerly;
@@ -18,7 +18,7 @@ shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a s
 - each configuration twice, with the decode block mask's full pages read without the mask (``full_blocks``, the
   engine's default) and with the mask on every page; with --autotune a third time, full blocks with the decode
   kernel compiled under ``max-autotune-no-cudagraphs`` (Inductor times its block sizes, warps and stages for the
-  shape, where the engine takes the defaults: whether the attention's ~2.7 TB/s of the H200's ~4.8 has headroom).
+  shape, where the engine takes the defaults: whether the attention has headroom below the H200's ~4.8 TB/s).
 """
 
 from __future__ import annotations

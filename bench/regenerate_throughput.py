@@ -106,8 +106,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     several-device run gets) over ``gpus`` devices, in a fresh run dir: its wall time and what its summary says it
     wrote. Its compiles start from empty caches (inductor's and Triton's, in the run dir), as on a fresh machine,
     whatever ran before it there: ``bench/prefill_step.py`` compiles the engine's prefill layers at SmolLM2's
-    shape, and the eleventh session's full run, which followed it on one machine, spent about 20 s less in its
-    compiles than the twelfth's on a machine where nothing had compiled. ``kept_caches``: those caches in this
+    shape, and a full run after it on the same machine would find them in the caches and compile for less.
+    ``kept_caches``: those caches in this
     folder instead, kept from run to run (as torch keeps its own in /tmp on a machine that regenerated before): a
     rerun's compiles, warm."""
     name = f"gpus-{gpus}" if share is None else f"share-{share[0]}-of-{share[1]}"

@@ -9,7 +9,7 @@ loop_tokens_per_s is the median of its per-step tokens/s (train_log.jsonl: padde
 them) after --skip warm-up steps (compilation), loop_real_tokens_per_s the same of its real (unpadded) tokens.
 Then, in this process, the bench step of the drafter that loop trains (shape from the config's target, its draft
 vocab and TTT length) on batch_tokens // --seq rows of --seq tokens, eager as the loop runs it, synthetic inputs:
-bench_tokens_per_s. ratio = loop / bench (issue #20's bar: 0.85): what the loop costs beyond the step; ratio_real
+bench_tokens_per_s. ratio = loop / bench (the bar: at least 0.85): what the loop costs beyond the step; ratio_real
 counts the loop's real tokens only, so its padding costs too.
 
 What stays in the loop's figure and not in the bench's: the online target forward for every batch (none from a

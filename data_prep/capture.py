@@ -152,9 +152,9 @@ def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], list[Any], int, d
 def render_pool_context() -> Any:
     """How render_all starts its workers: forked (instant) unless this process already holds a CUDA context,
     then from a fork server (a clean process; the workers only render). A forked child inherits the driver's
-    threads' locks in whatever state they were. It did not cure the stall of trainers started side by side on
-    one H200 (they stopped after loading their target with either start method; bench/RESULTS.md): that cause
-    is still open, and a stalled trainer now leaves its stacks (bench.runs.record_stall)."""
+    threads' locks in whatever state they were. It does not cure the stall of trainers started side by side on
+    one GPU (they have stopped after loading their target with either start method): that cause is open, and a
+    stalled trainer leaves its stacks (bench.runs.record_stall)."""
     import multiprocessing as mp
 
     return mp.get_context("forkserver" if torch.cuda.is_initialized() else "fork")

@@ -227,7 +227,7 @@ class _Launched:
 class _Firsts:
     """A prefill's first answer tokens on their way to the host (pinned copies, queued): taken into the rows by the
     next ``_read_launched``, so the host launches the next decode step while the device still runs the prefill, as
-    it does with decode steps; waiting for each prefill's tokens took a fifth of the H200 full run's wall time."""
+    it does with decode steps: waiting for each prefill's tokens would idle the device once per prefill."""
 
     rows: list[tuple[int, _Request]]  # each row and the request it was prefilled for
     tokens: Tensor
@@ -715,10 +715,9 @@ class Stream:
 
     def _apply_row_flags(self) -> None:
         """Zero the alive flags of the rows that stopped and the positions of the rows freed since the last forward,
-        in two fills queued behind the device's work. Written one element at a time from the host, each waited for
-        the device (the step launched one ahead): that one line was 30 % of the engine's host time in an H200 run's
-        host samples (issue #20). Runs before anything reads or writes the flags: a forward, a prefill's own
-        flags, a compaction."""
+        in two fills queued behind the device's work: written one element at a time from the host, each would wait
+        for the device (the step launched one ahead). Runs before anything reads or writes the flags: a forward, a
+        prefill's own flags, a compaction."""
         dev = self.t.device
         if self.stopped_rows:
             self.alive.index_fill_(0, queued_to_device(torch.tensor(self.stopped_rows), dev), 0)

@@ -25,7 +25,7 @@ from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
 from target_model.aux_layers import TargetError, sglang_captured_outputs
 from target_model.compiled_layers import CompiledLayers
 
-# The right-padded forwards' attention backends: cuDNN's SDPA builds a plan per new shape (~100 ms on an H200), and
+# The right-padded forwards' attention backends: cuDNN's SDPA builds a plan per new shape (a pause each time), and
 # every padded batch length is a new one to it; flash attention runs as fast with no per-shape cost.
 RIGHT_PADDED_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 

@@ -182,7 +182,7 @@ def test_malformed_overrides(override: str, words: str) -> None:
 
 
 def test_the_demo_starts_from_a_shipped_drafter_sglang_serves() -> None:
-    """The embedded default's incumbent (issue #18: at most 32 MB, passes the strict checker, the demo's aux ids)."""
+    """The embedded default's incumbent: at most 32 MB, passes the strict checker, has the demo's aux ids."""
     from drafter.sglang_checkpoint import check_checkpoint, read_config
 
     shipped = REPO / load_config(SMOL).drafter.init_from

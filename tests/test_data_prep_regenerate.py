@@ -464,7 +464,7 @@ def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
 
 @pytest.mark.real
 def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path: Path, smollm2, monkeypatch) -> None:
-    """Greedy SmolLM2 loops on most MT-Bench writing prompts (issue #18). At max_new_tokens=512 without stop_loops
+    """Greedy SmolLM2 loops on most MT-Bench writing prompts. At max_new_tokens=512 without stop_loops
     these run to the cap with a loop at the end; with it they end as "loop" after a few hundred tokens, and what
     is kept is the start of the answer generated without it, token for token. A prompt answered without a loop
     is the same answer either way. The hf backend gives the same answers and counts."""
@@ -879,7 +879,7 @@ def test_prompts_that_exceed_the_context_are_counted_but_do_not_stop_the_run(tmp
     """A prompt longer than the target's context is a verdict on that prompt, not a sign of a dead engine: 25
     of them taken up first (more than max_consecutive_failures) leave the run going; each is counted and
     reported by its reason, and the run passes the failure-share check like any run with a few failed
-    prompts. (On an H200, 39 such ShareGPT prompts reported first stopped a 15,598-prompt run after 7 s.)"""
+    prompts (a real dataset has a few such prompts, and the stream reports them first)."""
     from data_prep.regenerate import check_failures, load_prompt_records, regenerate
 
     cfg = make_cfg(tmp_path, max_consecutive_failures=20, max_failure_share=0.25)

@@ -557,9 +557,8 @@ def test_a_row_that_used_every_position_can_wait_for_its_follow_up_while_steps_r
     step launched before that token was read wrote the row's last position and moved its position to ``max_len``,
     one past its table. The cut answer is shorter than what the row holds, so its follow-up fits and continues in
     that row, waiting to be prefilled with others while decode steps still run the row (a live row above it).
-    Those steps write at position ``max_len``: scratch's, not an index past the page table (the thirteenth H200
-    session's full regeneration died at 99 % on "scatter gather kernel index out of bounds"). Every answer stays
-    greedy's."""
+    Those steps write at position ``max_len``: scratch's, not an index past the page table (where a device assert,
+    "scatter gather kernel index out of bounds", would kill the run). Every answer stays greedy's."""
     monkeypatch.setattr(cb, "CONTINUE_SHARE", 1)  # one waiting continuation is not due while two rows are live
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
@@ -715,7 +714,7 @@ def test_each_layer_piece_traces_once_for_every_prefill_shape(kind: str) -> None
     (a counting backend in front of AOT autograd, whose graphs run eagerly: all but inductor, as on CUDA): one graph
     each, traced once (no restart), for two prefills of other rows, widths and prefixes; the same outputs as
     uncompiled. The head counts as arguments (symbolic sizes, and a symbolic bool that split the fresh layer's
-    graph) or a float traced as a symbol (a second trace) made the prefill graph's compile on an H200 take 30 s."""
+    graph) or a float traced as a symbol (a second trace) make the prefill graph's compile several times longer."""
     from torch._dynamo.backends.registry import lookup_backend
 
     aot_eager = lookup_backend("aot_eager")

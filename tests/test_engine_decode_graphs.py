@@ -233,7 +233,7 @@ def test_a_capture_that_syncs_with_the_host_falls_back_to_eager_cuda(monkeypatch
     assert s["attention"] == "flex" and s["graph_steps"] == 0 and "captur" in s["graph_fallback"]
     assert sum("CUDA graph capture failed" in line for line in capsys.readouterr().err.splitlines()) == 1
     # the failed capture left the default generator in capture mode until the fallback released it: random ops on
-    # the device work again, from the same state (an H200 run's next test failed at torch.randn before the fix)
+    # the device work again, from the same state (else the next random op on the device fails)
     state = torch.cuda.get_rng_state()
     first = torch.randn(4, device="cuda")
     torch.cuda.set_rng_state(state)
@@ -268,8 +268,8 @@ def test_a_page_table_flush_queues_its_copies_without_waiting_on_the_device_cuda
 @cuda
 def test_rows_that_stop_or_are_freed_queue_their_flags_without_waiting_cuda() -> None:
     """A row that stops (its alive flag) or is freed (its position) reaches the device in fills queued behind the
-    step on its way: one element written from the host waited for that step, a third of the engine's host time in
-    an H200 run (issue #20). The flags land before the next forward reads them."""
+    step on its way: one element written from the host would wait for that step. The flags land before the next
+    forward reads them."""
     stream = Stream(BatchedTarget(tiny().cuda()), STOPS, max_len=120, rows=4, attention="flex")
     for i, p in enumerate(prompts(4, 3, 20, seed=9)):
         stream.submit(i, p, 50)
@@ -291,8 +291,8 @@ def test_rows_that_stop_or_are_freed_queue_their_flags_without_waiting_cuda() ->
 @cuda
 def test_a_prefill_is_launched_without_waiting_and_its_first_tokens_come_with_the_next_step_cuda() -> None:
     """A prefill queues its inputs, forward, picks and their copies to the host without a synchronising call, its
-    rows go live at once, and the next step takes its first tokens (waiting for them took a fifth of the H200 full
-    run's wall time); the answers are greedy's."""
+    rows go live at once, and the next step takes its first tokens (waiting for them would idle the device); the
+    answers are greedy's."""
     model = tiny().cuda()
     ps = prompts(8, 3, 30, seed=10)
     stream = Stream(BatchedTarget(model), STOPS, max_len=120, rows=8, attention="flex")
