@@ -38,7 +38,7 @@ has been launched, before any of that step's tokens. A CPU runs each step as it 
 
 On CUDA a flex decode step replays a CUDA graph of its padded batch size (``engine.decode_graphs``); ``Stream.stats``
 counts those steps and the captures. Given an ``engine.profile.EngineProfile`` a stream also measures where its
-seconds go (a benchmark's question; unprofiled, it reads no clocks for it).
+seconds go (a benchmark's question; unprofiled, it keeps no timings and records no timing events).
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Where a regeneration's seconds go, for benchmarks: one optional ``EngineProfile`` the caller passes.
 
 ``Stream`` (and the regeneration loop around it, ``data_prep.regenerate``) measure nothing unless they are given a
-profile: production pays no clock reads, no CUDA timing events and no sampler thread. Given one, it splits the run's
-seconds into prefill forwards, decode (the host's: launching steps and waiting for their tokens), the engine's own
-host work by phase and the caller's time between polls, with the decode steps' own device seconds beside them, and
-counts decode steps by live rows. It also bins the run second by second: a multi-turn run's tail (its longest
-conversations, a few rows a step) can take as long as its full-batch start, and totals do not show it. With
-``sample_host`` it samples the host's stack through the step (``common.stack_sampler``): where the host's seconds go,
-at no cost to them. bench/regenerate_throughput.py reads the figures and plots the timeline.
+profile: production keeps no timings, records no CUDA timing events and runs no sampler thread. Given one, it splits
+the run's seconds into prefill forwards, decode (the host's: launching steps and waiting for their tokens), the
+engine's own host work by phase and the caller's time between polls, with the decode steps' own device seconds
+beside them, and counts decode steps by live rows. It also bins the run second by second: a multi-turn run's tail
+(its longest conversations, a few rows a step) can take as long as its full-batch start, and totals do not show it.
+With ``sample_host`` it samples the host's stack through the step (``common.stack_sampler``): where the host's
+seconds go, at no cost to them. bench/regenerate_throughput.py reads the figures and plots the timeline.
 """
 
 from __future__ import annotations
