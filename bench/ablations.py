@@ -29,7 +29,7 @@ user's own command (``python -m train``, a process of its own: <row>/train.out) 
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
 rows it finished; a rerun skips them (a row cut mid-training resumes from its checkpoint of every 100 steps).
 A row whose training prints nothing for --stall-seconds is killed and listed under "rows_failed" with the reason
-(side by side on one H200, trainers have stopped right after loading the target; a rerun retries the row).
+(side by side on one GPU, trainers have stopped right after loading the target; a rerun retries the row).
 
 <out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin, for the
 final run to use ("keep what helps"; data rows are reported, not kept: they change regeneration).
@@ -54,6 +54,7 @@ from bench.results import record  # noqa: E402
 from bench.runs import REPO, holdout_at, make_run, read_log, run, train_command  # noqa: E402
 from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
+from common.config import RunConfig  # noqa: E402
 from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
 from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 
@@ -61,7 +62,7 @@ SHORT_ANSWER_TOKENS = 256
 DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers")
 
 
-def row_overrides(cfg: Any, target_intermediate: int, target_layers: int) -> dict[str, list[str]]:
+def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) -> dict[str, list[str]]:
     """Each row's config overrides (data rows: none; their data differs)."""
     low, mid, _ = resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, target_layers)
     return {"baseline": [], "init_from_target": ["drafter.init=target"], "lr_x3": [f"train.lr={3 * cfg.train.lr:g}"],

@@ -1,4 +1,4 @@
-"""How much of the regenerated answers is a degenerate loop (issue #18), before and after regenerate.stop_loops.
+"""How much of the regenerated answers is a degenerate loop, before and after regenerate.stop_loops.
 
     # a conversations.jsonl already regenerated, measured under a label:
     python bench/data_quality.py --config configs/smollm2-135m-h200.yaml --label before \
@@ -8,7 +8,7 @@
     python bench/data_quality.py --config configs/smollm2-135m-h200.yaml --regenerate 1200 --first-turns
     # a CPU smoke run (figures not for quoting; BENCH_RESULTS keeps them out of bench/results.json):
     BENCH_RESULTS=/tmp/smoke.json python bench/data_quality.py --config configs/smollm2-135m.yaml \
-        --prompts runs/smollm2-135m/prompts.jsonl --regenerate 24 --set regenerate.max_tokens=256
+        --prompts runs/smollm2-135m/prompts.jsonl --regenerate 24 --set regenerate.max_new_tokens=256
     # the eval's own greedy answers (label "eval_greedy"): every prompt of the config's eval datasets (their
     # limits lifted, as eval.quality does), first turn, chat-templated, the target in float32 (the eval's
     # precision) on the config's device, eval.max_new_tokens each; --limit N per dataset for smoke runs:
@@ -158,7 +158,7 @@ def regenerate_and_measure(cfg: RunConfig, prompts: list[dict[str, Any]], backen
     generated = figures["answer_tokens"] + summary.loop_tokens_generated - summary.loop_tokens_kept
     return figures | {
         "regenerated_prompts": len(prompts), "failed_prompts": dict(summary.failed),
-        "stop_loops": stop_loops, "max_tokens": regen.max_tokens,
+        "stop_loops": stop_loops, "max_tokens": regen.max_new_tokens,
         "temperature": regen.temperature, "dtype": cfg.target.dtype, "seconds": round(seconds, 1),
         "answer_tokens_per_s": round(figures["answer_tokens"] / seconds, 1),
         "generated_tokens_per_s": round(generated / seconds, 1), "loop_cuts": summary.loop_cuts,

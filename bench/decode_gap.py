@@ -1,4 +1,4 @@
-"""Where real decoding loses acceptance against the held-out set (issue 18's diagnosis), for one checkpoint.
+"""Where real decoding loses acceptance against the held-out set, for one checkpoint.
 
     python bench/decode_gap.py --config configs/smollm2-135m-h200.yaml --checkpoint runs/smollm2-h200/checkpoints/best
 

@@ -3,10 +3,10 @@
     python bench/decode_step.py                                    # one H200 -> "decode_step"
     python bench/decode_step.py --device cpu --rows 4 --context 100 --layers 2 --steps 2   # plumbing only
 
-Why: in the multi-turn regeneration bench a step with more than 512 live rows took 29 ms, and decode was 67 of
-its 178 engine seconds (issue #20). This measures that step alone, on a random-weight target of SmolLM2-135M's
-shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a step's time), every row holding
---context cached positions in pages of the shared pool, as in the engine:
+Why: in a multi-turn regeneration a full-batch decode step (hundreds of live rows) is most of the engine's decode
+time, and inside the engine its cost mixes with the host's. This measures that step alone, on a random-weight target
+of SmolLM2-135M's shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a step's time), every
+row holding --context cached positions in pages of the shared pool, as in the engine:
 
 - ``graph_ms``: the step replayed from its CUDA graph (``engine.decode_graphs``, what the engine runs), median of
   --steps replays timed with CUDA events; ``eager_ms`` the same step run eagerly;
@@ -18,7 +18,7 @@ shape (30 layers, 9 query and 3 key/value heads of 64; weights do not change a s
 - each configuration twice, with the decode block mask's full pages read without the mask (``full_blocks``, the
   engine's default) and with the mask on every page; with --autotune a third time, full blocks with the decode
   kernel compiled under ``max-autotune-no-cudagraphs`` (Inductor times its block sizes, warps and stages for the
-  shape, where the engine takes the defaults: whether the attention's ~2.7 TB/s of the H200's ~4.8 has headroom).
+  shape, where the engine takes the defaults: whether the attention has headroom below the H200's ~4.8 TB/s).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from engine import batched  # noqa: E402
 from engine.batched import PAGE, BatchedTarget  # noqa: E402
 from engine.continuous_batching import Stream  # noqa: E402
 from engine.decode_graphs import DecodeGraphs  # noqa: E402
+from engine.profile import EngineProfile  # noqa: E402
 
 
 def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> BatchedTarget:
@@ -105,7 +106,9 @@ def stream_steps(target: BatchedTarget, rows: int, context: int, steps: int) -> 
     max_len = context + steps + 16
     # every row's pages and the admission's reserve (a quarter page a live row), so that all rows are admitted
     pages = 1 + rows * (-(-max_len // PAGE) + 1)
-    stream = Stream(target, [], max_len=max_len, rows=rows, wanted=rows, pages=pages, attention="flex")
+    profile = EngineProfile()
+    stream = Stream(target, [], max_len=max_len, rows=rows, wanted=rows, pages=pages, attention="flex",
+                    profile=profile)
     for i in range(rows):
         stream.submit(i, torch.randint(0, vocab, (context,), generator=g).tolist(), steps + 12)
     for _ in range(rows):  # each poll prefills what fits its token budget
@@ -116,7 +119,7 @@ def stream_steps(target: BatchedTarget, rows: int, context: int, steps: int) -> 
         raise RuntimeError(f"decode_step: {stream.live} of {rows} rows admitted with {pages} pages")
     for _ in range(4):  # the first steps compile, capture and warm the graph
         stream.poll()
-    timing = stream.timing
+    timing = profile.times
 
     def split() -> tuple[float, float, float]:  # the host's decode, the device's decode, the engine's own host work
         return (timing.decode_s, timing.decode_device_s,

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record, results_path  # noqa: E402
 from bench.runs import holdout_at  # noqa: E402
+from common.config import RunConfig  # noqa: E402
 from common.files import sha256_file, write_json_atomic  # noqa: E402
 from eval.batched_eval import acceptance, greedy_references  # noqa: E402
 from eval.quality import DEFAULT_SETTINGS, load_drafter, parse_settings, quality, setup  # noqa: E402
@@ -63,7 +64,7 @@ def cmd_curve(args: argparse.Namespace) -> int:
     return 0
 
 
-def curve_points(cfg: Any, target: Any, prompts: dict[str, list[list[int]]], run_dir: Path,
+def curve_points(cfg: RunConfig, target: Any, prompts: dict[str, list[list[int]]], run_dir: Path,
                  ckpts: list[Path]) -> Iterator[dict[str, Any]]:
     """Each checkpoint's point: tau (k=3, T=0) on every eval prompt, the held-out metrics of its step and the
     tokens it had trained on. A point is kept in run_dir/learning_curve/ under its checkpoint's trainer state

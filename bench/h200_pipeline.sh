@@ -42,9 +42,6 @@
 #   decode-step  bench/decode_step.py: the stream's decode step alone at fixed rows and context, graphs and eager,
 #                kernels by class, KV bandwidth (DECODE_ARGS; random SmolLM2-shaped weights: needs no model)
 #                                                                   -> "decode_step"
-#   target-forward bench/target_forward.py: the online target's right-padded forward at 23 new batch shapes, with
-#                cuDNN's SDPA allowed, without it, and with the layers compiled (random SmolLM2-shaped weights: needs
-#                no model)                                          -> "target_forward"
 #   prefill-step bench/prefill_step.py: the stream's prefill forwards alone (first turns; continuations over their
 #                rows' pages) at fixed shapes: host and device ms, kernels by class (PREFILL_ARGS; random SmolLM2-shaped
 #                weights: needs no model)                          -> "prefill_step"
@@ -180,8 +177,6 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     decode-step)
       # shellcheck disable=SC2086
       phase decode-step python3 bench/decode_step.py ${DECODE_ARGS:-} ;;
-    target-forward)
-      phase target-forward python3 bench/target_forward.py ;;
     prefill-step)
       # shellcheck disable=SC2086
       phase prefill-step python3 bench/prefill_step.py ${PREFILL_ARGS:-} ;;

@@ -4,16 +4,16 @@
     python bench/prefill_step.py --device cpu --layers 2 --shapes 2x8+0 2x8+16 --repeats 2   # plumbing only
     python bench/prefill_step.py --inductor cpp_wrapper=True      # an inductor setting -> "prefill_step_inductor"
 
-Why: in the multi-turn regeneration bench (``"regenerate"``, ninth session) a continuation prefill, a next turn's
-new tokens attending over the pages its conversation already holds, took 66 ms a forward: 358 forwards of 26 rows
-on average, 26 of the run's 124 engine seconds, for a few thousand tokens a forward that the H200 computes in a few
-ms. This runs such forwards alone, as the engine calls them (``Stream._prefill``: the rows' suffixes right-padded,
-padded again to ``prefill_shape``; logits at each row's last token), on a random-weight target of SmolLM2-135M's
-shape, over a pool where every row holds its prefix's pages:
+Why: in a multi-turn regeneration (``"regenerate"``) a continuation prefill, a next turn's new tokens attending over
+the pages its conversation already holds, is a few thousand tokens that a GPU computes in a few ms, yet the
+forwards, hundreds of them, can hold a large share of the engine's seconds. This runs such forwards alone, as the engine
+calls them (``Stream._prefill``: the rows' suffixes right-padded, padded again to ``prefill_shape``; logits at each
+row's last token), on a random-weight target of SmolLM2-135M's shape, over a pool where every row holds its prefix's
+pages:
 
 - a shape ``RxW+P``: R rows, W new tokens each, after P cached positions (P = 0: a fresh prefill; every prefill
   runs the suffix kernel, flex attention over the row's pages, a fresh one after an empty prefix, as the engine
-  runs them since the twelfth session; ``kernel`` says which ran);
+  runs them; ``kernel`` says which ran);
 - ``first_ms``: the first forward at that shape, wall, synchronised (a compile or a cuDNN plan shows here);
   ``again_ms``: the median of --repeats more; ``host_ms``: how long the call takes to return (the launches: when it
   is close to ``again_ms`` the host, not the device, bounds the forward); ``kernel_ms`` and ``by_class_ms``: the
@@ -22,10 +22,7 @@ shape, over a pool where every row holds its prefix's pages:
   seconds by phase in the first call (``compile_guard.compile_seconds``);
 - ``--inductor KEY=VALUE`` (repeatable): the same forwards with inductor's config changed (``cpp_wrapper=True``:
   its generated wrapper in C++ rather than Python, against the host time of the compiled calls), recorded as
-  ``"prefill_step_inductor"`` with the settings beside them, so a run of each in one device call compares them;
-- the tenth session's first run also ran each fresh shape with SDPA as the engine then left it: cuDNN's attention
-  built a plan at each new shape (64x256+0: 77.6 ms on the first call against 28.4 ms without cuDNN), so the
-  engine's fresh prefill now runs SDPA without it, as the online target's forward does.
+  ``"prefill_step_inductor"`` with the settings beside them, so a run of each in one device call compares them.
 """
 
 from __future__ import annotations

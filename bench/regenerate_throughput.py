@@ -6,12 +6,13 @@
         --prompts-file runs/smollm2-h200/prompts.jsonl --conversations 4000 --gpus 1 2   # and both GPUs of a node
     BENCH_RESULTS=/tmp/smoke.json python bench/regenerate_throughput.py --config configs/smollm2-135m-h200.yaml \
         --prompts-file P --conversations 6 --gpus 1 2 --exact-prompts 2 --exact-max-tokens 8 --ab-prompts 4 \
-        --set target.device=cpu --set target.dtype=float32 --set regenerate.max_tokens=16   # a CPU smoke run
+        --set target.device=cpu --set target.dtype=float32 --set regenerate.max_new_tokens=16   # a CPU smoke run
 
-What runs: ``python -m data_prep regenerate --config RUN/config.yaml`` as a child process, RUN a fresh run
-dir (under --out) holding the first --conversations records of --prompts-file (an ingested prompts.jsonl:
-for the shipped config, ShareGPT with up to 8 turns) and the config with --set applied (its regenerate
-section as shipped: max_tokens 1,024, stop_loops, max_context_tokens). For --gpus n the config's
+What runs: the regenerate step as ``python -m data_prep regenerate --config RUN/config.yaml`` runs it, its engine
+profiled (bench/regenerate_profiled.py), as a child process, RUN a fresh run dir (under --out) holding the first
+--conversations records of --prompts-file (an ingested prompts.jsonl: for the shipped config, ShareGPT with up to 8
+turns) and the config with --set applied (its regenerate section as shipped: max_new_tokens 1,024, stop_loops,
+max_context_tokens). For --gpus n the config's
 ``regenerate.devices`` is the first n GPUs (on a machine without one: n CPU processes, a smoke run).
 
 Figures, bench/results.json:
@@ -30,7 +31,7 @@ Figures, bench/results.json:
   answered in fp32 by the engine against ``model.generate`` token for token; with --ab-prompts N, ``attention_ab``:
   the engine alone (in this process) on N first turns with each paged-attention kernel (flex: each row reads its own
   pages; gather: a rectangle up to the furthest row), flex both with its decode step replayed from CUDA graphs
-  (``flex_graphs``, the engine's default on CUDA) and run eagerly (``flex_eager``, $EAGLE3_DECODE_GRAPHS=0): generated
+  (``flex_graphs``, the engine's default on CUDA) and run eagerly (``flex_eager``, ``decode_graphs=False``): generated
   tokens/s, decode steps and those replayed from graphs each, and how many answers agree with ``flex_graphs``'; with
   --baseline-prompts N, plain ``model.generate`` on N first turns in left-padded batches of --baseline-batch.
   ``spans``: when its conversations were open (``data_prep.conversation_spans``): whether the run's end waited
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -68,10 +68,9 @@ from bench.results import command_line, device_name, record, recorded, results_p
 from bench.runs import run  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
-from data_prep.regenerate import HOST_SAMPLES_ENV, device_shares, host_samples_path, part_path, phase_text  # noqa: E402
-from engine.batched import ATTENTION_ENV, BatchedTarget  # noqa: E402
+from data_prep.regenerate import device_shares, phase_text  # noqa: E402
+from engine.batched import BatchedTarget  # noqa: E402
 from engine.continuous_batching import generate  # noqa: E402
-from engine.decode_graphs import GRAPHS_ENV  # noqa: E402
 from eval.prompts import render  # noqa: E402
 from target_model.hf_model import TargetModel, load_target, stop_token_ids  # noqa: E402
 
@@ -107,8 +106,8 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     several-device run gets) over ``gpus`` devices, in a fresh run dir: its wall time and what its summary says it
     wrote. Its compiles start from empty caches (inductor's and Triton's, in the run dir), as on a fresh machine,
     whatever ran before it there: ``bench/prefill_step.py`` compiles the engine's prefill layers at SmolLM2's
-    shape, and the eleventh session's full run, which followed it on one machine, spent about 20 s less in its
-    compiles than the twelfth's on a machine where nothing had compiled. ``kept_caches``: those caches in this
+    shape, and a full run after it on the same machine would find them in the caches and compile for less.
+    ``kept_caches``: those caches in this
     folder instead, kept from run to run (as torch keeps its own in /tmp on a machine that regenerated before): a
     rerun's compiles, warm."""
     name = f"gpus-{gpus}" if share is None else f"share-{share[0]}-of-{share[1]}"
@@ -122,13 +121,12 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
     start = time.perf_counter()
-    samples = run_dir / "host_samples.json"
     caches = kept_caches or run_dir / "compile-caches"
     cached = f"{sum(1 for f in caches.rglob('*') if f.is_file())} files at start in {caches}" if kept_caches \
         else "empty at start"
-    run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_path)],
-        env={HOST_SAMPLES_ENV: str(samples), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-             "TRITON_CACHE_DIR": str(caches / "triton")}, log=run_dir / "regenerate.log")
+    run([sys.executable, "bench/regenerate_profiled.py", str(cfg_path)],
+        env={"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")},
+        log=run_dir / "regenerate.log")
     seconds = time.perf_counter() - start
     s = json.loads((run_dir / "data_prep_summary.json").read_text())["regenerate"]
     print(f"regenerate ({name}): {s['written']} conversations, {s['answer_tokens']} answer tokens in "
@@ -143,7 +141,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     print(f"  process: {process_line(s['phases'], exit_s)}", flush=True)
     for r, phases in enumerate(s["device_phases"]):
         print(f"  worker {r} ({devices[r]}): {process_line(phases, None)}", flush=True)
-    host = host_samples(samples, cfg, len(devices))
+    host = host_samples(engines)
     for where in host[0]["own"][:8] if host else []:
         print(f"  host samples (own): {where['share']:.1%} {where['where']}", flush=True)
     png = results_path().with_name(("regenerate_timeline" if name == "gpus-1" else f"regenerate_timeline-{name}")
@@ -157,7 +155,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
             **({"device_phases": s["device_phases"]} if s["device_phases"] else {}),
             "conversations": s["written"], "answers": s["turns"],
             "failed": s["failed"], "finish_reasons": s["finish_reasons"], "devices": devices,
-            "engine": s["engine"], "spans": s["spans"], "max_tokens": cfg.regenerate.max_tokens,
+            "engine": s["engine"], "spans": s["spans"], "max_tokens": cfg.regenerate.max_new_tokens,
             "dtype": cfg.target.dtype,
             "host_samples": host,
             "compile_caches": cached}
@@ -191,15 +189,14 @@ def plot_timeline(engines: dict[str, dict[str, Any]], title: str, path: Path) ->
     plt.close(fig)
 
 
-def host_samples(wanted: Path, cfg: Any, devices: int) -> list[dict[str, Any]]:
-    """The regenerate step's host samples (``common.stack_sampler``, one summary per device): where the main thread
-    of each engine spent its time in the run just timed. A summary the run did not write is said, not skipped."""
-    outs = [cfg.conversations_path] if devices == 1 else [part_path(cfg.conversations_path, r) for r in range(devices)]
-    paths = [host_samples_path(wanted, out, cfg) for out in outs]
-    for p in paths:
-        if not p.exists():
-            print(f"  host samples: {p} was not written", flush=True)
-    return [json.loads(p.read_text()) for p in paths if p.exists()]
+def host_samples(engines: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The regenerate step's host samples (``common.stack_sampler``, one summary per device, from its engine's
+    figures): where the main thread of each engine spent its time in the run just timed. A device whose engine has
+    none is said, not skipped."""
+    for device, e in engines.items():
+        if "host_samples" not in e:
+            print(f"  host samples: none from {device}", flush=True)
+    return [e["host_samples"] for e in engines.values() if "host_samples" in e]
 
 
 def process_line(phases: dict[str, float], exit_s: float | None) -> str:
@@ -307,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ab_prompts:
             figures["attention_ab"] = attention_ab(target, prompts[: args.ab_prompts], args.ab_max_tokens)
         if args.baseline_prompts:
-            figures |= baseline(target, prompts[: args.baseline_prompts], cfg.regenerate.max_tokens,
+            figures |= baseline(target, prompts[: args.baseline_prompts], cfg.regenerate.max_new_tokens,
                                 args.baseline_batch)
         record("regenerate" + suffix, figures)
     if args.exact_prompts:
@@ -361,9 +358,9 @@ def plain_generate(target: TargetModel, prompts: list[list[int]], max_new: int, 
     return out
 
 
-AB_VARIANTS = {"flex_graphs": {ATTENTION_ENV: "flex", GRAPHS_ENV: "1"},
-               "flex_eager": {ATTENTION_ENV: "flex", GRAPHS_ENV: "0"},
-               "gather": {ATTENTION_ENV: "gather"}}  # the environment each variant runs under
+AB_VARIANTS = {"flex_graphs": {"attention": "flex", "decode_graphs": True},
+               "flex_eager": {"attention": "flex", "decode_graphs": False},
+               "gather": {"attention": "gather"}}  # the engine's options each variant runs with
 
 
 def attention_ab(target: TargetModel, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
@@ -373,17 +370,12 @@ def attention_ab(target: TargetModel, prompts: list[list[int]], max_new: int) ->
     engine, stops = BatchedTarget(target.model), stop_token_ids(target.tokenizer)
     out: dict[str, Any] = {"prompts": len(prompts), "max_tokens": max_new}
     answers = {}
-    for name, env in AB_VARIANTS.items():
-        os.environ.update(env)
+    for name, options in AB_VARIANTS.items():
         stats: dict[str, Any] = {}
-        try:
-            generate(engine, prompts[:8], 8, stops, desc=f"warm-up {name}")
-            timed = synced(lambda n=name, s=stats: generate(engine, prompts, max_new, stops, desc=n, stats=s),
-                           target.device)
-            got, seconds = timed.result, timed.finished_s
-        finally:
-            for key in env:
-                del os.environ[key]
+        generate(engine, prompts[:8], 8, stops, desc=f"warm-up {name}", **options)
+        timed = synced(lambda n=name, s=stats, o=options: generate(engine, prompts, max_new, stops, desc=n, stats=s,
+                                                                   **o), target.device)
+        got, seconds = timed.result, timed.finished_s
         answers[name] = [g.tokens for g in got]
         out[f"{name}_tokens_per_s"] = round(sum(len(g.tokens) for g in got) / seconds, 1)
         out[f"{name}_decode_steps"], out[f"{name}_graph_steps"] = stats["steps"], stats["graph_steps"]

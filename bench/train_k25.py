@@ -3,12 +3,12 @@
     python bench/train_k25.py                                   # one H200 -> "train_k25"
     python bench/train_k25.py --rounds 2 --specforge-bench .gpu/peer/bench_specforge.py
 
-Both steps run on the same GPU in the same call, so the speed-up does not depend on which machine a session
+Both steps run on the same GPU in the same call, so the speed-up does not depend on which machine a run
 got: ours (bench/train_throughput.py's ``bench``, eager and with the drafter's step compiled) in this process,
 SpecForge's (its own draft model, TTT wrapper, Triton loss and BF16Optimizer, timed by
 ../shared/peer-bench/bench_specforge.py, flex attention) in a child process, so neither holds the other's
 GPU memory or compiled kernels. With --rounds 2 the second round runs them in the other order.
-speedup = SpecForge's median step / our faster median step (issue #20's bar: 1.5). B=1, T=2048, TTT 7, bf16,
+speedup = SpecForge's median step / our faster median step (the bar: at least 1.5). B=1, T=2048, TTT 7, bf16,
 synthetic inputs, CUDA events on both sides.
 
 SpecForge's benchmark lies outside the repo (--specforge-bench; on the GPU machine, carry a copy in .gpu/) and

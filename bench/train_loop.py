@@ -9,7 +9,7 @@ loop_tokens_per_s is the median of its per-step tokens/s (train_log.jsonl: padde
 them) after --skip warm-up steps (compilation), loop_real_tokens_per_s the same of its real (unpadded) tokens.
 Then, in this process, the bench step of the drafter that loop trains (shape from the config's target, its draft
 vocab and TTT length) on batch_tokens // --seq rows of --seq tokens, eager as the loop runs it, synthetic inputs:
-bench_tokens_per_s. ratio = loop / bench (issue #20's bar: 0.85): what the loop costs beyond the step; ratio_real
+bench_tokens_per_s. ratio = loop / bench (the bar: at least 0.85): what the loop costs beyond the step; ratio_real
 counts the loop's real tokens only, so its padding costs too.
 
 What stays in the loop's figure and not in the bench's: the online target forward for every batch (none from a
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import record  # noqa: E402
 from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
 from bench.train_throughput import bench, shape_figures  # noqa: E402
-from common.config import load_config  # noqa: E402
+from common.config import RunConfig, load_config  # noqa: E402
 from drafter.model import DrafterShape  # noqa: E402
 from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 from target_model.hf_model import target_text_config  # noqa: E402
@@ -44,7 +44,7 @@ NAME = "train_loop_smollm2"
 BAR = 0.85
 
 
-def drafter_shape(cfg: Any) -> DrafterShape:
+def drafter_shape(cfg: RunConfig) -> DrafterShape:
     """The fresh drafter the loop trains for this config (train.build.fresh_shape; the aux ids name layers
     only: they cost nothing)."""
     hf = target_text_config(cfg.target)

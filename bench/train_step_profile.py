@@ -11,7 +11,7 @@ bracketed by CUDA events over --steps steps after --warmup (medians): forward wi
 the optimizer (clip + step + zero_grad). Then --profile-steps more steps under ``torch.profiler``: device ms per
 step by kernel class and the top kernels (bench/kernel_profile.py). ``model_ms_at_peak`` is the step's model FLOPs
 at 790 TFLOP/s (train_throughput's ``model_flops``): what the GEMM class would take at the dense peak, the floor
-issue #20's 1.5x-of-SpecForge bar is weighed against.
+the 1.5x-of-SpecForge bar (bench/train_k25.py) is weighed against.
 """
 
 from __future__ import annotations

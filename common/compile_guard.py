@@ -1,7 +1,7 @@
 """What a compiled kernel does when dynamo cannot compile it: raise, so its owner chooses the fallback.
 
 Past its recompile limit dynamo would otherwise run the function uncompiled without a word: for flex attention
-that is a dense score matrix that does not fit (the eighth H200 session's out-of-memory), for a target's layers
+that is a dense score matrix that does not fit in a GPU's memory, for a target's layers
 a silently slower forward. Every owner of a compiled function calls it under ``no_uncompiled_fallback`` and
 names, once, what it falls back to. Beside that: how a compiled piece is traced (no duck sizing, floats as
 constants) and how long this process's compiles took (``compile_seconds``).
@@ -29,7 +29,7 @@ def no_uncompiled_fallback() -> Any:
 def no_duck_sizing() -> Any:
     """Trace with every dynamic size a symbol of its own. Dynamo's duck sizing gives sizes that are equal at trace
     time one symbol (a batch of 3 rows and 3 kv heads, 64 rows and a head of 64) and guards on the equality, so each
-    call where they differ compiles again: seconds each on an H200, and a step toward the recompile limit. Read at
+    call where they differ compiles again: seconds each, and a step toward the recompile limit. Read at
     trace time only, so a call that traces nothing pays only the patch (~20 us)."""
     return fx_config.patch(use_duck_shape=False)
 

@@ -87,8 +87,8 @@ class DrafterConfig(Section):
         "allow (lm_head rows, final norm, last layer, fc passing the top aux layer through).")
     aux_scale: Literal["none", "per_state"] = Field(
         "none", description="per_state: while training, fc reads each aux state scaled to rows of RMS about 1 "
-        "(sqrt(H) / its median row norm over the first training samples; deeper states are several times larger, "
-        "bench/aux_scales.py); every saved checkpoint has the scale folded into fc, so SGLang serves it as is.")
+        "(sqrt(H) / its median row norm over the first training samples; deeper states are several times "
+        "larger); every saved checkpoint has the scale folded into fc, so SGLang serves it as is.")
     draft_vocab_size: PositiveInt = 32000
     intermediate_size: PositiveInt | None = None
     num_attention_heads: PositiveInt | None = None
@@ -171,12 +171,14 @@ class RegenerateConfig(Section):
     temperature: NonNegativeFloat = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 1.0
     top_k: Int | None = None
-    max_tokens: PositiveInt = 512
+    max_new_tokens: PositiveInt = Field(
+        512, description="The most tokens an answer may have (the openai backend sends it as max_tokens); a "
+        "longer one is cut there, finish reason 'length'.")
     seed: Int = 0
     stop_loops: bool = Field(
         True, description="End an answer that falls into a degenerate loop (its tail repeats a block of tokens, "
         "engine.loops) at the loop's first copy, finish reason 'loop'. hf: checked every 16 tokens while it "
-        "decodes (a looping answer would run to max_tokens); openai: the returned answer is cut afterwards.")
+        "decodes (a looping answer would run to max_new_tokens); openai: the returned answer is cut afterwards.")
     loop_min_repeat_tokens: PositiveInt = Field(
         64, description="stop_loops: the repeated copies must cover at least this many tokens (and one full "
         "period) to count as a loop.")
@@ -474,7 +476,8 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> N
 
 # Keys that moved to another section: an old config is told where they went.
 MOVED = {"train.report_to": "tracking.report_to", "train.wandb_project": "tracking.project",
-         "regenerate.chat_template_kwargs": "target.chat_template_kwargs"}
+         "regenerate.chat_template_kwargs": "target.chat_template_kwargs",
+         "regenerate.max_tokens": "regenerate.max_new_tokens"}
 
 
 def _format_errors(source: str, err: ValidationError) -> str:

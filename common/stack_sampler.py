@@ -1,14 +1,13 @@
 """Where a long run spends its host time, from samples of its main thread's stack (nothing traced, nothing slowed).
 
 A profiler that traces every call (cProfile) doubles the cost of Python-heavy code and so misreports the very
-bookkeeping it is asked about; the regeneration engine's host work is such code (issue #20: 29 s of its "tokens"
-phase, 14 s of the caller, on an H200). Here a daemon thread reads the main thread's stack every ``interval_s``
-(``sys._current_frames``) and credits the time since its last sample to the innermost frame (``own``: file:line
-function) and to every function on the stack once (``inclusive``). Credited by time, not counted: the sampler needs
-the GIL, so while the main thread runs Python it wakes only at the interpreter's switch interval (5 ms), and a count
-would under-weigh exactly that work against waits that release the GIL. While the main thread waits in C with the
-GIL released (a CUDA synchronisation, a tokenizer), the samples name the Python line that waits. Shares are of the
-sampled time.
+bookkeeping it is asked about; the regeneration engine's host work is such code. Here a daemon thread reads the main
+thread's stack every ``interval_s`` (``sys._current_frames``) and credits the time since its last sample to the
+innermost frame (``own``: file:line function) and to every function on the stack once (``inclusive``). Credited by
+time, not counted: the sampler needs the GIL, so while the main thread runs Python it wakes only at the
+interpreter's switch interval (5 ms), and a count would under-weigh exactly that work against waits that release the
+GIL. While the main thread waits in C with the GIL released (a CUDA synchronisation, a tokenizer), the samples name
+the Python line that waits. Shares are of the sampled time.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from data_prep.loss_mask import prompt_text
 from data_prep.prompt_ids import PromptTokenizer
 from data_prep.prompt_prefetch import Encoded, PromptPrefetch
 from engine.loops import first_repeat, retokenized_loop_start
+from engine.profile import EngineProfile
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
 Tools = list[dict[str, Any]] | None  # OpenAI tool definitions offered in one chat
@@ -97,8 +98,8 @@ class HFChatBackend:
         from engine.batched import BatchedTarget, UnsupportedTargetError
         from target_model.hf_model import load_target_from_config, pick_device, stop_token_ids
 
-        # Where its seconds go (``backend_s`` in the summary's phases): on an H200 they were 15 of a 4-minute run,
-        # and a device's share of a several-device run pays them whole.
+        # Where its seconds go (``backend_s`` in the summary's phases, split): a device's share of a several-device
+        # run pays them whole, so they bound what more devices can save.
         t0 = time.perf_counter()
         device = pick_device(target_cfg.device)
         if device.type == "cuda":
@@ -121,10 +122,10 @@ class HFChatBackend:
         limits = [getattr(self.target.hf_config, "max_position_embeddings", None), cfg.max_context_tokens]
         self.max_context = min((x for x in limits if x), default=None)  # prompt + answer positions
 
-    def stream(self, wanted: int | None = None) -> HFChatStream:
+    def stream(self, wanted: int | None = None, profile: EngineProfile | None = None) -> HFChatStream:
         """An engine run that chats can be submitted to while it answers (``wanted``: chats expected, so a
-        short run does not size rows for thousands)."""
-        return HFChatStream(self, wanted)
+        short run does not size rows for thousands; ``profile``: where its seconds go, measured into it)."""
+        return HFChatStream(self, wanted, profile)
 
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
         stream = self.stream(len(batch))
@@ -142,27 +143,28 @@ class HFChatStream:
     one ``continuous_batching.Stream`` over the whole regeneration. A chat with no room left for an answer in
     the target's context is answered ``context_full`` at once, without the engine. A conversation's next prompt
     is tokenized from its previous one's ids (``PromptTokenizer``), kept from its submit until the poll after its
-    answer came out: the window in which its follow-up is submitted."""
+    answer came out: the window in which its follow-up is submitted. With a ``profile`` the caller's seconds in
+    it (rendering, tokenizing, detokenizing) are measured too."""
 
     LONGEST_ROW = 32768  # positions per row when the target names no context length
 
-    def __init__(self, backend: HFChatBackend, wanted: int | None = None):
+    def __init__(self, backend: HFChatBackend, wanted: int | None = None, profile: EngineProfile | None = None):
         from engine.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
 
         c = backend.cfg
         self.b = backend
         self.max_len = backend.max_context or self.LONGEST_ROW
+        self.max_new_tokens = c.max_new_tokens  # an answer's budget, cut to the room its prompt leaves
         loops = LoopStop(c.loop_min_repeat_tokens, c.loop_max_period, keep=c.loop_keep_tokens) if c.stop_loops else None
         self.engine = Stream(backend.engine, backend.stop_ids, Sampling(c.temperature, c.top_p, c.top_k, c.seed),
                              max_len=self.max_len, rows=c.slots, cpu_rows=c.batch_size, wanted=wanted or MAX_ROWS,
-                             loops=loops)
+                             loops=loops, profile=profile)
+        self.profile = profile
         self.ready: deque[tuple[Hashable, Completion]] = deque()
         self.prompts = PromptTokenizer(backend.tok)
         self.ahead: PromptPrefetch | None = None  # first prompts encoded on a thread (``prefetch``)
         self.sent: dict[Hashable, tuple[str, list[int]]] = {}  # in the engine: the prompt's text and ids
         self.answered: dict[Hashable, tuple[str, list[int]]] = {}  # answered by the last poll: the same
-        # Of the engine's caller_s (the host outside its polls): chat templates, tokenizing, detokenizing.
-        self.caller = {"render_s": 0.0, "tokenize_s": 0.0, "detokenize_s": 0.0}
 
     @property
     def rows(self) -> int:
@@ -214,12 +216,13 @@ class HFChatStream:
         t1 = time.perf_counter()
         for i, text, x in zip(rest, texts, self.prompts.encode(texts, [previous[i] for i in rest]), strict=True):
             encoded[i] = (text, x)
-        self.caller["render_s"] += t1 - t0
-        self.caller["tokenize_s"] += time.perf_counter() - t1
+        if self.profile is not None:  # of the engine's caller_s (the host outside its polls)
+            self.profile.add_caller("render_s", t1 - t0)
+            self.profile.add_caller("tokenize_s", time.perf_counter() - t1)
         for (key, _, _), (text, x) in zip(items, encoded, strict=True):  # type: ignore[misc]
-            budget = min(self.b.cfg.max_tokens, self.max_len - len(x))
-            if budget > 0:
-                self.engine.submit(key, x, budget, continue_from=key)
+            max_new_tokens = min(self.max_new_tokens, self.max_len - len(x))
+            if max_new_tokens > 0:
+                self.engine.submit(key, x, max_new_tokens, continue_from=key)
                 self.sent[key] = (text, x)
             else:  # no room left for another answer
                 self.ready.append((key, Completion(finish_reason=CONTEXT_FULL)))
@@ -227,8 +230,8 @@ class HFChatStream:
     def results(self) -> Iterator[list[tuple[Hashable, Completion]]]:
         """The (key, completion) pairs that finished together (one engine poll's, or chats answered without the
         engine), until nothing is queued or running; chats submitted meanwhile are answered in the same run.
-        Together, so that the caller submits their follow-ups in one batch: tokenized one at a time they took 37
-        of a full H200 run's 308 s (issue #20, host samples)."""
+        Together, so that the caller submits their follow-ups in one batch: one tokenizer call for many costs the
+        host far less than one call each."""
         while self.ready or self.engine.busy:
             if self.ready:  # taken before the caller sees them: what it submits meanwhile may join ``ready``
                 answered = list(self.ready)
@@ -245,7 +248,8 @@ class HFChatStream:
                     self.answered[key] = self.sent.pop(key)
             t0 = time.perf_counter()
             texts = self.b.tok.batch_decode([g.tokens for _, g in finished], skip_special_tokens=True)
-            self.caller["detokenize_s"] += time.perf_counter() - t0
+            if self.profile is not None:
+                self.profile.add_caller("detokenize_s", time.perf_counter() - t0)
             yield [(key, Completion(text=text, finish_reason=g.finish_reason, tokens=len(g.tokens),
                                     loop_tokens=(g.generated, len(g.tokens)) if g.finish_reason == "loop" else None))
                    for (key, g), text in zip(finished, texts, strict=True)]
@@ -255,8 +259,7 @@ class HFChatStream:
 
     def stats(self) -> dict[str, Any]:
         ahead = self.ahead.stats() if self.ahead is not None else {}
-        return {**self.engine.stats(), **self.prompts.stats(), **ahead, "backend_s_by_part": self.b.build_s,
-                "caller_s_by_part": {k: round(v, 2) for k, v in self.caller.items()}}
+        return {**self.engine.stats(), **self.prompts.stats(), **ahead, "backend_s_by_part": self.b.build_s}
 
 
 def chat_url(base: str) -> str:
@@ -318,7 +321,7 @@ class OpenAIChatBackend:
     def body(self, chat: Chat, tools: Tools = None) -> dict[str, Any]:
         c = self.cfg
         body: dict[str, Any] = {"model": c.model, "messages": chat, "temperature": c.temperature,
-                                "top_p": c.top_p, "max_tokens": c.max_tokens, "seed": c.seed}
+                                "top_p": c.top_p, "max_tokens": c.max_new_tokens, "seed": c.seed}
         if c.top_k is not None:
             body["top_k"] = c.top_k
         if tools:

@@ -32,6 +32,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from common.batching import length_batches
+from common.config import RunConfig
 from common.dtypes import torch_dtype
 from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from common.parent_death import die_with_parent
@@ -151,9 +152,9 @@ def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], list[Any], int, d
 def render_pool_context() -> Any:
     """How render_all starts its workers: forked (instant) unless this process already holds a CUDA context,
     then from a fork server (a clean process; the workers only render). A forked child inherits the driver's
-    threads' locks in whatever state they were. It did not cure the stall of trainers started side by side on
-    one H200 (they stopped after loading their target with either start method; bench/RESULTS.md): that cause
-    is still open, and a stalled trainer now leaves its stacks (bench.runs.record_stall)."""
+    threads' locks in whatever state they were. It does not cure the stall of trainers started side by side on
+    one GPU (they have stopped after loading their target with either start method): that cause is open, and a
+    stalled trainer leaves its stacks (bench.runs.record_stall)."""
     import multiprocessing as mp
 
     return mp.get_context("forkserver" if torch.cuda.is_initialized() else "fork")
@@ -358,7 +359,7 @@ def write_target_head(store: Path, target: CaptureTarget, old_sha: str | None) -
     return hashlib.sha256(data).hexdigest()
 
 
-def load_capture_target(cfg: Any) -> CaptureTarget:
+def load_capture_target(cfg: RunConfig) -> CaptureTarget:
     """The HF model for backend 'hf' only; for the others the checkpoint's tokenizer, config and head tensors
     (a 1T-parameter target is never built here)."""
     if cfg.capture.backend == "hf":
@@ -366,7 +367,7 @@ def load_capture_target(cfg: Any) -> CaptureTarget:
     return load_indexed_target_from_config(cfg.target)
 
 
-def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
+def capture_inputs(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int],
                    convs: list[dict[str, Any]] | None) -> tuple[list[Sample], Counter, CaptureBackend]:
     """The samples to store, what was skipped, and the backend that gives their states."""
     cap = cfg.capture
@@ -390,15 +391,15 @@ def capture_inputs(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int],
     return samples, skipped, make_capture_backend(cfg, target, aux_ids)
 
 
-def make_capture_backend(cfg: Any, target: CaptureTarget, aux_ids: Sequence[int]) -> CaptureBackend:
+def make_capture_backend(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int]) -> CaptureBackend:
     """The forward for rendered samples: the HF model, or a stock SGLang engine."""
     if cfg.capture.backend == "sglang":
         return SGLangCaptureBackend(cfg)
     return HFCaptureBackend(target, aux_ids)  # type: ignore[arg-type]
 
 
-def run_capture(cfg: Any, target: CaptureTarget | None = None) -> CaptureSummary:
-    """``cfg`` is a RunConfig; ``target`` lets callers (tests, the pipeline) reuse a loaded one."""
+def run_capture(cfg: RunConfig, target: CaptureTarget | None = None) -> CaptureSummary:
+    """``target`` lets callers (tests, the pipeline) reuse a loaded one."""
     cap, store = cfg.capture, cfg.store_dir
     # Read first: bad input fails before the target loads. SpecForge's samples come with its files.
     convs = read_conversations(cfg.conversations_path) if cap.backend != "specforge" else None

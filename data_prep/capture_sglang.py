@@ -23,13 +23,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.config import RunConfig
+
 
 class SGLangUnavailable(ValueError):
     """sglang is not installed; the message says what to do."""
 
 
 class SGLangCaptureBackend:
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: RunConfig):
         try:
             import sglang as sgl
         except ImportError:

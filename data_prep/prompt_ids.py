@@ -1,8 +1,8 @@
 """A conversation's next prompt tokenized from where its previous prompt's last special token ends.
 
-Each turn's prompt re-renders the whole conversation, and tokenizing it whole costs time in its length: on an
-H200 the regeneration's caller spent 24-30 s of 185 (issue #20), mostly tokenizing ~9,400 follow-up prompts of
-1-3 k tokens, one at a time between decode steps. A follow-up's text usually starts with the previous prompt's
+Each turn's prompt re-renders the whole conversation, and tokenizing it whole costs time in its length: a
+multi-turn regeneration tokenizes thousands of follow-up prompts of a few thousand tokens, on the host, between
+decode steps, while the device waits. A follow-up's text usually starts with the previous prompt's
 text, whose ids are known. Fast tokenizers split added tokens (the chat template's markers) out of a text before
 anything else, so what follows one tokenizes on its own: the ids up to the previous prompt's last added token
 are kept, and only the rest of the new text is tokenized, behind that same token as an anchor (so the rest is,

@@ -1,8 +1,8 @@
 """First prompts rendered and tokenized on a thread, ahead of their submit.
 
-A regeneration's first turns are known before it starts, in the order it opens them. On an H200 the main thread
-rendered and tokenized the first 4,096 of them (about 5 s) before the engine's first forward, and first turns
-were about half of its caller's tokenizing over the run, while the device waited on it. The tokenizer's batch
+A regeneration's first turns are known before it starts, in the order it opens them. Rendered and tokenized on the
+main thread, the first few thousand of them hold back the engine's first forward, and first turns are about half
+of the caller's tokenizing over a run, while the device waits on it. The tokenizer's batch
 encode releases the GIL, so a thread does this beside the first compile and while the main thread waits on the
 device; the main thread takes each prompt's text and ids when it opens the conversation (``take``).
 """

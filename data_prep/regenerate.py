@@ -39,17 +39,14 @@ from tqdm import tqdm
 
 from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
-from common.files import JsonlAppender, cut_torn_tail, named_errors, write_json_atomic
+from common.files import JsonlAppender, cut_torn_tail, named_errors
 from common.percentiles import percentiles
 from common.process_clock import process_age_s
-from common.stack_sampler import StackSampler
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 from data_prep.conversation_spans import ConversationSpans
 from data_prep.step_failed import StepFailed
+from engine.profile import EngineProfile
 
-# A file path: the step runs under common.stack_sampler and its summary is written there (bench/regenerate_throughput.py
-# sets it: where the host's seconds go in the real run, at no cost to it)
-HOST_SAMPLES_ENV = "EAGLE3_HOST_SAMPLES"
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
 
 
@@ -260,7 +257,7 @@ class RegenerateSummary:
             f"- of {self.selected} selected prompts: {self.missing} missing (rerun to retry), "
             f"{self.duplicate_ids} duplicate ids",
             f"- {self.turns} answers: finish reasons {dict(self.finish_reasons)}; chars {pct}",
-            f"- flagged: {self.empty_answers} empty, {self.length_answers} cut at max_tokens (\"length\"), "
+            f"- flagged: {self.empty_answers} empty, {self.length_answers} cut at max_new_tokens (\"length\"), "
             f"{self.loop_answers} cut at a loop (\"loop\")",
             f"- this run: {self.loop_cuts} answers cut at their loop's first copy, when they had "
             f"{self.loop_tokens_generated} tokens; {self.loop_tokens_kept} kept",
@@ -419,26 +416,26 @@ def _rounds(pending: list[dict[str, Any]], backend: ChatBackend, tally: _Tally) 
             return
 
 
-def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally,
-            spans: ConversationSpans) -> dict[str, Any]:
+def _stream(pending: list[dict[str, Any]], backend: Any, tally: _Tally, spans: ConversationSpans,
+            profile: EngineProfile | None) -> dict[str, Any]:
     """One engine run over every pending conversation: a turn is submitted when the previous one's answer
     ends, a conversation settled (written) when it ends. New conversations are opened only as the engine has
     room for them (``wants``), so what a kill loses is the conversations in flight. Returns the engine's
-    statistics; ``spans`` gets when each conversation opened and settled."""
-    stream = backend.stream(len(pending))  # one turn of a conversation in flight at a time
+    statistics; ``spans`` gets when each conversation opened and settled, ``profile`` where the seconds went."""
+    stream = backend.stream(len(pending), profile)  # one turn of a conversation in flight at a time
     if hasattr(stream, "prefetch"):  # each one's first chat, as its Conversation will ask it
         stream.prefetch([p["id"] for p in pending],
                         ((c.request(), c.tools) for c in (Conversation(p) for p in pending)))
     try:
-        return _run_stream(stream, pending, tally, spans)
+        return _run_stream(stream, pending, tally, spans, profile)
     finally:
         close = getattr(stream, "close", None)
         if close is not None:
             close()
 
 
-def _run_stream(stream: Any, pending: list[dict[str, Any]], tally: _Tally, spans: ConversationSpans
-                ) -> dict[str, Any]:
+def _run_stream(stream: Any, pending: list[dict[str, Any]], tally: _Tally, spans: ConversationSpans,
+                profile: EngineProfile | None) -> dict[str, Any]:
     """``_stream``'s loop over a stream that is set up."""
     unopened = iter(pending)
     open_: dict[str, Conversation] = {}
@@ -473,18 +470,19 @@ def _run_stream(stream: Any, pending: list[dict[str, Any]], tally: _Tally, spans
         stream.submit(follow_ups)
         open_more()
         tally.bar.set_postfix(tok_s=round(stream.tokens_per_s()), open=len(open_), refresh=False)
-    stats = stream.stats()
-    if "caller_s_by_part" in stats:
-        stats["caller_s_by_part"]["write_s"] = round(tally.out.seconds, 2)
-    return stats
+    if profile is not None:
+        profile.add_caller("write_s", tally.out.seconds)
+    return stream.stats()
 
 
 def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBackend,
-               out_path: Path | None = None, phases: dict[str, float] | None = None) -> RegenerateSummary:
+               out_path: Path | None = None, phases: dict[str, float] | None = None,
+               profile: EngineProfile | None = None) -> RegenerateSummary:
     """The loop, for any backend: one stream over the conversations where the backend has one (hf), else
     rounds of conversations advanced a turn per backend call. ``out_path``: conversations.jsonl, or one
     device's part file when several devices share the work. ``phases``: the caller's so far (``PHASES``); the
-    summary's go on from them."""
+    summary's go on from them. ``profile`` (a benchmark's): where the stream's seconds go, in the summary's
+    ``engine``, with the host's stack samples of the step when it samples them."""
     t = time.perf_counter()
     out_path = out_path or cfg.conversations_path
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -504,16 +502,15 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
     summary.phases = _age("startup_s") | (phases or {}) | {"resume_s": resume_s}
     start = time.perf_counter()
     limit = cfg.regenerate.max_consecutive_failures
-    samples = os.environ.get(HOST_SAMPLES_ENV)
-    sampling = StackSampler() if samples else nullcontext()
+    sampling = profile.sampling() if profile is not None else nullcontext()
     with open(out_path, "ab") as f, tqdm(total=len(pending), desc=f"regenerate ({backend.name})",
-                                         unit=" conv") as bar, sampling as sampler:
+                                         unit=" conv") as bar, sampling:
         out = JsonlAppender(f)
         tally = _Tally(summary, out, limit, bar)
         try:
             if streaming and pending:
                 spans = ConversationSpans()
-                summary.engine = _stream(pending, backend, tally, spans)
+                summary.engine = _stream(pending, backend, tally, spans, profile)
                 summary.spans = spans.summary()
             else:
                 _rounds(pending, backend, tally)
@@ -524,17 +521,12 @@ def regenerate(cfg: RunConfig, prompts: list[dict[str, Any]], backend: ChatBacke
                                f"{limit}); {len(pending) - summary.tried} not tried")
     summary.seconds = time.perf_counter() - start
     summary.phases["step_s"] = round(summary.seconds, 3)
-    if sampler is not None:
-        write_json_atomic(host_samples_path(Path(samples), out_path, cfg), sampler.summary())
+    if profile is not None and profile.host_samples is not None:
+        summary.engine["host_samples"] = profile.host_samples
     t = time.perf_counter()
     validate(out_path, [p["id"] for p in prompts], summary)
     summary.phases["validate_s"] = _since(t)
     return summary
-
-
-def host_samples_path(wanted: Path, out_path: Path, cfg: RunConfig) -> Path:
-    """Where a run's host samples go: ``wanted`` itself, or beside it per part file when devices share the run."""
-    return wanted if out_path == cfg.conversations_path else wanted.with_name(f"{wanted.stem}-{out_path.stem}.json")
 
 
 def _prompt_chars(p: dict[str, Any]) -> int:
@@ -609,28 +601,32 @@ def device_shares(prompts: list[dict[str, Any]], n: int) -> list[list[dict[str, 
     return [[p for p in prompts if share_of(p["id"], n) == r] for r in range(n)]
 
 
-def _device_worker(tree: dict[str, Any], prompts: list[dict[str, Any]], device: str, part: str) -> dict[str, Any]:
+def _device_worker(tree: dict[str, Any], prompts: list[dict[str, Any]], device: str, part: str,
+                   profile: bool) -> dict[str, Any]:
     """One device's share, in its own process (spawned: CUDA cannot be forked). It runs under the parent's
     run-dir lock (it takes none: the parent holds it) and dies with the parent (``_worker_init``). Its failures
     are counted, not raised: the limits apply to all devices together (``check_failures`` in the parent); it
     stops its own share after max_consecutive_failures in a row."""
     phases = _age("interpreter_and_imports_s")
-    summary = _on_one_backend(parse_config(tree), prompts, phases, device, Path(part))
+    summary = _on_one_backend(parse_config(tree), prompts, phases, device, Path(part), profile)
     summary.phases |= _age("process_s")
     return summary.to_dict()
 
 
 def _on_one_backend(cfg: RunConfig, prompts: list[dict[str, Any]], phases: dict[str, float],
-                    device: str | None = None, out_path: Path | None = None) -> RegenerateSummary:
+                    device: str | None = None, out_path: Path | None = None, profile: bool = False
+                    ) -> RegenerateSummary:
     """The step on one backend (the target on ``device`` when given), built and closed here (the openai one has
-    threads to close): ``phases`` goes on with backend_s, the step's own, and close_s."""
+    threads to close): ``phases`` goes on with backend_s, the step's own, and close_s. ``profile``: the step is
+    profiled (``EngineProfile``, its host sampled)."""
     if device is not None:
         cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"device": device})})
     t = time.perf_counter()
     backend = make_chat_backend(cfg.target, cfg.regenerate)
     phases["backend_s"] = _since(t)
     try:
-        summary = regenerate(cfg, prompts, backend, out_path, phases)
+        summary = regenerate(cfg, prompts, backend, out_path, phases,
+                             EngineProfile(sample_host=True) if profile else None)
     finally:
         t = time.perf_counter()
         close = getattr(backend, "close", None)
@@ -642,9 +638,10 @@ def _on_one_backend(cfg: RunConfig, prompts: list[dict[str, Any]], phases: dict[
 
 
 def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices: list[str],
-                          phases: dict[str, float] | None = None) -> RegenerateSummary:
+                          phases: dict[str, float] | None = None, profile: bool = False) -> RegenerateSummary:
     """The prompts split over ``devices`` (one process and one part file each), merged at the end. ``phases``:
-    the caller's so far (``PHASES``); the summary's go on from them, each worker's in ``device_phases``."""
+    the caller's so far (``PHASES``); the summary's go on from them, each worker's in ``device_phases``.
+    ``profile``: each worker's step is profiled (``run_regenerate``)."""
     import multiprocessing as mp
 
     t = time.perf_counter()
@@ -661,7 +658,7 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
     # The workers die with this process (a pipeline killed with -9 takes its stages' workers along; the
     # run-dir lock they work under dies with it).
     with mp.get_context("spawn").Pool(len(devices), initializer=parent_death.die_with_parent) as pool:
-        parts = pool.starmap(_device_worker, [(tree, share, dev, str(part_path(out, r)))
+        parts = pool.starmap(_device_worker, [(tree, share, dev, str(part_path(out, r)), profile)
                                               for r, (share, dev) in enumerate(zip(shares, devices, strict=True))])
     merge_parts(out)
     stopped = [f"{dev}: {p['stopped']}" for dev, p in zip(devices, parts, strict=True) if p["stopped"]]
@@ -689,8 +686,10 @@ def regenerate_on_devices(cfg: RunConfig, prompts: list[dict[str, Any]], devices
     return summary
 
 
-def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
-    """Regenerate on one backend or over several devices; StepFailed when too many prompts failed."""
+def run_regenerate(cfg: RunConfig, profile: bool = False) -> RegenerateSummary:
+    """Regenerate on one backend or over several devices; StepFailed when too many prompts failed. ``profile`` (a
+    benchmark's, never the command's): each process's step measures where its seconds go (``EngineProfile``, the
+    host's stack sampled) into the summary's ``engine``."""
     phases = _age("interpreter_and_imports_s")
     t = time.perf_counter()
     # Read first: a bad input fails before the model loads.
@@ -700,9 +699,9 @@ def run_regenerate(cfg: RunConfig) -> RegenerateSummary:
     devices = hf_devices(cfg)
     phases["devices_s"] = _since(t)
     if len(devices) > 1:
-        summary = regenerate_on_devices(cfg, prompts, devices, phases)
+        summary = regenerate_on_devices(cfg, prompts, devices, phases, profile)
     else:
-        summary = _on_one_backend(cfg, prompts, phases, devices[0] if devices else None)
+        summary = _on_one_backend(cfg, prompts, phases, devices[0] if devices else None, profile=profile)
     summary.phases |= _age("process_s")
     check_failures(cfg, summary)
     return summary

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.config import RunConfig
 from common.files import write_json_atomic, write_jsonl_atomic
 from data_prep.capture_sample import CaptureError, Sample
 from data_prep.loss_mask import conversation_text
@@ -264,7 +265,7 @@ def export_for_specforge(conversations: Sequence[dict[str, Any]], path: Path) ->
     return len(rows)
 
 
-def write_draft_config(cfg: Any, aux_ids: Sequence[int], path: Path) -> Path:
+def write_draft_config(cfg: RunConfig, aux_ids: Sequence[int], path: Path) -> Path:
     """The drafter's config.json for SpecForge's --draft-model-config, where it reads the capture layers
     (``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``draft_vocab_size``; without the option
     prepare_hidden_states.py fails (it opens the option as a path). A warm start's own config with its ids spelled
@@ -286,7 +287,7 @@ def write_draft_config(cfg: Any, aux_ids: Sequence[int], path: Path) -> Path:
     return path
 
 
-def specforge_command(cfg: Any, data_path: Path, draft_config: Path) -> str:
+def specforge_command(cfg: RunConfig, data_path: Path, draft_config: Path) -> str:
     """The SpecForge run that fills capture.specforge_dir for this config (tp/ep from the capture section)."""
     cap = cfg.capture
     parts = [f"torchrun --nproc_per_node={cap.tensor_parallel_size} scripts/prepare_hidden_states.py",

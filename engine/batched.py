@@ -16,8 +16,8 @@ so a row reads its own pages and no more; "gather" (elsewhere) copies each row's
 runs the same position-masked attention as ``KVCache`` (the reference math). Flex has two kernels: the decode
 step (one token for rows [0, B), its query heads folded onto their kv head), and a prompt's suffix prefilled
 after the prefix its row already holds (a conversation's next turn continuing in its row: several tokens per
-row, any rows), whose gathered rectangles and materialised scores took most of a multi-turn regeneration's
-prefill time (51 of 54 s on an H200, issue #20).
+row, any rows): under gather its rectangles are copied and its scores materialised for every suffix, and in a
+multi-turn regeneration those copies, not the model, are most of the prefill time.
 
 Only the attention over the cache is ours. Norms, projections, rotary table and MLP are the model's own
 modules, so the numbers are the model's, up to the summation order of the attention kernel.
@@ -25,7 +25,6 @@ modules, so the numbers are the model's, up to the summation order of the attent
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -51,7 +50,6 @@ PAGE = 128  # positions per page of a PagedKVCache: flex attention's key block, 
 # that builds several streams (an eval's references, a module of CUDA tests) adds up to four each, and dynamo's
 # default limit of 8 sent the third stream's decode to gather. Called only eagerly and at CUDA graph captures.
 DECODE_COMPILES = 64
-ATTENTION_ENV = "EAGLE3_PAGED_ATTENTION"  # "flex" or "gather": overrides the device's default (benchmarks A/B them)
 
 
 class UnsupportedTargetError(ValueError):
@@ -369,7 +367,7 @@ def _decode_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: f
     """The decode step's flex call, a function of its own: dynamo keeps compiled graphs (and counts them against
     its recompile limit) per code object, so compiling ``flex_attention`` itself for both kernels made the
     decode step's batch sizes and the suffixes' shapes share one limit of 8, past which dynamo ran flex
-    uncompiled: a dense (B, heads, T, pool) score matrix, out of memory on the H200."""
+    uncompiled: a dense (B, heads, T, pool) score matrix, out of memory on a GPU's pool."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
@@ -385,9 +383,9 @@ def _suffix_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: f
 
 def prefill_shape(rows: int, width: int) -> tuple[int, int]:
     """The (rows, width) a prefill is padded to on CUDA: at least 2 rows and more than one query block. Dynamo
-    specialises sizes 0 and 1, so unpadded suffixes fell into 6 shape classes, 6 compiles of several seconds
-    each on an H200 (a B=1 or T=1 or one-block suffix each its own); padded they share one graph, and so do a fresh
-    prefill's compiled layers."""
+    specialises sizes 0 and 1, so unpadded suffixes fall into 6 shape classes, 6 compiles of several seconds
+    each (a B=1 or T=1 or one-block suffix each its own); padded they share one graph, and so do a fresh prefill's
+    compiled layers."""
     return max(rows, 2), max(width, FLEX_Q_BLOCK + 1)
 
 
@@ -433,8 +431,8 @@ def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, 
 
     A fresh prefill is a suffix after an empty prefix: its keys go to the pool first as a continuation's do, and
     the suffix mask keeps it causal. Why not SDPA over its own tokens: that is a second compiled graph a layer
-    (``fresh_layer``), and on a fresh H200 the two prefill graphs' compiles held the engine's first 45 s (26 s and
-    19 s of a 268 s run, the twelfth session's full regeneration); the suffix graph alone serves both."""
+    (``fresh_layer``), and on a fresh machine the prefill graphs' compiles are much of the engine's first minute;
+    the suffix graph alone serves both."""
     if not isinstance(cache, PagedKVCache) or cache.attention != "flex":
         return None
     if ids.shape[1] == 1 and isinstance(rows, slice) and not fresh:
@@ -442,12 +440,13 @@ def flex_kind(cache: KVCache | PagedKVCache, rows: Tensor | slice, ids: Tensor, 
     return "suffix" if cache.suffix_kernel == "flex" else None
 
 
+ATTENTIONS = ("flex", "gather")
+
+
 def default_attention(device: torch.device) -> str:
-    """The paged cache's decode attention: $EAGLE3_PAGED_ATTENTION, else flex on CUDA and gather elsewhere."""
-    chosen = os.environ.get(ATTENTION_ENV) or ("flex" if device.type == "cuda" else "gather")
-    if chosen not in ("flex", "gather"):
-        raise ValueError(f"{ATTENTION_ENV}={chosen!r}: use flex or gather")
-    return chosen
+    """The paged cache's attention unless the caller picks one: flex on CUDA, gather (the reference math)
+    elsewhere, where flex's kernels are slow to compile."""
+    return "flex" if device.type == "cuda" else "gather"
 
 
 @dataclass
@@ -487,8 +486,8 @@ def fresh_layer(layer: torch.nn.Module, nxt: torch.nn.Module, h: Tensor, q: Tens
                 scale: float) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
     """A fresh prefill's layer from its queries, keys and values on (causal attention over its own tokens, then
     ``after_attention``), and layer ``nxt``'s queries, keys and values: on CUDA one compiled call a layer, where the
-    two pieces and the attention were three calls of 0.2-0.5 ms each on the host (``"prefill_step"``, tenth
-    session: 90 calls held 42 of a 51 ms forward). The keys and values are written to the cache between calls."""
+    two pieces and the attention are three calls, each costing the host a compiled call's fixed overhead (most of a
+    forward's time; ``"prefill_step"`` measures it). The keys and values are written to the cache between calls."""
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=kv_heads != heads)
     h = after_attention(layer, h, o)
     return h, attention_inputs(nxt, h, cos, sin, heads, kv_heads, head_dim, apply_rope)
@@ -545,10 +544,10 @@ class BatchedTarget:
     shape after a graph or two): a decode step's as two pieces (``attention_inputs``, ``after_attention``) around its
     flex kernel, inside the step's CUDA graph; a prefill's as one call a layer, its attention included, that also
     makes the next layer's queries, keys and values (``fresh_layer``, ``suffix_layer``), with the cache writes between
-    calls. Why: HF's eager layer is some 35 small kernels, and a prefill forward of SmolLM2-135M's 30 layers spent
-    40-60 ms on the host launching them against 13-26 ms of kernels on an H200; as three compiled calls a layer it
-    still spent 40-50 ms, 0.2-0.5 ms a call (``"prefill_step"``, tenth session). A compile that fails turns them
-    off for the process (``compile_guard.CompileSwitch``)."""
+    calls. Why: HF's eager layer is some 35 small kernels, and a small model's prefill forward spends longer on the
+    host launching them than the GPU spends running them; three compiled calls a layer still pay each call's fixed
+    host overhead, so one call does the work of three (``"prefill_step"`` measures it). A compile that fails turns
+    them off for the process (``compile_guard.CompileSwitch``)."""
 
     def __init__(self, model: torch.nn.Module, aux_layer_ids: Sequence[int] = ()):
         reason = unsupported_reason(model)
@@ -600,6 +599,9 @@ class BatchedTarget:
                        torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def new_paged_cache(self, rows: int, pages: int, max_len: int, attention: str | None = None) -> PagedKVCache:
+        """A paged cache attended by ``attention`` (one of ``ATTENTIONS``; default ``default_attention``)."""
+        if attention is not None and attention not in ATTENTIONS:
+            raise ValueError(f"paged attention {attention!r}: use one of {list(ATTENTIONS)}")
         return PagedKVCache(len(self.layers), self.kv_heads, self.head_dim, rows, pages, max_len, self.dtype,
                             self.device, attention or default_attention(self.device))
 

@@ -30,17 +30,15 @@ and positions before them, so a reused prefix is what a prefill would write, up 
 Decode steps run one ahead of the host: a step is launched (its tokens picked on the device into the next step's
 input and copied to pinned host memory without a wait), and only then are the previous step's tokens read and
 booked (``Stream.step``). The host's bookkeeping, and the caller's work between polls, overlap the device's next
-step; on a GPU both were as long as the small steps themselves (issue #20). A row that ends at step k has run
-in step k + 1 too: that token is dropped, and its write lands past the positions the row holds (pages are given
-one position ahead, so it always has one). A prefill's first tokens come the same way (``_Firsts``): its rows go
-live when it is launched, and its picks are taken into them when the next decode step has been launched, before
-any of that step's tokens. A CPU runs each step as it is launched: the same code, no overlap.
+step (on a GPU the host's work around a small step takes about as long as the step itself). A row that ends at
+step k has run in step k + 1 too: that token is dropped, and its write lands past the positions the row holds
+(pages are given one position ahead, so it always has one). A prefill's first tokens come the same way
+(``_Firsts``): its rows go live when it is launched, and its picks are taken into them when the next decode step
+has been launched, before any of that step's tokens. A CPU runs each step as it is launched: the same code, no overlap.
 
-``Stream.stats`` splits the run's seconds into prefill forwards, decode (the host's: launching steps and waiting
-for their tokens), the engine's own host work and the caller's time between polls, with the decode steps' own
-device seconds beside them (``decode_device_s``), and counts decode steps by live rows. On CUDA a flex decode
-step replays a CUDA graph of its padded batch size (``engine.decode_graphs``); ``stats`` counts those steps and
-the captures.
+On CUDA a flex decode step replays a CUDA graph of its padded batch size (``engine.decode_graphs``); ``Stream.stats``
+counts those steps and the captures. Given an ``engine.profile.EngineProfile`` a stream also measures where its
+seconds go (a benchmark's question; unprofiled, it keeps no timings and records no timing events).
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +62,7 @@ from common.queued_copy import queued_to_device, queued_to_host
 from engine.batched import PAGE, BatchedTarget, prefill_shape
 from engine.decode_graphs import DecodeGraphs
 from engine.loops import check_window, loop_start, may_loop
+from engine.profile import EngineProfile
 
 MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
 MAX_ROWS = 4096  # rows decoded at once on a GPU (regenerate.slots overrides)
@@ -86,9 +85,7 @@ CONTINUE_WAIT = 8
 # many bytes; flex reads the pages in place, and a group is bounded by its padded tokens as a fresh prefill is.
 CONTINUE_BYTES = 1 << 30
 CPU_CONTINUE_BYTES = 1 << 26
-LIVE_ROW_BUCKETS = (8, 64, 512)  # stats: decode steps by live rows, <= each and above the last
-HOST_PHASES = ("release", "continue", "admit", "compact", "pages", "tokens")  # stats: engine_host_s_by_phase
-TIMELINE_BIN_S = 1.0  # stats: the run's timeline, in bins of this many seconds
+_UNMEASURED = nullcontext()  # an unprofiled stream's host phases (reentrant, shared)
 
 
 @dataclass(frozen=True)
@@ -135,7 +132,7 @@ class Generated:
 class _Request:
     key: Hashable
     prompt: Sequence[int]
-    max_new: int
+    max_new_tokens: int
 
 
 @dataclass
@@ -148,95 +145,6 @@ class _Continuation:
     request: _Request
     reuse: int
     polls: int = 0  # polls it has waited for its prefill
-
-
-@dataclass
-class _Timing:
-    """Where the run's seconds go: prefill forwards and decode steps as the host spends them (the launch, then the
-    wait for their tokens a step later), decode steps on the device too (CUDA events), ``poll`` wall time, and
-    decode steps by live rows."""
-
-    prefill_s: float = 0.0
-    continue_prefill_s: float = 0.0  # of prefill_s: suffixes after a row's cached prefix
-    prefill_forwards: int = 0
-    continue_forwards: int = 0
-    continue_first_s: float = 0.0  # of continue_prefill_s: the first (under flex on CUDA, the suffix kernel's compile)
-    decode_s: float = 0.0
-    decode_device_s: float = 0.0  # the decode steps' own seconds on the device (overlapping the host's work)
-    decode_launch_s: float = 0.0  # host time issuing the decode forwards
-    decode_first_shape_s: float = 0.0  # flex: the first decode step at each padded batch size (its compile)
-    poll_s: float = 0.0
-    # The engine's host seconds by phase, prefill forwards left out: freeing the rows nobody continued, claiming
-    # continuations, admitting, compacting, pages for the next step, taking a step's tokens into the rows.
-    host_phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0.0))
-    live_steps: list[int] = field(default_factory=lambda: [0] * (len(LIVE_ROW_BUCKETS) + 1))
-    live_decode_s: list[float] = field(default_factory=lambda: [0.0] * (len(LIVE_ROW_BUCKETS) + 1))
-
-    def step(self, live: int, launch: float, seconds: float, device: float, first_shape: bool) -> None:
-        """One decode step of ``live`` rows: ``launch`` seconds to issue, ``seconds`` of the host's in all (the
-        launch and the wait for its tokens), ``device`` seconds on the device (the forward and the copies)."""
-        self.decode_s += seconds
-        self.decode_device_s += device
-        self.decode_launch_s += launch
-        self.decode_first_shape_s += seconds if first_shape else 0.0
-        i = next((i for i, edge in enumerate(LIVE_ROW_BUCKETS) if live <= edge), len(LIVE_ROW_BUCKETS))
-        self.live_steps[i] += 1
-        self.live_decode_s[i] += seconds
-
-    def prefill(self, seconds: float, continued: bool) -> None:
-        """One prefill forward launched, in ``seconds`` (a compile's included): fresh prompts, or suffixes after
-        their rows' cached prefixes."""
-        self.prefill_s += seconds
-        self.prefill_forwards += 1
-        if continued:
-            self.continue_first_s += seconds if not self.continue_forwards else 0.0
-            self.continue_prefill_s += seconds
-            self.continue_forwards += 1
-
-    def prefill_wait(self, seconds: float, continued: bool) -> None:
-        """The wait for a launched prefill's first tokens (at the next step's read): the prefill's seconds too."""
-        self.prefill_s += seconds
-        if continued:
-            self.continue_prefill_s += seconds
-
-    def stats(self, seconds: float) -> dict[str, Any]:
-        names = [f"<={edge}" for edge in LIVE_ROW_BUCKETS] + [f">{LIVE_ROW_BUCKETS[-1]}"]
-        return {"prefill_s": round(self.prefill_s, 2), "continue_prefill_s": round(self.continue_prefill_s, 2),
-                "prefill_forwards": self.prefill_forwards, "continue_forwards": self.continue_forwards,
-                "continue_first_s": round(self.continue_first_s, 2),
-                "decode_s": round(self.decode_s, 2), "decode_device_s": round(self.decode_device_s, 2),
-                "engine_host_s": round(self.poll_s - self.prefill_s - self.decode_s, 2),
-                "caller_s": round(seconds - self.poll_s, 2), "decode_launch_s": round(self.decode_launch_s, 2),
-                "decode_first_shape_s": round(self.decode_first_shape_s, 2),
-                "engine_host_s_by_phase": {k: round(v, 2) for k, v in self.host_phases.items()},
-                "steps_by_live_rows": dict(zip(names, self.live_steps, strict=True)),
-                "decode_s_by_live_rows": {n: round(x, 2) for n, x in zip(names, self.live_decode_s, strict=True)}}
-
-
-@dataclass
-class _Timeline:
-    """The run in bins of ``bin_s`` seconds, each poll counted in the bin it ended in: tokens decoded, the most live
-    rows, prefill seconds. Why: a multi-turn run's tail (its longest conversations, a few rows a step) can take as
-    long as its full-batch start, and totals do not show it (bench/regenerate_throughput.py plots this)."""
-
-    bin_s: float = TIMELINE_BIN_S
-    tokens: list[int] = field(default_factory=list)
-    live_rows: list[int] = field(default_factory=list)
-    prefill_s: list[float] = field(default_factory=list)
-
-    def add(self, at: float, tokens: int, live: int, prefill_s: float) -> None:
-        i = int(at / self.bin_s)
-        while len(self.tokens) <= i:
-            self.tokens.append(0)
-            self.live_rows.append(0)
-            self.prefill_s.append(0.0)
-        self.tokens[i] += tokens
-        self.live_rows[i] = max(self.live_rows[i], live)
-        self.prefill_s[i] += prefill_s
-
-    def stats(self) -> dict[str, Any]:
-        return {"bin_s": self.bin_s, "tokens": self.tokens, "live_rows": self.live_rows,
-                "prefill_s": [round(x, 3) for x in self.prefill_s]}
 
 
 def plan_rows(target: BatchedTarget, wanted: int, cpu_rows: int, rows: int | None = None) -> int:
@@ -308,8 +216,8 @@ class _Launched:
     buffer: int  # which of ``_HostTokens``'s buffers its tokens go to
     launch_s: float
     first_shape: bool
-    start: Any  # CUDA events before its forward and after its copies (None on a CPU, where the step ran as it
-    done: Any  # was launched: its device seconds are its launch's)
+    start: Any  # CUDA events before its forward (profiled only) and after its copies (None on a CPU, where the step
+    done: Any  # ran as it was launched: its device seconds are its launch's)
 
     def device_s(self) -> float:
         return self.start.elapsed_time(self.done) / 1e3 if self.done is not None else self.launch_s
@@ -319,7 +227,7 @@ class _Launched:
 class _Firsts:
     """A prefill's first answer tokens on their way to the host (pinned copies, queued): taken into the rows by the
     next ``_read_launched``, so the host launches the next decode step while the device still runs the prefill, as
-    it does with decode steps; waiting for each prefill's tokens took a fifth of the H200 full run's wall time."""
+    it does with decode steps: waiting for each prefill's tokens would idle the device once per prefill."""
 
     rows: list[tuple[int, _Request]]  # each row and the request it was prefilled for
     tokens: Tensor
@@ -357,7 +265,9 @@ class Stream:
 
     ``max_len``: the most positions one request may take (prompt + budget); ``rows``/``cpu_rows``: see
     ``plan_rows``; ``pages``: the pool's size (default ``plan_pages``); ``attention``: "flex" or "gather"
-    (default: the device's, ``engine.batched.default_attention``).
+    (default: the device's, ``engine.batched.default_attention``); ``decode_graphs``: on CUDA, flex decode steps
+    replay CUDA graphs (``engine.decode_graphs``; off: they run eagerly); ``profile``: where the run's seconds go
+    is measured into it (``engine.profile``; None: nothing is measured).
 
     A row is free, live (serving a request), or held: finished and keeping its cache for a follow-up until the
     next poll (``parked``), or claimed by one and waiting for its suffix's prefill (``continuing``). A held row
@@ -367,7 +277,7 @@ class Stream:
     def __init__(self, target: BatchedTarget, stop_ids: Sequence[int], sampling: Sampling = Sampling(), *,
                  max_len: int, rows: int | None = None, cpu_rows: int = 16, wanted: int = MAX_ROWS,
                  pages: int | None = None, margins: bool = False, loops: LoopStop | None = None,
-                 attention: str | None = None):
+                 attention: str | None = None, decode_graphs: bool = True, profile: EngineProfile | None = None):
         self.t, self.max_len, self.loops, self.want_margins = target, max_len, loops, margins
         dev = target.device
         self.rows = plan_rows(target, wanted, cpu_rows, rows)
@@ -394,7 +304,7 @@ class Stream:
         self.stopped_rows: list[int] = []  # rows whose alive flag goes to 0 before the next forward, and
         self.freed_rows: list[int] = []  # rows whose pos does (``_apply_row_flags``)
         # last and pos are updated in place, never rebound: a decode graph reads them where it was captured
-        self.decode = DecodeGraphs(target, self.cache, self.last, self.pos)
+        self.decode = DecodeGraphs(target, self.cache, self.last, self.pos, enabled=decode_graphs)
         self.host = _HostTokens(n, dev, margins)
         self.launched: _Launched | None = None  # the decode step whose tokens the next step reads
         self.firsts: list[_Firsts] = []  # prefills whose first tokens the next step reads (``_take_firsts``)
@@ -408,13 +318,9 @@ class Stream:
         self.continuing: list[_Continuation] = []
         self.produced = self.steps = self.preempted = self.discarded = self.prefilled = self._order = 0
         self.reused = self.continued = 0
-        self.timing = _Timing()
-        self.timeline = _Timeline()
+        self.prefill_forwards = self.continue_forwards = 0  # of them, suffixes after a row's cached prefix
+        self.profile = profile
         self.shapes: set[int] = set()  # padded batch sizes decoded so far (flex compiles one kernel each)
-        # Seconds into the run of its first poll and its first decode step's launch: how long the caller took to
-        # submit the first requests, and the first prefill (its compile) after that.
-        self.first_poll_s: float | None = None
-        self.first_step_s: float | None = None
         self.started = time.perf_counter()
 
     @property
@@ -426,16 +332,16 @@ class Stream:
         """Rows free for new requests at the next poll: the free ones and the finished ones nobody continued."""
         return len(self.free) + len(self.parked)
 
-    def submit(self, key: Hashable, prompt: Sequence[int], max_new: int, continue_from: Hashable | None = None
+    def submit(self, key: Hashable, prompt: Sequence[int], max_new_tokens: int, continue_from: Hashable | None = None
                ) -> None:
         """Queue a request; its answer comes out of ``run`` under ``key``. ``continue_from``: the key of an
         answer handed out by the last poll whose row this request may continue in, prefilling only what follows
         the longest common prefix of that row's ids and ``prompt``; when that row is no longer held (its answer
         came out earlier, or it was never a request here) the request starts from scratch."""
-        if not prompt or max_new < 1 or len(prompt) + max_new > self.max_len:
-            raise ValueError(f"request {key!r}: prompt of {len(prompt)} tokens + {max_new} new does not fit a "
+        if not prompt or max_new_tokens < 1 or len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"request {key!r}: prompt of {len(prompt)} tokens + {max_new_tokens} new does not fit a "
                              f"row of {self.max_len} positions (or is empty)")
-        r = _Request(key, prompt, max_new)
+        r = _Request(key, prompt, max_new_tokens)
         if continue_from is not None and continue_from in self.parked:
             row, held = self.parked.pop(continue_from)
             # At least the prompt's last token is prefilled: its logits give the answer's first token.
@@ -459,9 +365,8 @@ class Stream:
     def poll(self) -> list[tuple[Hashable, Generated]]:
         """One round of work (free the finished rows nobody continued, prefill continuations when due, admit
         into free rows, one decode step); the answers that finished in it."""
-        start, produced, prefill = time.perf_counter(), self.produced, self.timing.prefill_s
-        if self.first_poll_s is None:
-            self.first_poll_s = start - self.started
+        if self.profile is not None:
+            self.profile.poll_start(self.started, self.produced)
         with self._host_phase("release"):
             for row, _ in self.parked.values():
                 self._release_row(row)
@@ -484,35 +389,31 @@ class Stream:
             self.step()
         done = list(self.done)
         self.done.clear()
-        end = time.perf_counter()
-        self.timing.poll_s += end - start
-        self.timeline.add(end - self.started, self.produced - produced, self.live, self.timing.prefill_s - prefill)
+        if self.profile is not None:
+            self.profile.poll_end(self.started, self.produced, self.live)
         return done
 
-    @contextmanager
-    def _host_phase(self, phase: str) -> Iterator[None]:
-        """Add the block's host seconds to ``phase``, less the prefill forwards run in it."""
-        start, prefill = time.perf_counter(), self.timing.prefill_s
-        yield
-        self.timing.host_phases[phase] += time.perf_counter() - start - (self.timing.prefill_s - prefill)
+    def _host_phase(self, phase: str) -> AbstractContextManager[None]:
+        """The block's host seconds, measured as the engine's host phase ``phase`` when profiled."""
+        return self.profile.phase(phase) if self.profile is not None else _UNMEASURED
 
     def stats(self) -> dict[str, Any]:
         """What the run did, for summaries and benchmarks: tokens (``prefill_tokens`` prefilled,
-        ``reused_prefix_tokens`` taken from a row's cache instead, in ``continued`` requests), where the
-        seconds went (``_Timing.stats``), the decode steps replayed from CUDA graphs (``DecodeGraphs.stats``),
-        whether the target's compiled layer pieces stayed compiled (a compile failure turns them off, said once),
-        dynamo's compile seconds in this process by phase (``compile_s``: the largest piece of an engine's first
-        minute on an H200) and the run second by second (``_Timeline``)."""
+        ``reused_prefix_tokens`` taken from a row's cache instead, in ``continued`` requests), prefill forwards
+        (``continue_forwards`` of them suffixes after a row's cached prefix), the decode steps
+        replayed from CUDA graphs (``DecodeGraphs.stats``), whether the target's compiled layer pieces stayed
+        compiled (a compile failure turns them off, said once), dynamo's compile seconds in this process by phase
+        (``compile_s``: on a fresh machine the compiles are much of an engine's first minute) and, when profiled,
+        where the seconds went (``EngineProfile.stats``)."""
         seconds = time.perf_counter() - self.started
         return {"rows": self.rows, "pages": self.cache.pages, "page_positions": self.cache.page,
                 "attention": self.cache.attention, "suffix_attention": self.cache.suffix_kernel,
                 "steps": self.steps, "decoded_tokens": self.produced,
                 "prefill_tokens": self.prefilled, "reused_prefix_tokens": self.reused, "continued": self.continued,
+                "prefill_forwards": self.prefill_forwards, "continue_forwards": self.continue_forwards,
                 "preempted": self.preempted, "discarded_tokens": self.discarded, "seconds": round(seconds, 2),
                 "compiled_pieces": self.t.pieces.state, "compile_s": compile_seconds(top=8),
-                "first_poll_s": _rounded(self.first_poll_s), "first_step_s": _rounded(self.first_step_s),
-                **self.timing.stats(seconds), **self.decode.stats(),
-                "timeline": self.timeline.stats()}
+                **self.decode.stats(), **(self.profile.stats(seconds) if self.profile is not None else {})}
 
     def tokens_per_s(self) -> float:
         return self.produced / max(time.perf_counter() - self.started, 1e-9)
@@ -521,7 +422,7 @@ class Stream:
 
     def _owed(self, row: int, r: _Request) -> int:
         """Pages ``row`` may still take: its prompt and whole budget, less what it holds."""
-        return self.cache.pages_for(len(r.prompt) + r.max_new) - len(self.cache.row_pages[row])
+        return self.cache.pages_for(len(r.prompt) + r.max_new_tokens) - len(self.cache.row_pages[row])
 
     def _room(self, pages: int) -> bool:
         """``pages`` free, growing a CPU pool when it must."""
@@ -540,9 +441,9 @@ class Stream:
         """Whether ``row`` may take the pages ``r``'s prompt and first answer token need beyond those it holds,
         while pages stay for the live rows (and ``taken`` rows admitted with it) to grow: a share per row, never
         more than they, and ``r`` after its first token, may still take."""
-        held = len(self.cache.row_pages[row])
-        need = max(0, self.cache.pages_for(len(r.prompt) + 1) - held)
-        later = self.cache.pages_for(len(r.prompt) + r.max_new) - max(held, self.cache.pages_for(len(r.prompt) + 1))
+        held, first = len(self.cache.row_pages[row]), self.cache.pages_for(len(r.prompt) + 1)
+        need = max(0, first - held)
+        later = self.cache.pages_for(len(r.prompt) + r.max_new_tokens) - max(held, first)
         reserve = min(math.ceil(GROWTH_RESERVE * (self.live + taken + 1)), self.owed + later)
         if not self._room(need + reserve) and (self.live or taken):
             return False
@@ -660,8 +561,11 @@ class Stream:
             done = torch.cuda.Event()
             done.record()
         self.firsts.append(_Firsts([(row, r) for row, r, _ in group], tokens, margins, done, continued))
-        self.timing.prefill(time.perf_counter() - t0, continued=continued)
+        if self.profile is not None:
+            self.profile.times.prefill(time.perf_counter() - t0, continued=continued)
         starts, lens = starts[:n], lens[:n]
+        self.prefill_forwards += 1
+        self.continue_forwards += continued
         self.prefilled += sum(lens)
         self.reused += sum(starts)
         self.continued += sum(s > 0 for s in starts)
@@ -682,7 +586,8 @@ class Stream:
             t0 = time.perf_counter()
             if f.done is not None:
                 f.done.synchronize()
-            self.timing.prefill_wait(time.perf_counter() - t0, continued=f.continued)
+            if self.profile is not None:
+                self.profile.times.prefill_wait(time.perf_counter() - t0, continued=f.continued)
             margins = f.margins.tolist() if f.margins is not None else [None] * len(f.rows)
             for (row, r), tok, m in zip(f.rows, f.tokens.tolist(), margins, strict=True):
                 if self.request[row] is r:  # else preempted meanwhile: it starts again from scratch
@@ -756,19 +661,19 @@ class Stream:
             if start is not None:
                 self._finish(row, "loop", generated=n, cut=off + start + lp.keep)
                 return
-        if n >= r.max_new:
+        if n >= r.max_new_tokens:
             self._finish(row, "length")
             return
         if (self.length[row] + 1) % self.cache.page == 0:  # the token after next opens a page
             self.needs_page.append(row)
-        self.due[row] = self._next_due(row, n, r.max_new)
+        self.due[row] = self._next_due(row, n, r.max_new_tokens)
 
-    def _next_due(self, row: int, n: int, max_new: int) -> int:
+    def _next_due(self, row: int, n: int, max_new_tokens: int) -> int:
         """The next length at which ``row``'s token needs ``_take`` (its answer has ``n`` tokens now): answer
         tokens and lengths grow together, one a step, so each event's length is known ahead."""
         length, page, lp = self.length[row], self.cache.page, self.loops
         ahead = n - length
-        due = min(((length + 1) // page + 1) * page - 1, max_new - ahead)
+        due = min(((length + 1) // page + 1) * page - 1, max_new_tokens - ahead)
         if lp is not None:
             check = -(-max(n + 1, lp.min_repeat_tokens) // lp.every) * lp.every
             due = min(due, check - ahead)
@@ -810,10 +715,9 @@ class Stream:
 
     def _apply_row_flags(self) -> None:
         """Zero the alive flags of the rows that stopped and the positions of the rows freed since the last forward,
-        in two fills queued behind the device's work. Written one element at a time from the host, each waited for
-        the device (the step launched one ahead): that one line was 30 % of the engine's host time in an H200 run's
-        host samples (issue #20). Runs before anything reads or writes the flags: a forward, a prefill's own
-        flags, a compaction."""
+        in two fills queued behind the device's work: written one element at a time from the host, each would wait
+        for the device (the step launched one ahead). Runs before anything reads or writes the flags: a forward, a
+        prefill's own flags, a compaction."""
         dev = self.t.device
         if self.stopped_rows:
             self.alive.index_fill_(0, queued_to_device(torch.tensor(self.stopped_rows), dev), 0)
@@ -839,15 +743,16 @@ class Stream:
     def _launch(self) -> _Launched:
         """Issue the step's forward, the pick of its tokens into ``last`` (the next step's input, on the
         device) and their copy to the host, without waiting for any of it."""
-        if self.first_step_s is None:
-            self.first_step_s = time.perf_counter() - self.started
+        profiled = self.profile is not None
+        if profiled:
+            self.profile.first_step(self.started)
         hi = self.last_live() + 1
         b = decode_rows(hi, self.rows, self.buckets)
         cuda = self.t.device.type == "cuda"
         self._apply_row_flags()
         t0 = time.perf_counter()
         start: Any = None
-        if cuda:
+        if cuda and profiled:  # the step's device seconds, measured by events around it
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         logits = self.decode.logits(b)  # a graph's own buffer on CUDA: read here, before the next step overwrites it
@@ -858,7 +763,7 @@ class Stream:
         buffer = self.host.send(nxt[:hi], margins)
         done: Any = None
         if cuda:
-            done = torch.cuda.Event(enable_timing=True)
+            done = torch.cuda.Event(enable_timing=profiled)
             done.record()
         first_shape = self.buckets > 0 and b not in self.shapes
         self.shapes.add(b)
@@ -876,8 +781,9 @@ class Stream:
         if step.done is not None:
             step.done.synchronize()
         toks, margins = self.host.read(step.buffer, step.hi)
-        wait = time.perf_counter() - t0
-        self.timing.step(step.live, step.launch_s, step.launch_s + wait, step.device_s(), step.first_shape)
+        if self.profile is not None:
+            wait = time.perf_counter() - t0
+            self.profile.times.step(step.live, step.launch_s, step.launch_s + wait, step.device_s(), step.first_shape)
         with self._host_phase("tokens"):
             produced = 0
             request, length, tokens, due, stops = self.request, self.length, self.tokens, self.due, self.stop_ids
@@ -929,10 +835,6 @@ class Stream:
         heapq.heapify(self.free)
 
 
-def _rounded(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 2)
-
-
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -942,19 +844,21 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def generate(target: BatchedTarget, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
              stop_ids: Sequence[int], sampling: Sampling = Sampling(), slots: int | None = None,
              cpu_slots: int = 16, desc: str = "generate", margins: bool = False,
-             loops: LoopStop | None = None, pages: int | None = None,
-             stats: dict[str, Any] | None = None) -> list[Generated]:
+             loops: LoopStop | None = None, pages: int | None = None, attention: str | None = None,
+             decode_graphs: bool = True, stats: dict[str, Any] | None = None) -> list[Generated]:
     """Answer every prompt (token ids, already chat-templated; ``max_new_tokens`` one budget for all or one
     per prompt); results in prompt order. ``margins``: also the top-1/top-2 logit margin behind each token.
     ``loops``: end an answer that falls into a loop there (finish reason "loop"); an answer that never loops
-    is the same with or without it. ``slots``: rows decoded at once (default ``plan_rows``). ``stats``: filled
-    with the run's ``Stream.stats`` (what a benchmark checks ran)."""
+    is the same with or without it. ``slots``: rows decoded at once (default ``plan_rows``); ``pages``,
+    ``attention``, ``decode_graphs``: ``Stream``'s. ``stats``: filled with the run's ``Stream.stats`` (what a
+    benchmark checks ran)."""
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     out: list[Generated | None] = [None] * len(prompts)
     if not prompts:
         return []
     stream = Stream(target, stop_ids, sampling, max_len=max(len(p) + n for p, n in zip(prompts, budgets, strict=True)),
-                    rows=slots, cpu_rows=cpu_slots, wanted=len(prompts), pages=pages, margins=margins, loops=loops)
+                    rows=slots, cpu_rows=cpu_slots, wanted=len(prompts), pages=pages, margins=margins, loops=loops,
+                    attention=attention, decode_graphs=decode_graphs)
     for i in sorted(range(len(prompts)), key=lambda i: (len(prompts[i]) + budgets[i], i)):  # shortest first
         stream.submit(i, prompts[i], budgets[i])
     with tqdm(total=len(prompts), desc=desc, unit=" seq") as bar:

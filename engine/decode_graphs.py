@@ -1,7 +1,7 @@
 """The stream's decode step over flex attention, replayed from CUDA graphs: one graph per padded batch size.
 
-A decode step of SmolLM2-135M (30 layers) is about 1,300 small kernels; on an H200 launching them is the bound
-(27 ms a step at <= 8 live rows, 45 ms above 512: issue #20). A CUDA graph launches them as one. The step's
+A decode step of SmolLM2-135M (30 layers) is about 1,300 small kernels; on a fast GPU launching them, not running
+them, bounds the step, whatever few rows it decodes. A CUDA graph launches them as one. The step's
 shapes are fixed per padded batch size (``continuous_batching.decode_rows``), so each size gets one graph, captured
 the first time it runs and replayed after; the graphs share one memory pool.
 
@@ -14,13 +14,12 @@ A cache whose storage moves (``PagedKVCache.grow``: a CPU pool's growth; a GPU's
 
 Graphs run on CUDA only, over flex attention, once a flex step ran eagerly (a flex kernel that fails to build
 falls back to gather on that first step, ``BatchedTarget.forward``). A capture that fails turns them off for the
-rest of the run, with one warning line and the reason in ``stats``. ``$EAGLE3_DECODE_GRAPHS=0`` turns them off
-(benchmarks A/B them against the eager step).
+rest of the run, with one warning line and the reason in ``stats``. ``enabled=False`` turns them off (a benchmark
+A/Bs them against the eager step: ``Stream``'s ``decode_graphs``).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -31,16 +30,7 @@ from torch import Tensor
 from common.cli import exception_line
 from engine.batched import BatchedTarget, PagedKVCache
 
-GRAPHS_ENV = "EAGLE3_DECODE_GRAPHS"  # "0": the flex decode step runs eagerly (benchmarks A/B it against graphs)
 WARMUP_RUNS = 3  # eager steps before a capture (PyTorch's recipe): the first compiles and autotunes a new shape
-
-
-def graphs_wanted(device: torch.device) -> bool:
-    """Whether decode steps may replay CUDA graphs: on CUDA, unless $EAGLE3_DECODE_GRAPHS is 0."""
-    chosen = os.environ.get(GRAPHS_ENV) or "1"
-    if chosen not in ("0", "1"):
-        raise ValueError(f"{GRAPHS_ENV}={chosen!r}: use 1 (graphs) or 0 (eager)")
-    return device.type == "cuda" and chosen == "1"
 
 
 def storage_key(cache: PagedKVCache) -> tuple[int, ...]:
@@ -52,8 +42,8 @@ def storage_key(cache: PagedKVCache) -> tuple[int, ...]:
 def release_generator(device: torch.device) -> None:
     """Take the device's default generator out of capture mode. A capture registers it, and one that fails at
     its end leaves it there (PyTorch's ``capture_end`` raises before the generator's epilogue): every later random
-    op on the device then fails ("Offset increment outside graph capture", seen on an H200 in a test run after
-    the fallback test). A fresh state at the same seed and offset replaces it."""
+    op on the device then fails ("Offset increment outside graph capture"). A fresh state at the same seed and
+    offset replaces it."""
     if device.type != "cuda":  # (tests drive the fallback on a CPU)
         return
     gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
@@ -71,12 +61,14 @@ def capture_error(e: BaseException) -> str:
 
 class DecodeGraphs:
     """One decode token for rows [0, b) of a stream's cache, at ids ``ids[:b]`` and positions ``positions[:b]``
-    ((rows,) tensors the stream updates in place): a graph's replay when it can, else the eager forward."""
+    ((rows,) tensors the stream updates in place): a graph's replay when it can (on CUDA, ``enabled``), else the
+    eager forward."""
 
-    def __init__(self, target: BatchedTarget, cache: PagedKVCache, ids: Tensor, positions: Tensor):
+    def __init__(self, target: BatchedTarget, cache: PagedKVCache, ids: Tensor, positions: Tensor,
+                 enabled: bool = True):
         self.t, self.cache, self.ids, self.positions = target, cache, ids, positions
         self.logits_at = torch.zeros_like(ids)  # each row's one token: a persistent buffer, as a graph reads it
-        self.on = graphs_wanted(target.device)
+        self.on = enabled and target.device.type == "cuda"
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}  # padded rows -> graph, its logits
         self.key: tuple[int, ...] = ()  # storage_key the graphs were captured at
         self.pool: Any = None  # the graphs' shared memory pool and capture stream, made at the first capture

@@ -1,7 +1,7 @@
 """Degenerate loops at the end of an answer: find them, cut them, measure them (pure; numpy only).
 
 A small target decoding greedily often ends in a loop: the same block of tokens again and again until
-``max_tokens``. Those tails are easy tokens (the drafter predicts a copy) that inflate held-out accuracy
+``max_new_tokens``. Those tails are easy tokens (the drafter predicts a copy) that inflate held-out accuracy
 and teach nothing about real decoding, so regeneration stops an answer at its loop
 (``engine.continuous_batching``, finish reason "loop") and the reports measure what is left.
 
@@ -71,8 +71,8 @@ def may_loop(tokens: list[int], min_repeat_tokens: int = 64, max_period: int = 2
     positions earlier (k <= min_repeat_tokens): each such occurrence names a p, whose run is then compared whole.
     Text that does not loop rarely repeats a k-gram within max_period tokens (on English prose about 1 % of
     checks get to a comparison); a loop still forming (a run under R) has a few, each rejected by one list
-    comparison, where ``loop_start`` (~25 us of numpy a call) ran on every such check: in an H200 run most checks
-    of SmolLM2's answers passed the k-gram alone, and the loop checks were 12 % of the engine's host time."""
+    comparison, where ``loop_start``'s numpy calls would run on every such check (most checks of a small greedy
+    target's answers pass the k-gram alone), a cost paid for every live row every few tokens."""
     k = max(1, min(k, min_repeat_tokens))
     n = len(tokens)
     if n <= min_repeat_tokens:
@@ -112,7 +112,7 @@ def loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, 
 def retokenized_loop_start(tokens: Sequence[int] | np.ndarray, min_repeat_tokens: int = 64, max_period: int = 256,
                            ragged: int = 1) -> int | None:
     """``loop_start`` of an answer's text tokenized again (a server's answer, a stored one): its last ``ragged``
-    tokens may come out otherwise than they were generated (an answer cut at max_tokens ends anywhere, e.g. in a
+    tokens may come out otherwise than they were generated (an answer cut at its token budget ends anywhere, e.g. in a
     lone space), so a loop that stops up to ``ragged`` tokens before the end counts too (they go with the
     copies)."""
     for k in range(min(ragged, max(len(tokens) - 1, 0)) + 1):
@@ -151,6 +151,6 @@ def after_first_repeat_chars(text: str, window: int = 64) -> int:
 
 
 def after_first_repeat_share(text: str, window: int = 64) -> float:
-    """Issue #18's character measure: the share of ``text`` that comes after (from the start of) the first
+    """A tokenizer-free loop measure: the share of ``text`` that comes after (from the start of) the first
     ``window``-character window that already occurred earlier in the same text."""
     return after_first_repeat_chars(text, window) / len(text) if text else 0.0

@@ -24,11 +24,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from common.config import RunConfig
 from data_prep.capture import read_conversations, render_all
 from data_prep.dataset import in_holdout
 from drafter.model import Eagle3Drafter
@@ -211,10 +211,10 @@ def holdout_counts(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequenc
     return counts
 
 
-def holdout_figures(cfg: Any, target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
+def holdout_figures(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
                     conversations: Path, limit: int, k: int, first: int) -> dict:
     """Teacher forcing over the held-out split of ``conversations`` (at most ``limit``): whole answers, and their
-    first ``first`` tokens. ``cfg`` is the RunConfig (capture.max_length, the template kwargs, the split)."""
+    first ``first`` tokens (capture.max_length, the template kwargs and the split from ``cfg``)."""
     convs = read_conversations(conversations)
     out: dict = {"conversations": str(conversations)}
     for key, cap in (("", None), (f"_first{first}", first)):

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config import RunConfig
 from common.files import write_json_atomic, write_text_atomic
 from eval.live_gate import decode_summary, run_prompts, served_settings, spec_summary
 from eval.sglang_client import auth_headers, server_info
@@ -111,7 +112,7 @@ def read_table(path: Path) -> tuple[list[Cost], dict[int, float], list[float] | 
     return costs, decode, alpha
 
 
-def measure_table(cfg: Any, prompts: Mapping[str, Sequence[Sequence[int]]]) -> tuple[list[Cost], dict[int, float],
+def measure_table(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]]) -> tuple[list[Cost], dict[int, float],
                                                                                      list[float] | None]:
     """A cost table from live servers: each of eval.sglang.server_url + sweep_urls runs one setting (read from
     its /server_info); t_decode from baseline_url; alpha from the longest chain measured."""

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from common.config import TargetConfig
 from common.dtypes import torch_dtype
 from target_model.aux_layers import TargetError
 from target_model.hf_model import hash_weight_files, load_tokenizer, resolve_source
@@ -121,8 +122,8 @@ def load_indexed_target(name: str, gguf_file: str | None = None, dtype: str = "b
     return IndexedTarget(name, source, tok, config, torch_dtype(dtype))
 
 
-def load_indexed_target_from_config(cfg: Any) -> IndexedTarget:
-    """``cfg`` is a TargetConfig section."""
+def load_indexed_target_from_config(cfg: TargetConfig) -> IndexedTarget:
+    """``load_indexed_target`` on the config's values."""
     return load_indexed_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.trust_remote_code)
 
 

@@ -18,13 +18,14 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from common.config import TargetConfig
 from common.dtypes import torch_dtype
 from common.step_clock import StepClock
 from common.wheels import BUILTIN_TARGET, builtin_gguf, converted_gguf_dir
 from target_model.aux_layers import TargetError, sglang_captured_outputs
 from target_model.compiled_layers import CompiledLayers
 
-# The right-padded forwards' attention backends: cuDNN's SDPA builds a plan per new shape (~100 ms on an H200), and
+# The right-padded forwards' attention backends: cuDNN's SDPA builds a plan per new shape (a pause each time), and
 # every padded batch length is a new one to it; flash attention runs as fast with no per-shape cost.
 RIGHT_PADDED_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
@@ -109,11 +110,11 @@ class TargetModel:
     def forward_right_padded(self, input_ids: Tensor, aux_layer_ids: Sequence[int]) -> TargetOutput:
         """Aux and last hidden states of right-padded rows (capture's batches, online training's). No padding
         mask: under the causal mask a real token never sees the padding after it, while a padding mask makes HF
-        build a 4-D mask every batch and keeps SDPA off its fused causal kernels (issue #20: the online target
-        cost a fifth of the training loop's time). Padding positions come out finite and are never scored."""
-        # SDPA without cuDNN (``RIGHT_PADDED_SDPA``; issue #20: 117 ms a step in the loop), and on CUDA the layers
-        # compiled (``target_model.compiled_layers``: the eager layer's small kernels took two thirds of the forward).
-        # bench/target_forward.py measures each.
+        build a 4-D mask every batch and keeps SDPA off its fused causal kernels (the online target runs this every
+        training step). Padding positions come out finite and are never scored."""
+        # SDPA without cuDNN (``RIGHT_PADDED_SDPA``: cuDNN builds a plan for every new batch shape, and a token budget
+        # meets new shapes step after step), and on CUDA the layers compiled (``target_model.compiled_layers``: the
+        # eager layer is many small kernels whose launches, not their work, bound the forward).
         with sdpa_kernel(list(RIGHT_PADDED_SDPA)):
             if self.device.type != "cuda":
                 return self.forward(input_ids, aux_layer_ids, logits=False)
@@ -225,16 +226,16 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
     return TargetModel(model, tok, name, Path(source) if isinstance(source, Path) else None)
 
 
-def target_text_config(cfg: Any) -> Any:
+def target_text_config(cfg: TargetConfig) -> Any:
     """The target's HF config for its language model (heads, intermediate size, RoPE), without loading weights:
-    a multimodal target (Kimi-K2.5) nests it as ``text_config``. ``cfg`` is a TargetConfig section."""
+    a multimodal target (Kimi-K2.5) nests it as ``text_config``."""
     from transformers import AutoConfig
 
     source = resolve_source(cfg.name, cfg.gguf_file)
     return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code).get_text_config()
 
 
-def load_target_from_config(cfg: Any, seconds: dict[str, float] | None = None) -> TargetModel:
-    """``cfg`` is a TargetConfig section (kept out of the signature above: builders take plain values)."""
+def load_target_from_config(cfg: TargetConfig, seconds: dict[str, float] | None = None) -> TargetModel:
+    """``load_target`` on the config's values (the builders themselves take plain values)."""
     return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code, seconds)
 

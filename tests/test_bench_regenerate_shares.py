@@ -56,7 +56,7 @@ def test_cpu_runs_record_the_full_run_and_each_share_with_their_spans(bench_resu
     prompts = write_prompts(tmp_path / "prompts.jsonl", 6)
     common = ["--config", "configs/smollm2-135m-h200.yaml", "--prompts-file", str(prompts), "--conversations", "4",
               "--exact-prompts", "0", "--shares", "2", "--out", str(tmp_path / "o"), "--set", "target.device=cpu",
-              "--set", "target.dtype=float32", "--set", "regenerate.max_tokens=4"]
+              "--set", "target.dtype=float32", "--set", "regenerate.max_new_tokens=4"]
     assert bench.main([*common, "--share-ranks", "0"]) == 0
     whole = json.loads(bench_results.read_text())["regenerate"]
     assert bench.main([*common, "--gpus", "--share-ranks", "1"]) == 0
@@ -64,6 +64,7 @@ def test_cpu_runs_record_the_full_run_and_each_share_with_their_spans(bench_resu
     shares = results["regenerate_shares"]
     assert results["regenerate"] == whole, "a call without a full run replaced the full run's object"
     assert whole["conversations"] == 4 and whole["spans"]["conversations"] == 4
+    assert whole["host_samples"] and "timeline" in whole["engine"]  # the child's engine was profiled
     assert shares["ranks_measured"] == ["0", "1"] and shares["full"]["seconds"] == whole["seconds"]
     assert sum(shares["ranks"][r]["conversations"] for r in "01") == 4
     assert sum(shares["ranks"][r]["gen_tokens"] for r in "01") == whole["gen_tokens"]
@@ -82,7 +83,7 @@ def test_kept_caches_go_to_their_own_keys_and_outlive_the_run(bench_results: Pat
     assert bench.main(["--config", "configs/smollm2-135m-h200.yaml", "--prompts-file", str(prompts),
                        "--conversations", "2", "--exact-prompts", "0", "--shares", "2", "--share-ranks", "0",
                        "--out", str(tmp_path / "o"), "--kept-caches", str(kept), "--set", "target.device=cpu",
-                       "--set", "target.dtype=float32", "--set", "regenerate.max_tokens=4"]) == 0
+                       "--set", "target.dtype=float32", "--set", "regenerate.max_new_tokens=4"]) == 0
     results = json.loads(bench_results.read_text())
     assert "regenerate" not in results and "regenerate_shares" not in results
     run, share = results["regenerate_kept_caches"], results["regenerate_shares_kept_caches"]

@@ -105,6 +105,7 @@ def error_lines(path: Path, overrides: tuple[str, ...] = ()) -> list[str]:
     (lambda t: t["tracking"].update(report_to=["tensorbored"]), "tracking.report_to", "unknown tracker"),
     (lambda t: t["tracking"].update(init_kwargs={"mlflow": {}}), "tracking.init_kwargs", "not in tracking.report_to"),
     (lambda t: t["train"].update(report_to="wandb"), "train.report_to", "moved to tracking.report_to"),
+    (lambda t: t["regenerate"].update(max_tokens=64), "regenerate.max_tokens", "moved to regenerate.max_new_tokens"),
 ])
 def test_bad_values_are_one_line_naming_file_and_key(tmp_path: Path, base_tree: dict, edit, key: str,
                                                      words: str) -> None:
@@ -181,7 +182,7 @@ def test_malformed_overrides(override: str, words: str) -> None:
 
 
 def test_the_demo_starts_from_a_shipped_drafter_sglang_serves() -> None:
-    """The embedded default's incumbent (issue #18: at most 32 MB, passes the strict checker, the demo's aux ids)."""
+    """The embedded default's incumbent: at most 32 MB, passes the strict checker, has the demo's aux ids."""
     from drafter.sglang_checkpoint import check_checkpoint, read_config
 
     shipped = REPO / load_config(SMOL).drafter.init_from

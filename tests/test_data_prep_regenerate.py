@@ -28,9 +28,10 @@ import yaml
 from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
 from common.process_clock import process_age_s
-from data_prep.backends import BackendError, HFChatBackend
-from data_prep.regenerate import HOST_SAMPLES_ENV, PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
+from data_prep.backends import BackendError, HFChatBackend, make_chat_backend
+from data_prep.regenerate import PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
 from data_prep.step_failed import StepFailed
+from engine.profile import EngineProfile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,7 +130,7 @@ def openai_cfg(tmp_path: Path, urls: list[str], template_kwargs: dict | None = N
 
 
 def test_turn_by_turn_feeds_back_the_targets_answers(tmp_path: Path, fake: Any) -> None:
-    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], {"enable_thinking": False}, top_k=20, max_tokens=7, seed=3,
+    cfg = openai_cfg(tmp_path, [fake.url + "/v1"], {"enable_thinking": False}, top_k=20, max_new_tokens=7, seed=3,
                      num_prompts=2)
     system = {"role": "system", "content": "be brief"}
     ids = write_prompts(cfg, [
@@ -381,17 +382,27 @@ def test_the_summary_says_where_the_process_seconds_went(tmp_path: Path, fake: A
     assert "seconds by phase: startup " in r.stdout or "seconds by phase: before the step (" in r.stdout
 
 
-def test_host_samples_of_the_step_go_where_the_env_var_says(tmp_path: Path, fake: Any) -> None:
-    """With $EAGLE3_HOST_SAMPLES the step's main thread is sampled and the summary written there: samples taken,
-    the regenerate loop among the inclusive functions."""
+def test_a_profiled_step_samples_its_host_and_the_command_does_not(tmp_path: Path, fake: Any) -> None:
+    """Profiled (a benchmark's ``EngineProfile(sample_host=True)``), the step's main thread is sampled and the
+    summary's engine holds the samples: the regenerate loop among the functions sampled. The command profiles
+    nothing."""
+    from data_prep.regenerate import load_prompt_records, regenerate
+
     tree = config_tree(tmp_path, backend="openai", server_urls=[fake.url], concurrency=2, batch_size=2)
-    write_prompts(parse_config(tree), [[user(f"q{i}")] for i in range(4)])
-    out = tmp_path / "samples.json"
-    r = _regenerate_cli(tree, tmp_path, env={HOST_SAMPLES_ENV: str(out)})
+    cfg = parse_config(tree)
+    write_prompts(cfg, [[user(f"q{i}")] for i in range(4)])
+    profile, backend = EngineProfile(sample_host=True), make_chat_backend(cfg.target, cfg.regenerate)
+    try:
+        summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend, profile=profile)
+    finally:
+        backend.close()
+    got = summary.engine["host_samples"]
+    assert got["samples"] >= 1 and got["interval_s"] > 0 and profile.sampler is not None
+    assert profile.sampler.inclusive["data_prep/regenerate.py _rounds"] > 0, got
+    cfg.conversations_path.unlink()
+    r = _regenerate_cli(tree, tmp_path)
     assert r.returncode == 0, r.stderr
-    got = json.loads(out.read_text())
-    assert got["samples"] >= 1 and got["interval_s"] > 0
-    assert any(w["where"].endswith("regenerate.py _rounds") for w in got["inclusive"]), got["inclusive"]
+    assert json.loads((tmp_path / "run" / "data_prep_summary.json").read_text())["regenerate"]["engine"] == {}
 
 
 class EchoAuth(BaseHTTPRequestHandler):
@@ -436,7 +447,7 @@ def test_a_server_echoing_the_key_leaves_it_in_no_output_and_no_file(tmp_path: P
 
 @pytest.mark.real
 def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
-    cfg = make_cfg(tmp_path, max_tokens=12)
+    cfg = make_cfg(tmp_path, max_new_tokens=12)
     backend = HFChatBackend(cfg.target, cfg.regenerate)
     short = [user("What is the capital of France? Answer in one word.")]
     long = [{"role": "system", "content": "You are a storyteller."},
@@ -453,7 +464,7 @@ def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
 
 @pytest.mark.real
 def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path: Path, smollm2, monkeypatch) -> None:
-    """Greedy SmolLM2 loops on most MT-Bench writing prompts (issue #18). At max_tokens=512 without stop_loops
+    """Greedy SmolLM2 loops on most MT-Bench writing prompts. At max_new_tokens=512 without stop_loops
     these run to the cap with a loop at the end; with it they end as "loop" after a few hundred tokens, and what
     is kept is the start of the answer generated without it, token for token. A prompt answered without a loop
     is the same answer either way. The hf backend gives the same answers and counts."""
@@ -469,7 +480,7 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     mtbench = load_eval_prompts(DatasetConfig(name="mtbench", kind="mtbench"), 80)
     chats = [[user(mtbench[i])] for i in (4, 11, 10, 21)]  # a character, Sheldon, Elon Musk; the red house riddle
     ids = [tok(prompt_text(tok, c), add_special_tokens=False)["input_ids"] for c in chats]
-    cfg = make_cfg(tmp_path, max_tokens=512, batch_size=4)
+    cfg = make_cfg(tmp_path, max_new_tokens=512, batch_size=4)
     r = cfg.regenerate
     assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
     engine, stops = BatchedTarget(smollm2.model), hf_model.stop_token_ids(tok)
@@ -531,10 +542,10 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     # chunks of 2 first prompts, fewer than the rows: the stream opens only what the thread has ready
     monkeypatch.setattr(PromptPrefetch, "CHUNK", 2)
-    max_tokens, max_context = 20, 130
-    cfg = make_cfg(tmp_path, max_tokens=max_tokens, batch_size=3, max_context_tokens=max_context)
+    max_new_tokens, max_context = 20, 130
+    cfg = make_cfg(tmp_path, max_new_tokens=max_new_tokens, batch_size=3, max_context_tokens=max_context)
     ids = write_prompts(cfg, multi_turn_chats())
-    summary = run_regenerate(cfg)
+    summary = run_regenerate(cfg, profile=True)
     records = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
     tok, stops = smollm2.tokenizer, hf_model.stop_token_ids(smollm2.tokenizer)
     answers = dropped = 0
@@ -547,7 +558,7 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
             if m["role"] != "assistant":
                 continue
             ids_in = tok(prompt_text(tok, msgs[:i]), add_special_tokens=False)["input_ids"]
-            budget = min(max_tokens, max_context - len(ids_in))
+            budget = min(max_new_tokens, max_context - len(ids_in))
             out = smollm2.model.generate(torch.tensor([ids_in]), max_new_tokens=budget, do_sample=False,
                                          eos_token_id=stops, pad_token_id=tok.pad_token_id)[0, len(ids_in):].tolist()
             end = next((j for j, t in enumerate(out) if t in stops), None)
@@ -570,8 +581,9 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     # and every first turn was rendered and tokenized on the prefetch thread (the answers above hold for them)
     assert e["prompts_prefetched"] == len(ids) and e["prompts_tokenized_whole"] == 0, e
     assert e["prefetch_error"] is None, e
-    # the caller's time by part: chat templates, tokenizing, detokenizing, writing conversations
+    # profiled: the caller's time by part (chat templates, tokenizing, detokenizing, writing conversations)
     assert set(e["caller_s_by_part"]) == {"render_s", "tokenize_s", "detokenize_s", "write_s"}, e
+    assert e["host_samples"]["samples"] > 0, e
 
 
 def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit_s: float,
@@ -594,7 +606,7 @@ def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path:
     there is a whole conversation, each of its turns answered; the rerun skips those and finishes the rest; and
     the file then holds, id for id, what an uninterrupted run writes."""
     chats = multi_turn_chats() + [[user(f"Name a fruit that starts with the letter {c}.")] for c in "ABCD"]
-    tree = config_tree(tmp_path / "killed", backend="hf", batch_size=2, max_tokens=8)
+    tree = config_tree(tmp_path / "killed", backend="hf", batch_size=2, max_new_tokens=8)
     cfg = parse_config(tree)
     ids = write_prompts(cfg, chats)
     cfg_file = tmp_path / "run.yaml"
@@ -625,7 +637,7 @@ def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path:
     assert summary.duplicate_ids == 0 and summary.missing == 0
     assert cfg.conversations_path.read_bytes().startswith(whole)
     resumed = {r["id"]: r for r in assert_each_id_once(cfg, ids)}
-    straight = make_cfg(tmp_path / "straight", backend="hf", batch_size=2, max_tokens=8)
+    straight = make_cfg(tmp_path / "straight", backend="hf", batch_size=2, max_new_tokens=8)
     write_prompts(straight, chats)
     run_regenerate(straight)
     for r in assert_each_id_once(straight, ids):
@@ -697,7 +709,8 @@ def test_real_llama_cpp_server_killed_mid_run_then_resumed(tmp_path: Path) -> No
         servers.append(LlamaServer(tmp_path / "server1.log"))
         servers[0].wait_ready()
         # A slow answer on a loaded machine must not read as a dead server: a long timeout, few retries.
-        regen = {"max_tokens": 24, "max_retries": 1, "timeout_s": 120, "top_k": 40, "concurrency": 1, "batch_size": 1}
+        regen = {"max_new_tokens": 24, "max_retries": 1, "timeout_s": 120, "top_k": 40, "concurrency": 1,
+                 "batch_size": 1}
         cfg = openai_cfg(tmp_path, [servers[0].url], **regen)
         ids = write_prompts(cfg, chats)
         result: dict[str, Any] = {}
@@ -807,7 +820,7 @@ class ScriptedStreamBackend(ScriptedBackend):
     def __init__(self, out: Path, rows: int = 8, poll_s: float = 0.0):
         self.out, self.rows, self.poll_s, self.streams = out, rows, poll_s, []
 
-    def stream(self, wanted: int) -> ScriptedStream:
+    def stream(self, wanted: int, profile: Any = None) -> ScriptedStream:
         self.streams.append(ScriptedStream(self, self.out, min(self.rows, wanted), self.poll_s))
         return self.streams[-1]
 
@@ -866,7 +879,7 @@ def test_prompts_that_exceed_the_context_are_counted_but_do_not_stop_the_run(tmp
     """A prompt longer than the target's context is a verdict on that prompt, not a sign of a dead engine: 25
     of them taken up first (more than max_consecutive_failures) leave the run going; each is counted and
     reported by its reason, and the run passes the failure-share check like any run with a few failed
-    prompts. (On an H200, 39 such ShareGPT prompts reported first stopped a 15,598-prompt run after 7 s.)"""
+    prompts (a real dataset has a few such prompts, and the stream reports them first)."""
     from data_prep.regenerate import check_failures, load_prompt_records, regenerate
 
     cfg = make_cfg(tmp_path, max_consecutive_failures=20, max_failure_share=0.25)
@@ -935,8 +948,8 @@ def test_part_files_merge_once_after_a_kill(tmp_path: Path) -> None:
 @pytest.mark.real
 def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path) -> None:
     chats = [[user(f"Give one word that rhymes with {w}.")] for w in ("cat", "dog", "sun", "tree", "blue")]
-    one = make_cfg(tmp_path / "one", max_tokens=8, batch_size=8)
-    two = make_cfg(tmp_path / "two", max_tokens=8, batch_size=8, devices=["cpu", "cpu"])
+    one = make_cfg(tmp_path / "one", max_new_tokens=8, batch_size=8)
+    two = make_cfg(tmp_path / "two", max_new_tokens=8, batch_size=8, devices=["cpu", "cpu"])
     ids = write_prompts(one, chats)
     write_prompts(two, chats)
     run_regenerate(one)
@@ -1064,7 +1077,7 @@ def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path
     from target_model import hf_model
 
     monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
-    cfg = make_cfg(tmp_path, max_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
+    cfg = make_cfg(tmp_path, max_new_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
                    max_consecutive_failures=100)
     write_prompts(cfg, [[user(f"{i} " + "a long question about the weather in every city " * 6)] for i in range(7)])
     backend = make_chat_backend(cfg.target, cfg.regenerate)

@@ -237,7 +237,7 @@ def test_hf_backend_renders_tools_and_template_kwargs_and_its_plain_text_ends_a_
 
     monkeypatch.setattr(cb.Stream, "submit", spy)
     cfg = k25_cfg(tmp_path, k25_style_target, thinking,
-                  regenerate={"backend": "hf", "batch_size": 2, "max_tokens": 6, "devices": ["cpu"]})
+                  regenerate={"backend": "hf", "batch_size": 2, "max_new_tokens": 6, "devices": ["cpu"]})
     cfg.root.mkdir(parents=True)
     cfg.prompts_path.write_text(json.dumps({"id": "p", "source": "openai", "tools": TOOLS,
                                             "messages": SOURCE["messages"]}) + "\n")

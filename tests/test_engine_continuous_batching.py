@@ -18,6 +18,7 @@ from engine import continuous_batching as cb
 from engine.batched import BatchedTarget, UnsupportedTargetError
 from engine.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
 from engine.loops import loop_start
+from engine.profile import EngineProfile
 
 STOPS = [1, 2]
 V = 101
@@ -150,11 +151,12 @@ def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch) -> None:
         assert (answer.tokens, answer.finish_reason) == plain_greedy(model, prompt, 30)
 
 
-def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
-    """``stats`` says where a run's seconds went: prefill and decode forwards, the engine's host work and the
-    caller's time between polls, which add up to its seconds; and how many decode steps ran how many live rows
-    (and their forwards' seconds), which add up to its steps."""
-    stream = Stream(BatchedTarget(tiny()), STOPS, max_len=80, cpu_rows=12)
+def test_a_profiled_stream_splits_the_seconds_and_counts_steps_by_live_rows() -> None:
+    """Given a profile, ``stats`` says where a run's seconds went: prefill and decode forwards, the engine's host
+    work and the caller's time between polls, which add up to its seconds; and how many decode steps ran how many
+    live rows (and their forwards' seconds), which add up to its steps. Unprofiled, it measures none of it."""
+    profile = EngineProfile()
+    stream = Stream(BatchedTarget(tiny()), STOPS, max_len=80, cpu_rows=12, profile=profile)
     time.sleep(0.05)  # the caller's work before its first requests: before the first poll
     for i, p in enumerate(prompts(12, 3, 30, seed=12)):
         stream.submit(i, p, 2 + 3 * i)
@@ -163,8 +165,8 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     s = stream.stats()
     parts = s["prefill_s"] + s["decode_s"] + s["engine_host_s"] + s["caller_s"]
     assert abs(parts - s["seconds"]) < 0.05 and s["caller_s"] >= 0.1
-    assert stream.timing.prefill_s > 0 and stream.timing.decode_s > 0  # (the stats round to 10 ms)
-    phases = stream.timing.host_phases  # the engine's host work by phase: within it, and each one ran
+    assert profile.times.prefill_s > 0 and profile.times.decode_s > 0  # (the stats round to 10 ms)
+    phases = profile.times.host_phases  # the engine's host work by phase: within it, and each one ran
     assert set(s["engine_host_s_by_phase"]) == set(phases) and sum(phases.values()) <= s["engine_host_s"] + 0.01
     assert all(phases[p] > 0 for p in ("release", "continue", "admit", "pages", "tokens")), phases
     assert s["prefill_forwards"] >= 1 and s["continue_forwards"] == 0 and s["continue_prefill_s"] == 0  # all fresh
@@ -180,6 +182,16 @@ def test_stats_split_the_seconds_and_count_steps_by_live_rows() -> None:
     assert max(line["live_rows"]) == 12 and s["compiled_pieces"] == "compiled"  # (compiled on CUDA only)
     # when the first poll began (after the caller's first submits) and the first decode step (after the first prefill)
     assert 0.05 <= s["first_poll_s"] < s["first_step_s"] < s["seconds"]
+    plain = Stream(BatchedTarget(tiny()), STOPS, max_len=80, cpu_rows=12)
+    plain.submit(0, prompts(1, 3, 30, seed=12)[0], 4)
+    assert len(list(plain.run())) == 1
+    unmeasured = {"prefill_s", "decode_s", "caller_s", "timeline", "first_poll_s", "steps_by_live_rows"}
+    assert not unmeasured & set(plain.stats()) and plain.stats()["steps"] > 0
+
+
+def test_an_unknown_paged_attention_is_refused() -> None:
+    with pytest.raises(ValueError, match="paged attention 'dense': use one of"):
+        Stream(BatchedTarget(tiny()), STOPS, max_len=64, cpu_rows=2, attention="dense")
 
 
 def test_per_prompt_budgets_and_stop_tokens() -> None:
@@ -545,9 +557,8 @@ def test_a_row_that_used_every_position_can_wait_for_its_follow_up_while_steps_r
     step launched before that token was read wrote the row's last position and moved its position to ``max_len``,
     one past its table. The cut answer is shorter than what the row holds, so its follow-up fits and continues in
     that row, waiting to be prefilled with others while decode steps still run the row (a live row above it).
-    Those steps write at position ``max_len``: scratch's, not an index past the page table (the thirteenth H200
-    session's full regeneration died at 99 % on "scatter gather kernel index out of bounds"). Every answer stays
-    greedy's."""
+    Those steps write at position ``max_len``: scratch's, not an index past the page table (where a device assert,
+    "scatter gather kernel index out of bounds", would kill the run). Every answer stays greedy's."""
     monkeypatch.setattr(cb, "CONTINUE_SHARE", 1)  # one waiting continuation is not due while two rows are live
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
@@ -703,7 +714,7 @@ def test_each_layer_piece_traces_once_for_every_prefill_shape(kind: str) -> None
     (a counting backend in front of AOT autograd, whose graphs run eagerly: all but inductor, as on CUDA): one graph
     each, traced once (no restart), for two prefills of other rows, widths and prefixes; the same outputs as
     uncompiled. The head counts as arguments (symbolic sizes, and a symbolic bool that split the fresh layer's
-    graph) or a float traced as a symbol (a second trace) made the prefill graph's compile on an H200 take 30 s."""
+    graph) or a float traced as a symbol (a second trace) make the prefill graph's compile several times longer."""
     from torch._dynamo.backends.registry import lookup_backend
 
     aot_eager = lookup_backend("aot_eager")

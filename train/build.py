@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.config import RunConfig
 from drafter.factory import DrafterMismatchError, fresh_drafter, load_for_target, shape_for_target
 from drafter.model import DrafterShape, Eagle3Drafter
 from drafter.target_init import init_from_target
@@ -21,16 +22,16 @@ from target_model.hf_model import resolve_source, target_text_config
 from train.data import TrainingData, to_device
 
 
-def fresh_shape(cfg: Any, hf: Any, aux_ids: Sequence[int]) -> DrafterShape:
+def fresh_shape(cfg: RunConfig, hf: Any, aux_ids: Sequence[int]) -> DrafterShape:
     """The shape of a drafter trained from scratch: the target's (``hf``, its text config) with the config's
-    drafter settings (``cfg`` is a RunConfig); what bench/train_loop.py times as the loop's step too."""
+    drafter settings; what bench/train_loop.py times as the loop's step too."""
     d = cfg.drafter
     return shape_for_target(hf, d.draft_vocab_size, tuple(aux_ids), d.intermediate_size, d.num_attention_heads,
                             d.num_key_value_heads, d.head_dim)
 
 
-def build_drafter(cfg: Any, data: TrainingData) -> tuple[Eagle3Drafter, str]:
-    """(drafter, how it was made). ``cfg`` is a RunConfig."""
+def build_drafter(cfg: RunConfig, data: TrainingData) -> tuple[Eagle3Drafter, str]:
+    """(drafter, how it was made)."""
     tgt, aux_ids = data.target, data.aux_layer_ids
     embed = data.head["embed_tokens.weight"]
     if cfg.drafter.init_from:  # its aux ids must be the data's: resolving them is an error otherwise
@@ -64,7 +65,7 @@ AUX_SCALE_SAMPLES = 64
 def aux_state_scales(data: TrainingData, device: torch.device, samples: int = AUX_SCALE_SAMPLES) -> Tensor:
     """(3H,) fp32 for ``drafter.aux_scale: per_state``: per aux state, sqrt(H) / its median row norm over every
     token of the first ``samples`` training samples, repeated over the state's H columns. The median, not the
-    mean: a few rows carry massive activations (bench/aux_scales.py). The same samples on every process and at
+    mean: a few rows carry massive activations. The same samples on every process and at
     every resume, so all of them scale alike."""
     ds = data.train.head(samples)
     norms: list[list[Tensor]] = [[], [], []]

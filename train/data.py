@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from common.cli import ignore_stop_signals
+from common.config import RunConfig
 from data_prep.capture import end_of_turn_rule, read_conversations, render_all, teacher_signal
 from data_prep.dataset import ShardDataset, collate, in_holdout
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
@@ -95,8 +96,8 @@ def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in batch.items() if k in BATCH_KEYS}
 
 
-def store_data(cfg: Any) -> TrainingData:
-    """The capture store under run_dir/store (``cfg`` is a RunConfig)."""
+def store_data(cfg: RunConfig) -> TrainingData:
+    """The capture store under run_dir/store."""
     store, frac = cfg.store_dir, cfg.train.holdout_fraction
     manifest = read_manifest(store)
     cap = manifest.get("max_answer_tokens")  # absent: a store captured before the setting, without a cap
@@ -119,7 +120,7 @@ def store_data(cfg: Any) -> TrainingData:
         complete=_model_inputs)
 
 
-def online_data(cfg: Any, device: torch.device) -> TrainingData:
+def online_data(cfg: RunConfig, device: torch.device) -> TrainingData:
     """conversations.jsonl rendered as capture renders it, and the target loaded on ``device``."""
     target = load_target_from_config(cfg.target.model_copy(update={"device": str(device)}))
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids,
@@ -157,7 +158,7 @@ def online_data(cfg: Any, device: torch.device) -> TrainingData:
         target=info, aux_layer_ids=aux_ids, teacher="hidden", head=head, token_counts=counts, complete=complete)
 
 
-def training_data(cfg: Any, device: torch.device) -> TrainingData:
+def training_data(cfg: RunConfig, device: torch.device) -> TrainingData:
     data = online_data(cfg, device) if cfg.train.source == "online" else store_data(cfg)
     n = cfg.train.max_train_samples
     if n is not None and n < len(data.train):

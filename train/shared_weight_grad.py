@@ -1,9 +1,9 @@
 """A weight that the TTT unroll uses at every draft step gets its gradient from one matmul over all the steps' rows.
 
-Autograd gives a weight used ``ttt_length`` times one gradient per use and sums them two at a time. At the
-Kimi-K2.5 drafter shape (1.2 B weights in bf16, 2,048 rows a step, an H200) those six sums were 9.8 ms of a
-170 ms step (``"train_step_profile"`` in bench/results.json, the bf16 ``add`` kernel), and the sum then went
-through a bf16-to-fp32 cast into the master weight's gradient. A routed layer instead keeps each use's input
+Autograd gives a weight used ``ttt_length`` times one gradient per use and sums them two at a time: at the
+Kimi-K2.5 drafter shape (1.2 B weights in bf16, 2,048 rows a step) each sum is a pass over the weight
+(``"train_step_profile"`` in bench/results.json: the bf16 ``add`` kernel), and the sum then goes through a
+bf16-to-fp32 cast into the master weight's gradient. A routed layer instead keeps each use's input
 rows and output gradient; the backward of its last use stacks them and computes the weight's gradient as one
 matmul over every use's rows (fp32 accumulation, written in fp32 straight into the master weight's gradient).
 

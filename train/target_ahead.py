@@ -4,7 +4,7 @@ A step ends in a wait: the host reads the window's loss and gradient norm from t
 Until then the device drains its queue and idles; the next micro-batch's target forward, launched after the wait,
 then ran at the pace of its host-side launches (HF's eager forward costs about as much host time as device time).
 Queued before the wait, it runs on the device while the host waits and steps, and its launches hide behind the
-drafter's backward still running (issue #20: the loop against the bench). The batch it completes is the same one,
+drafter's backward still running. The batch it completes is the same one,
 so losses, resume points and the data order do not change.
 
 On CUDA the forward runs on a stream of its own, so its kernels (small at a drafter's batch: the target's norms,

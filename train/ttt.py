@@ -27,9 +27,9 @@ from drafter.model import AttentionFn, Eagle3Drafter, attention, causal_mask
 
 CE_CHUNK_ROWS = 1024  # rows of the (rows, draft_vocab) logits handled at a time by the soft CE (eager: CPU)
 # On CUDA the chunk functions are fused compiled kernels that read the logits without an fp32 copy of them, so a
-# chunk bounds no memory there; each chunk only costs a compiled call on the host (dynamo's guards, AOT's wrapper:
-# 0.2-0.5 ms each on an H200, tenth session) and a copy of its gradient into the whole. The SmolLM2 loop's 16,384
-# rows were 16 chunks, 224 compiled calls a step over 7 draft steps; now one a draft step each way.
+# chunk bounds no memory there; each chunk only costs a compiled call on the host (dynamo's guards, AOT's wrapper)
+# and a copy of its gradient into the whole. A SmolLM2 batch of 16,384 rows would be 16 chunks, 224 compiled calls a
+# step over 7 draft steps; one chunk makes it one a draft step each way.
 CUDA_CE_CHUNK_ROWS = 1 << 16
 
 

@@ -3,9 +3,9 @@
 Under bf16 autocast over fp32 master weights (accelerate's bf16 path), every ``nn.Linear`` casts its weight at
 each call. Eager autocast caches those casts for the length of one forward, but a compiled drafter step is its
 own graph and casts again at each of the ``ttt_length`` draft steps; its backward then casts each step's weight
-gradient to fp32 and adds it into ``.grad`` in fp32. At the Kimi-K2.5 drafter shape (1.2 B trainable parameters)
-that was 31 ms of casts and 14 ms of fp32 adds in a 203 ms step on an H200 (``"train_step_profile"`` in
-bench/results.json). With the weights cast here, once, the unrolled steps share one bf16 copy: autograd sums
+gradient to fp32 and adds it into ``.grad`` in fp32: at the Kimi-K2.5 drafter shape (1.2 B trainable parameters)
+a pass over every weight per draft step, each way (``"train_step_profile"`` in bench/results.json measures the
+step). With the weights cast here, once, the unrolled steps share one bf16 copy: autograd sums
 their gradients in bf16 on that copy, and one cast takes the sum back to the fp32 master weight, as eager
 autocast's cache already does.
 """
