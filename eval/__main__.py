@@ -3,7 +3,7 @@
   run        speculative decoding on the eval datasets (the HF target, or --live: the eval.sglang servers); report
   quality    tau and alpha_k on every prompt of the eval datasets in batched passes, at several k:T (--settings),
              the lossless check, tau* per k from batch-1 timings; run_dir/eval/<name>/quality.json
-  gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to serve it from
+  gate       run + the ship decision (exit 0 pass / 1 reject or unresolved / 2 error), --promote to serve it from
              gate.promoted_dir; --live takes tau, alpha_k and the timings from SGLang servers at each
              eval.sglang.concurrency
   breakeven  tau* and the alpha a tok/s goal needs, from given timings (JSON)

@@ -1,6 +1,7 @@
 """The ``python -m eval`` commands as functions of their arguments (the entry point only parses them).
 
-Each returns the exit code (``common.cli``): 0 pass (or promoted), 1 rejected by the gate, 2 an error,
+Each returns the exit code (``common.cli``): 0 pass (or promoted), 1 rejected or unresolved by the gate (nothing
+promoted either way: a CI job reads both as "not shipped"), 2 an error,
 printed as one line on stderr (our errors carry ready messages that name the file or key); a crash is 2
 too, never 1. ``run``, ``gate`` (``--live`` too), ``quality`` and ``sweep --config`` hold the run dir's lock
 (``common.locking``) while they write there.
@@ -101,7 +102,7 @@ def gate_command(config: str | Path, checkpoint: str | Path, overrides: Sequence
             decision = live_gate(cfg, checkpoint, incumbent, promote, report_name)
         else:
             decision = gate(cfg, checkpoint, incumbent, promote, report_name)
-    return EXIT_REJECTED if decision == "rejected" else EXIT_OK
+    return EXIT_REJECTED if decision in ("rejected", "unresolved") else EXIT_OK  # unresolved: nothing promoted
 
 
 @one_line_errors(MissingWheelError, ServerError)

@@ -2,7 +2,8 @@
 
 ``evaluate`` loads the HF target and each drafter (candidate, optionally the incumbent), decodes every
 eval prompt plainly and speculatively (``eval.measure``) and adds the break-even τ* from the configured
-or measured timings; ``evaluate_live`` asks a running SGLang server instead.
+or measured timings, with a bootstrap interval for every tau and for tau* (``eval.gate_stats``); ``evaluate_live``
+asks a running SGLang server instead.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from common.config import ConfigError, RunConfig
 from drafter.factory import load_for_target
 from drafter.sglang_checkpoint import fingerprint
 from eval import breakeven
+from eval.gate_stats import annotate, bootstrap
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets
 from eval.report import log_to_trackers, markdown, write_report
@@ -46,7 +48,7 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
         decode = report["plain"]["decode_ms"]
         cycle, source = report["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"], "measured"
     report["breakeven"] = breakeven.breakeven(decode, cycle, s.num_steps, cfg.eval.target_tps) | {"source": source}
-    return report
+    return annotate(report, bootstrap(cfg.gate))
 
 
 def save_report(cfg: RunConfig, report: dict) -> Path:
