@@ -18,7 +18,7 @@ from eval import breakeven
 from eval.gate_stats import annotate, bootstrap
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets
-from eval.report import log_to_trackers, markdown, write_report
+from eval.report import PLOTS, log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
 from target_model.hf_model import load_target_from_config, resolve_source, stop_token_ids
@@ -57,9 +57,9 @@ def save_report(cfg: RunConfig, report: dict) -> Path:
     out = write_report(report, cfg.eval_dir / report["name"])
     written = json.loads((out / "report.json").read_text())
     if cfg.tracking.report_to:
-        log_to_trackers(written, cfg.tracking, cfg.tracking_dir, [out / "alpha.png", out / "tau.png"])
+        log_to_trackers(written, cfg.tracking, cfg.tracking_dir, [out / f"{p}.png" for p in PLOTS])
     print(markdown(written))
-    print(f"report: {out}/report.{{json,md}}, alpha.png, tau.png")
+    print(f"report: {out}/report.{{json,md}}, " + ", ".join(f"{p}.png" for p in PLOTS))
     return out
 
 
