@@ -21,6 +21,7 @@ from eval.prompts import rendered_datasets
 from eval.report import PLOTS, log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
+from eval.turns import eval_prompts
 from target_model.hf_model import load_target_from_config, resolve_source, stop_token_ids
 
 
@@ -33,7 +34,7 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
         drafter, ids = load_for_target(path, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
                                        device=target.device, dtype=target.dtype)
         proposers[role] = Eagle3Proposer(drafter, ids)
-    prompts = rendered_datasets(target.tokenizer, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
+    prompts = eval_prompts(target, cfg.eval.datasets, cfg.eval.max_new_tokens, cfg.target.chat_template_kwargs)
     engine = Engine(target, proposers["candidate"].aux_layer_ids, stop_token_ids(target.tokenizer))
     s = Settings(cfg.eval.num_steps, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.seed,
                  cfg.eval.acceptance, cfg.eval.tie_epsilon)
