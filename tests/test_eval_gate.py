@@ -245,3 +245,27 @@ def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_agains
     assert len(calls) == 1 and "PROMOTED (already: serving since" in capsys.readouterr().out
     rows = [json.loads(x) for x in (tmp_path / "promotions.jsonl").read_text().splitlines()]
     assert [r["decision"] for r in rows] == ["promoted"]
+
+
+def test_an_unresolved_gate_exits_1_records_it_and_promotes_nothing(tmp_path, tiny_drafter, monkeypatch, capsys):
+    """The candidate and the incumbent differ by less than 5 prompts can tell: nothing is promoted, the history
+    records "unresolved" with the dataset's line, the exit code is 1 (a CI job reads it as not shipped)."""
+    import eval.gate_flow
+
+    def ds(tokens: list[int]) -> dict:
+        return {"tau": sum(tokens) / 50, "alpha_conditional": [0.5],
+                "per_prompt": {"tokens": tokens, "cycles": [10] * 5}}
+
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": ds([26, 18, 31, 21, 27])}, "lossless": {"ok": True}},
+                           "incumbent": {"datasets": {"mtbench": ds([25, 21, 29, 23, 24])}}},
+              "breakeven": {"tau_star": 1.2, "source": "config"}, "checkpoints": {"incumbent": {"path": "x"}}}
+    monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: report)
+    monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
+    cand = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    inc = save_checkpoint(tiny_drafter, tmp_path / "inc", dtype="float32")
+    assert gate_command(write_config(tmp_path), cand, incumbent=str(inc), promote=True) == 1
+    assert capsys.readouterr().out.strip().endswith("UNRESOLVED") and not (tmp_path / "promoted").exists()
+    row = json.loads((tmp_path / "promotions.jsonl").read_text())
+    assert row["decision"] == "unresolved" and row["intervals"]["mtbench"]["vs_incumbent"]["prompts"] == 5
+    assert row["reasons"][0].startswith("mtbench: UNRESOLVED (5 prompts, 95% intervals)")
+    assert report["intervals"] == row["intervals"]  # the report carries them too
