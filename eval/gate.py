@@ -45,9 +45,6 @@ FP_CHARS = 16  # fingerprint characters in a promotions/ directory name
 SERVING = ("promoted", "reconciled")  # decisions that say what promoted/ serves
 
 
-VERDICTS = ("promote", "reject", "unresolved")
-
-
 @dataclass(frozen=True)
 class Evidence:
     """What the gate reads for one dataset, every figure with its interval (``eval.intervals``): tau, tau*, the gap
