@@ -5,7 +5,8 @@
 
 eval: ``python -m eval quality`` (``eval.quality``: every prompt of the config's eval datasets at each --settings
 k:T with the batched engine, the lossless check, tau* per k from batch-1 timings, the gate's decision at the first
-setting; the target in fp32), recorded as "quality".
+setting; the target in fp32), recorded as "quality": every tau with its interval (ci) and prompts, tau* with its
+interval, and tau_by_context (tau per history-length bucket on the run's held-out conversations, with counts).
 
 curve: the same tau (k=3, T=0) for each checkpoint a training run kept (train.save_at), against the real
 tokens it had trained on, with the held-out acc_0..acc_n logged at that step; learning_curve.png beside
@@ -37,7 +38,8 @@ from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints,
 
 def cmd_eval(args: argparse.Namespace) -> int:
     cfg, target, prompts = setup(args.config, args.limit)
-    figures = quality(cfg, target, prompts, args.checkpoint, parse_settings(args.settings), args.timing_prompts)
+    figures = quality(cfg, target, prompts, args.checkpoint, parse_settings(args.settings), args.timing_prompts,
+                      args.limit or args.context_prompts)
     figures["goal_tau_mtbench"] = 3.0
     record(args.name, figures)
     print(json.dumps(figures, indent=1))
@@ -122,6 +124,7 @@ def main() -> int:
     e.add_argument("--checkpoint", required=True)
     e.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), help="k:T pairs; the first one gates")
     e.add_argument("--timing-prompts", type=int, default=8)
+    e.add_argument("--context-prompts", type=int, default=80, help="held-out turns per history-length bucket")
     e.add_argument("--name", default="quality", help="the results.json object to write")
     c = sub.add_parser("curve")
     c.add_argument("--config", required=True)

@@ -320,10 +320,14 @@ class TrackingConfig(Section):
 
 
 class DatasetConfig(PromptSource):
-    """An eval prompt set: each record's first user turn."""
+    """An eval prompt set: each record's first user turn, or (``turn``) a later one after the target's own answers."""
 
     name: str
     path: str = "builtin"
+    turn: PositiveInt = Field(
+        1, description="The user turn whose answer is drafted and verified. 1: the first; n > 1: the record's first "
+        "n-1 user turns with the target's own greedy answers (eval.max_new_tokens each) as the history, e.g. "
+        "MT-Bench's second turns (turn: 2); records with fewer user turns are skipped and counted.")
 
 
 class TimingsConfig(Section):
@@ -379,8 +383,16 @@ class EvalConfig(Section):
 
 
 class GateConfig(Section):
-    margin: NonNegativeFloat = 0.0
-    min_delta: NonNegativeFloat = 0.0
+    """The ship decision (eval/gate.py): every comparison is read through its bootstrap interval, not its point."""
+
+    margin: NonNegativeFloat = Field(0.0, description="tau must clear tau* x (1 + margin), break-even plus a margin.")
+    min_delta: NonNegativeFloat = Field(0.0, description="tau must beat the incumbent's by this much.")
+    confidence: Annotated[float, Field(gt=0.5, lt=1.0), NotBool] = Field(
+        0.95, description="Two-sided level of the bootstrap intervals: the candidate is promoted when every "
+        "interval's lower end clears its bar, rejected when an upper end is below it, unresolved otherwise.")
+    bootstrap_samples: Annotated[int, Field(ge=100), NotBool] = Field(
+        2000, description="Resamples of the prompts (and of the timing prompts) behind each interval.")
+    bootstrap_seed: Int = Field(0, description="Seed of the resampling: the same seed gives the same intervals.")
     datasets: list[str] | None = Field(None, description="Gate datasets; default: all eval ones.")
     promoted_dir: str = "promoted"
     history_file: str = "promotions.jsonl"

@@ -2,8 +2,9 @@
 
   run        speculative decoding on the eval datasets (the HF target, or --live: the eval.sglang servers); report
   quality    tau and alpha_k on every prompt of the eval datasets in batched passes, at several k:T (--settings),
-             the lossless check, tau* per k from batch-1 timings; run_dir/eval/<name>/quality.json
-  gate       run + the ship decision (exit 0 pass / 1 reject / 2 error), --promote to serve it from
+             the lossless check, tau* per k from batch-1 timings, every tau with its interval, tau by history
+             length on the held-out conversations; run_dir/eval/<name>/quality.json
+  gate       run + the ship decision (exit 0 pass / 1 reject or unresolved / 2 error), --promote to serve it from
              gate.promoted_dir; --live takes tau, alpha_k and the timings from SGLang servers at each
              eval.sglang.concurrency
   breakeven  tau* and the alpha a tok/s goal needs, from given timings (JSON)
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="k:T pairs (drafts per cycle, temperature); the first one is the gate's")
             p.add_argument("--timing-prompts", type=int, default=8, help="prompts the batch-1 timings run on")
             p.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; the figures are for all)")
+            p.add_argument("--context-prompts", type=int, default=80,
+                           help="held-out turns per history-length bucket (tau_by_context)")
     sw = sub.add_parser("sweep")
     sw.add_argument("--config", help="measure on eval.sglang.server_url + sweep_urls and baseline_url")
     sw.add_argument("--table", help="a cost table JSON instead of measuring (see eval/serving_sweep.py)")
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return commands.sweep_command(args.config, args.table, args.set, args.out)
     if args.cmd == "quality":
         return commands.quality_command(args.config, args.checkpoint, args.set, args.name, args.settings,
-                                        args.timing_prompts, args.limit)
+                                        args.timing_prompts, args.limit, args.context_prompts)
     if args.cmd == "run":
         return commands.run_command(args.config, args.checkpoint, args.set, args.name, args.live)
     return commands.gate_command(args.config, args.checkpoint, args.set, args.name, args.incumbent, args.promote,

@@ -48,7 +48,7 @@ def acceptance(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[in
         rows = speculative_batch(engine, drafter, ps, k, max_new, stops, temperature, seed, desc=f"{name} k={k}",
                                  acceptance=rule)
         gens = [Generation(r.tokens, accepted=r.accepted) for r in rows]
-        stats = dataset_stats(gens, k) | {"prompts": len(ps)}
+        stats = dataset_stats(gens, k)
         unchecked = unchecked_reason(temperature, target.dtype)
         if unchecked is None and references is not None:
             found = divergences(references[name], gens, name, tie_epsilon)

@@ -1,6 +1,7 @@
 """The ``python -m eval`` commands as functions of their arguments (the entry point only parses them).
 
-Each returns the exit code (``common.cli``): 0 pass (or promoted), 1 rejected by the gate, 2 an error,
+Each returns the exit code (``common.cli``): 0 pass (or promoted), 1 rejected or unresolved by the gate (nothing
+promoted either way: a CI job reads both as "not shipped"), 2 an error,
 printed as one line on stderr (our errors carry ready messages that name the file or key); a crash is 2
 too, never 1. ``run``, ``gate`` (``--live`` too), ``quality`` and ``sweep --config`` hold the run dir's lock
 (``common.locking``) while they write there.
@@ -59,9 +60,10 @@ def _measurable(checkpoint: str) -> None:
 @one_line_errors(MissingWheelError, ServerError)
 def quality_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (), name: str | None = None,
                     settings: Sequence[str] = DEFAULT_SETTINGS, timing_prompts: int = 8,
-                    limit: int | None = None) -> int:
+                    limit: int | None = None, context_prompts: int = 80) -> int:
     """tau and alpha_k on every prompt of the eval datasets in batched passes, at each k:T of ``settings``, the
-    lossless check at T = 0, tau* per k and the gate's decision at the first setting (``eval.quality``); writes
+    lossless check at T = 0, tau* per k, tau by history length on the held-out conversations (``context_prompts``
+    per bucket, ``limit`` in a smoke run) and the gate's decision at the first setting (``eval.quality``); writes
     run_dir/eval/<name>/quality.json. The target runs in float32 unless ``overrides`` set target.dtype."""
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
@@ -70,7 +72,7 @@ def quality_command(config: str | Path, checkpoint: str | Path, overrides: Seque
     cfg = quality_config(config, overrides=overrides)
     with run_lock(cfg.root, "eval quality"):
         target, prompts = target_and_prompts(cfg, limit)
-        figures = quality(cfg, target, prompts, checkpoint, pairs, timing_prompts)
+        figures = quality(cfg, target, prompts, checkpoint, pairs, timing_prompts, limit or context_prompts)
         out = cfg.eval_dir / report_name / "quality.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out, json_text(figures, indent=1) + "\n")
@@ -92,7 +94,7 @@ def gate_command(config: str | Path, checkpoint: str | Path, overrides: Sequence
             decision = live_gate(cfg, checkpoint, incumbent, promote, report_name)
         else:
             decision = gate(cfg, checkpoint, incumbent, promote, report_name)
-    return EXIT_REJECTED if decision == "rejected" else EXIT_OK
+    return EXIT_REJECTED if decision in ("rejected", "unresolved") else EXIT_OK  # unresolved: nothing promoted
 
 
 @one_line_errors(MissingWheelError, ServerError)

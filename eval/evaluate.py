@@ -2,7 +2,8 @@
 
 ``evaluate`` loads the HF target and each drafter (candidate, optionally the incumbent), decodes every
 eval prompt plainly and speculatively (``eval.measure``) and adds the break-even τ* from the configured
-or measured timings; ``evaluate_live`` asks a running SGLang server instead.
+or measured timings, with a bootstrap interval for every tau and for tau* (``eval.gate_stats``); ``evaluate_live``
+asks a running SGLang server instead.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from common.config import ConfigError, RunConfig
 from drafter.factory import load_for_target
 from drafter.sglang_checkpoint import fingerprint
 from eval import breakeven
+from eval.gate_stats import annotate, bootstrap
 from eval.measure import Settings, measure
 from eval.prompts import rendered_datasets
-from eval.report import log_to_trackers, markdown, write_report
+from eval.report import PLOTS, log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
+from eval.turns import eval_prompts
 from target_model.hf_model import load_target_from_config, resolve_source, stop_token_ids
 
 
@@ -31,7 +34,7 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
         drafter, ids = load_for_target(path, target.embed_weight(), target.num_layers, cfg.target.aux_layer_ids,
                                        device=target.device, dtype=target.dtype)
         proposers[role] = Eagle3Proposer(drafter, ids)
-    prompts = rendered_datasets(target.tokenizer, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
+    prompts = eval_prompts(target, cfg.eval.datasets, cfg.eval.max_new_tokens, cfg.target.chat_template_kwargs)
     engine = Engine(target, proposers["candidate"].aux_layer_ids, stop_token_ids(target.tokenizer))
     s = Settings(cfg.eval.num_steps, cfg.eval.temperature, cfg.eval.max_new_tokens, cfg.eval.seed,
                  cfg.eval.acceptance, cfg.eval.tie_epsilon)
@@ -46,7 +49,7 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
         decode = report["plain"]["decode_ms"]
         cycle, source = report["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"], "measured"
     report["breakeven"] = breakeven.breakeven(decode, cycle, s.num_steps, cfg.eval.target_tps) | {"source": source}
-    return report
+    return annotate(report, bootstrap(cfg.gate))
 
 
 def save_report(cfg: RunConfig, report: dict) -> Path:
@@ -55,9 +58,9 @@ def save_report(cfg: RunConfig, report: dict) -> Path:
     out = write_report(report, cfg.eval_dir / report["name"])
     written = json.loads((out / "report.json").read_text())
     if cfg.tracking.report_to:
-        log_to_trackers(written, cfg.tracking, cfg.tracking_dir, [out / "alpha.png", out / "tau.png"])
+        log_to_trackers(written, cfg.tracking, cfg.tracking_dir, [out / f"{p}.png" for p in PLOTS])
     print(markdown(written))
-    print(f"report: {out}/report.{{json,md}}, alpha.png, tau.png")
+    print(f"report: {out}/report.{{json,md}}, " + ", ".join(f"{p}.png" for p in PLOTS))
     return out
 
 

@@ -1,7 +1,11 @@
 """The ship/no-ship decision (``decide``, pure) and what follows it: atomic promotion and the history.
 
 A candidate ships iff, on every gate dataset, tau >= tau* (1 + margin) — speculation must beat plain
-decoding — and tau >= incumbent tau + min_delta — it must beat what is serving now. A checkpoint
+decoding — and tau >= incumbent tau + min_delta — it must beat what is serving now, each comparison read
+through its bootstrap interval (``eval.intervals``: the candidate and the incumbent paired prompt by prompt,
+tau* from its timing prompts): the lower end must clear the bar. An upper end below a bar rejects; an interval
+that holds a bar is **unresolved**, a third verdict: nothing is promoted, the exit code is 1 as for a
+rejection, and the reason names the comparison and about how many prompts would resolve it. A checkpoint
 SGLang would serve wrongly (``check_checkpoint``: config, dtypes, vocab map) or a T=0
 output that differs from the target's own greedy output is rejected whatever its tau.
 
@@ -33,6 +37,7 @@ from common.files import (
 )
 from common.locking import run_lock
 from drafter.sglang_checkpoint import CheckpointError, fingerprint
+from eval.intervals import Interval, prompts_to_resolve
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
 PROMOTIONS = "promotions"
@@ -40,36 +45,104 @@ FP_CHARS = 16  # fingerprint characters in a promotions/ directory name
 SERVING = ("promoted", "reconciled")  # decisions that say what promoted/ serves
 
 
+@dataclass(frozen=True)
+class Evidence:
+    """What the gate reads for one dataset, every figure with its interval (``eval.intervals``): tau, tau*, the gap
+    tau - tau* (1 + margin) (its bar is 0) and, given an incumbent measured on the same prompts, its tau and the
+    paired difference tau - incumbent tau (its bar is min_delta)."""
+
+    tau: Interval
+    tau_star: Interval
+    vs_breakeven: Interval
+    incumbent_tau: Interval | None = None
+    vs_incumbent: Interval | None = None
+
+
 @dataclass
 class Decision:
-    promote: bool
+    """``verdict``: promote, reject or unresolved; ``lines``: one per dataset, its intervals and why the verdict
+    follows; ``reasons``: every problem and every line, for the history and the report."""
+
+    verdict: str
     reasons: list[str] = field(default_factory=list)
+    lines: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def promote(self) -> bool:
+        return self.verdict == "promote"
 
 
-def decide(tau: Mapping[str, float], tau_star: float, margin: float,
-           incumbent_tau: Mapping[str, float] | None = None, min_delta: float = 0.0,
+def _status(iv: Interval, bar: float) -> str:
+    """pass: the whole interval clears the bar; fail: its upper end is below it (or nothing finite was measured);
+    unresolved: the interval holds the bar."""
+    if not (math.isfinite(iv.point) and math.isfinite(iv.low) and math.isfinite(iv.high)):
+        return "fail"
+    return "pass" if iv.low >= bar else "fail" if iv.high < bar else "unresolved"
+
+
+def _ci(iv: Interval, signed: bool = False) -> str:
+    f = "{:+.3f}" if signed else "{:.3f}"
+    return f"{f.format(iv.point)} [{f.format(iv.low)}, {f.format(iv.high)}]"
+
+
+def _outcome(status: str, iv: Interval, bar: float, bar_name: str, timing_prompts: int = 0) -> str:
+    """What the interval says against its bar, and for an unresolved one about how many prompts would settle it."""
+    if not math.isfinite(iv.point):
+        return "not measured (no verify cycle): a failure"
+    if status == "pass":
+        return f"clears {bar_name}"
+    if status == "fail":
+        return f"is below {bar_name} (a real loss)"
+    need = prompts_to_resolve(iv, bar)
+    more = (f"about {need} prompts" + (f" (and {math.ceil(timing_prompts * need / iv.prompts)} timing prompts)"
+                                      if timing_prompts else "") + " would resolve the observed difference"
+            if need else "no number of prompts resolves a zero difference")
+    return f"holds {bar_name}: unresolved, {more}"
+
+
+def dataset_line(name: str, e: Evidence, margin: float, min_delta: float) -> tuple[str, str]:
+    """(status, one line for people): tau, each comparison with its interval, and its outcome."""
+    be = _status(e.vs_breakeven, 0.0)
+    parts = [f"tau {_ci(e.tau)}"]
+    statuses = [be]
+    if e.vs_incumbent is not None:
+        inc = _status(e.vs_incumbent, min_delta)
+        statuses.append(inc)
+        outcome = _outcome(inc, e.vs_incumbent, min_delta, f"min_delta {min_delta:g}")
+        parts.append(f"vs incumbent {_ci(e.incumbent_tau) if e.incumbent_tau else '?'}: difference "
+                     f"{_ci(e.vs_incumbent, True)} {outcome}")
+    tau_star = (_ci(e.tau_star) + f" ({e.tau_star.prompts} timing prompts)" if e.tau_star.prompts
+                else f"{e.tau_star.point:.3f} (given timings)")
+    parts.append(f"vs break-even tau* {tau_star} x (1 + {margin:g}): gap {_ci(e.vs_breakeven, True)} "
+                 + _outcome(be, e.vs_breakeven, 0.0, "0", e.tau_star.prompts))
+    status = "fail" if "fail" in statuses else "unresolved" if "unresolved" in statuses else "pass"
+    head = f"{name}: {status.upper()} ({e.tau.prompts} prompts, {100 * e.tau.level:g}% intervals)"
+    return status, f"{head}: " + "; ".join(parts)
+
+
+def decide(evidence: Mapping[str, Evidence], margin: float, min_delta: float = 0.0,
            checkpoint_problems: Sequence[str] = (), lossless_mismatches: Sequence[str] = ()) -> Decision:
-    """Every check is run and explained, so a rejection lists all its causes at once."""
+    """Promote when, on every dataset, every interval's lower end clears its bar (break-even: tau - tau* (1 + margin)
+    >= 0; the incumbent: tau - incumbent tau >= min_delta); reject on a checkpoint or lossless problem, or when an
+    interval's upper end is below its bar on some dataset (a real loss); otherwise unresolved: what serves now keeps
+    serving, and each line says which comparison is unresolved and about how many prompts would resolve it. Every
+    check is run and explained, so the reasons list every cause at once."""
     reasons = [f"checkpoint: {p}" for p in checkpoint_problems]
     reasons += [f"lossless: {m}" for m in lossless_mismatches]
-    if not tau:
+    if not evidence:
         reasons.append("no gate dataset was measured")
-    need = tau_star * (1 + margin)
-    ok = not reasons
-    for name, t in tau.items():
-        if not (math.isfinite(t) and t >= need):
-            ok = False
-            reasons.append(f"{name}: tau {t:.3f} < break-even {need:.3f} (tau* {tau_star:.3f} x (1 + {margin}))")
-        else:
-            reasons.append(f"{name}: tau {t:.3f} >= break-even {need:.3f}")
-        if incumbent_tau is not None:
-            inc = incumbent_tau.get(name, float("nan"))
-            if not (math.isfinite(t) and t >= inc + min_delta):
-                ok = False
-                reasons.append(f"{name}: tau {t:.3f} < incumbent {inc:.3f} + min_delta {min_delta}")
-            else:
-                reasons.append(f"{name}: tau {t:.3f} >= incumbent {inc:.3f} + min_delta {min_delta}")
-    return Decision(ok, reasons)
+    failed = bool(reasons)
+    lines, statuses = {}, []
+    for name, e in evidence.items():
+        status, lines[name] = dataset_line(name, e, margin, min_delta)
+        statuses.append(status)
+    verdict = ("reject" if failed or "fail" in statuses else "unresolved" if "unresolved" in statuses
+               else "promote")
+    reasons += lines.values()
+    if verdict == "unresolved":
+        reasons.append("unresolved: nothing promoted, what serves now keeps serving; each unresolved line says about "
+                       "how many prompts would resolve it (eval.datasets[].limit)")
+    return Decision(verdict, reasons, lines)
 
 
 class GateError(ValueError):

@@ -29,18 +29,20 @@ from common.config import RunConfig
 from drafter.sglang_checkpoint import CheckpointError, check_checkpoint, fingerprint
 from eval.evaluate import evaluate, save_report
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
+from eval.gate_stats import bootstrap, evidence_record, report_evidence
 
 
 @dataclass
 class Measured:
     """What a gate's measurement hands the frame: the report (the frame adds ``gate`` and saves it), whether
     the candidate passed, the reasons (the decision's, then any notes), and the history record's measured
-    fields (tau, tau*, the incumbent, ...)."""
+    fields (tau, tau*, the incumbent, ...); ``unresolved``: not passed because an interval holds its bar."""
 
     report: dict
     passed: bool
     reasons: list[str]
     record: dict
+    unresolved: bool = False
 
 
 def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
@@ -49,13 +51,13 @@ def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
     """The gate's opening and closing, under the promotions lock (``holder`` names this gate in it).
     ``measure(serving)`` is called with the history record of the candidate when it already serves (else None);
     ``save(cfg, report)`` writes the report. ``record_fields`` go into every history record this gate writes.
-    Returns "promoted", "passed" or "rejected"."""
+    Returns "promoted", "passed", "unresolved" (recorded and exiting like a rejection) or "rejected"."""
     with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, holder):
         record: dict = {"checkpoint": str(Path(checkpoint).resolve()), "fingerprint": None, "incumbent": None,
                         **(record_fields or {})}
         problems = check_checkpoint(checkpoint)  # a CheckpointError (not a drafter at all) ends the gate here
         if problems:  # nothing to measure: SGLang would serve it wrongly
-            d = decide({}, float("nan"), cfg.gate.margin, checkpoint_problems=problems)
+            d = decide({}, cfg.gate.margin, checkpoint_problems=problems)
             append_history(cfg.gate.history_file, record | {"decision": "rejected", "reasons": d.reasons})
             print("REJECTED\n" + "\n".join(f"  - {r}" for r in d.reasons))
             return "rejected"
@@ -65,7 +67,8 @@ def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
             print(f"PROMOTED (already: serving since {serving.get('time')}, {cfg.gate.history_file})")
             return "promoted"
         measured = measure(serving)
-        decision = ("promoted" if do_promote else "passed") if measured.passed else "rejected"
+        decision = (("promoted" if do_promote else "passed") if measured.passed
+                    else "unresolved" if measured.unresolved else "rejected")
         reasons = list(measured.reasons)
         if decision == "promoted":
             reasons.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
@@ -85,7 +88,8 @@ def gate_datasets(cfg: RunConfig) -> list[str]:
 
 
 def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
-    """The decision: "promoted" (passed and now served from gate.promoted_dir), "passed" or "rejected"."""
+    """The decision: "promoted" (passed and now served from gate.promoted_dir), "passed", "unresolved" or
+    "rejected"."""
     def measure(serving: dict | None) -> Measured:
         return _measure_hf(cfg, checkpoint, incumbent, serving, name)
 
@@ -113,12 +117,14 @@ def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving:
                if incumbent else None)
     mismatches = [f"{m['dataset']} prompt {m['prompt']} differs from greedy at token {m['first_divergence']}"
                   for m in cand["lossless"].get("mismatches", [])]
-    d = decide(tau, report["breakeven"]["tau_star"], cfg.gate.margin, inc_tau, cfg.gate.min_delta,
-               lossless_mismatches=mismatches)
+    evidence = report_evidence(report, gate_ds, cfg.gate.margin, bootstrap(cfg.gate))
+    d = decide(evidence, cfg.gate.margin, cfg.gate.min_delta, lossless_mismatches=mismatches)
     record = {"incumbent": report["checkpoints"].get("incumbent"), "tau": tau, "incumbent_tau": inc_tau,
               "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
-              "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"]}
-    return Measured(report, d.promote, d.reasons + notes, record)
+              "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"],
+              "intervals": evidence_record(evidence, d)}
+    report["intervals"] = record["intervals"]
+    return Measured(report, d.promote, d.reasons + notes, record, d.verdict == "unresolved")
 
 
 def _servable(incumbent: str) -> bool:

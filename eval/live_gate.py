@@ -16,7 +16,8 @@ every eval prompt goes to each server with that many requests in flight; per req
     tau*      = t_cycle / t_decode, per concurrency
 
 The decision is ``eval.gate.decide`` once per concurrency (tau >= tau* (1 + margin), tau >= incumbent + min_delta
-on every gate dataset); the candidate ships only if it passes at every concurrency. The servers' own settings
+on every gate dataset, each read through its bootstrap interval over the requests); the candidate ships only if it
+passes at every concurrency. The servers' own settings
 (``/server_info``) are checked first: the candidate and incumbent must speculate with the same flags, the
 baseline must not, all must serve one target, and a server must serve the checkpoint it is gated as.
 
@@ -34,11 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, RunConfig
+from common.config import ConfigError, GateConfig, RunConfig
 from common.files import json_safe, json_text, write_text_atomic
 from eval import breakeven, metrics
 from eval.gate import decide
 from eval.gate_flow import Measured, gate_datasets, run_gate
+from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, timed_tau_star
+from eval.intervals import constant
 from eval.prompts import rendered_datasets
 from eval.report import decimals
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
@@ -96,6 +99,12 @@ def run_prompts(url: str, prompts: Sequence[Sequence[int]], concurrency: int, te
         return list(pool.map(one, prompts))
 
 
+def _cycle_tokens(r: RequestStats, exact: bool) -> int:
+    """Tokens a request's verify cycles produced: from its histogram when every request has one (``exact``), else
+    completion_tokens - 1 (the prefill token is no cycle's)."""
+    return sum((a + 1) * n for a, n in enumerate(r.histogram or [])) if exact else r.completion_tokens - 1
+
+
 def spec_summary(all_results: Sequence[RequestStats]) -> dict:
     """tau, alpha_k and t_cycle of a speculating server over some requests. A request without a verify cycle
     (it ended at its prefill token) says nothing about the drafter: counted (``requests_without_cycles``) and left
@@ -119,7 +128,12 @@ def spec_summary(all_results: Sequence[RequestStats]) -> dict:
            "histogram": hist if exact else None,
            "cycle_ms": 1000 * sum(r.decode_s for r in results) / verify if verify else float("nan"),
            "cycle_source": "e2e_latency - first_token_latency" if timed else
-           "e2e_latency (prefill and queueing included: start the servers with --enable-metrics)"}
+           "e2e_latency (prefill and queueing included: start the servers with --enable-metrics)",
+           # per request in prompt order, one without cycles as zeros: the candidate and the incumbent stay paired
+           "per_prompt": {"tokens": [_cycle_tokens(r, exact) if r.verify else 0 for r in all_results],
+                          "cycles": [r.verify or 0 for r in all_results]},
+           "per_prompt_timing": {"cycle_s": [r.decode_s if r.verify else 0.0 for r in all_results],
+                                 "cycles": [r.verify or 0 for r in all_results]}}
     if exact:
         out["alpha_conditional"] = metrics.conditional_rates(hist)
         out["alpha_unconditional"] = metrics.unconditional_rates(hist)
@@ -133,6 +147,8 @@ def decode_summary(results: Sequence[RequestStats]) -> dict:
     seconds = sum(r.decode_s for r in results)
     return {"requests": len(results), "completion_tokens": sum(r.completion_tokens for r in results),
             "decode_ms": 1000 * seconds / steps if steps else float("nan"),
+            "per_prompt": {"decode_s": [r.decode_s for r in results],
+                           "steps": [r.completion_tokens - (1 if timed else 0) for r in results]},
             "source": "(e2e_latency - first_token_latency) / (completion_tokens - 1)" if timed else
             "e2e_latency / completion_tokens (prefill included: start the servers with --enable-metrics)"}
 
@@ -243,20 +259,27 @@ def measure_live(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]],
     return report
 
 
-def decide_live(report: dict, gate_datasets: Sequence[str], margin: float,
-                min_delta: float) -> tuple[bool, list[str], dict]:
-    """``decide`` at every concurrency; passes only if every one passes. Returns (promote, reasons, taus)."""
-    ok, reasons, taus = True, [], {}
+def decide_live(report: dict, gate_datasets: Sequence[str], gate: GateConfig) -> tuple[str, list[str], dict, dict]:
+    """``decide`` at every concurrency, on intervals from the requests (the candidate's and the incumbent's servers
+    answer the same prompts, so they are paired request by request; tau* is resampled over the baseline's and the
+    candidate's requests, fixed when it comes from eval.timings). The verdict is promote only if every concurrency
+    promotes, reject if any rejects, else unresolved. Returns (verdict, reasons, taus, intervals) per concurrency."""
+    boot = bootstrap(gate)
+    verdicts, reasons, taus, intervals = [], [], {}, {}
     for c, row in report["by_concurrency"].items():
-        cand = row["drafters"]["candidate"]["datasets"]
+        cand = row["drafters"]["candidate"]
         inc = row["drafters"].get("incumbent", {}).get("datasets")
-        tau = {ds: cand[ds]["tau"] for ds in gate_datasets}
-        taus[c] = tau
-        d = decide(tau, row["breakeven"]["tau_star"], margin, {ds: inc[ds]["tau"] for ds in gate_datasets}
-                   if inc else None, min_delta)
-        ok = ok and d.promote
+        taus[c] = {ds: cand["datasets"][ds]["tau"] for ds in gate_datasets}
+        tau_star = (timed_tau_star(row["baseline"], cand["all"]["per_prompt_timing"], boot) if "baseline" in row
+                    else constant(row["breakeven"]["tau_star"], boot))
+        ev = {ds: evidence(per_prompt(cand["datasets"][ds]), tau_star, gate.margin, boot,
+                           per_prompt(inc[ds]) if inc else None) for ds in gate_datasets}
+        d = decide(ev, gate.margin, gate.min_delta)
+        verdicts.append(d.verdict)
         reasons += [f"concurrency {c}: {r}" for r in d.reasons]
-    return ok, reasons, taus
+        intervals[c] = evidence_record(ev, d)
+    verdict = next((v for v in ("reject", "unresolved") if v in verdicts), "promote")
+    return verdict, reasons, taus, intervals
 
 
 def markdown(r: dict) -> str:
@@ -320,14 +343,16 @@ def run_live(cfg: RunConfig, checkpoint: str | None, name: str,
 
 def live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str,
               prompts: Mapping[str, Sequence[Sequence[int]]] | None = None) -> str:
-    """``eval gate --live``: "promoted", "passed" or "rejected"; history and report written as the HF gate's,
-    in the same frame (``eval.gate_flow.run_gate``: the promotions lock, reconcile, the crash-safe promotion)."""
+    """``eval gate --live``: "promoted", "passed", "unresolved" or "rejected"; history and report written as the HF
+    gate's, in the same frame (``eval.gate_flow.run_gate``: the promotions lock, reconcile, the crash-safe
+    promotion)."""
     def measure(_serving: dict | None) -> Measured:
         checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
         report = measure_live(cfg, prompts or live_prompts(cfg), checkpoints)
         report["name"] = name
         gate_ds = gate_datasets(cfg)
-        passed, reasons, taus = decide_live(report, gate_ds, cfg.gate.margin, cfg.gate.min_delta)
+        verdict, reasons, taus, intervals = decide_live(report, gate_ds, cfg.gate)
+        report["intervals"] = intervals
         by_c = report["by_concurrency"]
         served = report["servers"].get("incumbent")
         record = {
@@ -336,7 +361,7 @@ def live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote
             "incumbent_tau": {c: {ds: row["drafters"]["incumbent"]["datasets"][ds]["tau"] for ds in gate_ds}
                               for c, row in by_c.items()} if served else None,
             "tau_star": {c: row["breakeven"]["tau_star"] for c, row in by_c.items()},
-            "timings_source": {c: row["breakeven"]["source"] for c, row in by_c.items()}}
-        return Measured(report, passed, reasons, record)
+            "timings_source": {c: row["breakeven"]["source"] for c, row in by_c.items()}, "intervals": intervals}
+        return Measured(report, verdict == "promote", reasons, record, verdict == "unresolved")
 
     return run_gate(cfg, checkpoint, do_promote, "eval gate --live", measure, write_live_report, {"mode": "live"})

@@ -31,11 +31,14 @@ def _generator(seed: int, index: int) -> torch.Generator:
 
 
 def dataset_stats(gens: Sequence[Generation], k: int) -> dict:
+    """tau, alpha and the histogram over every cycle, and per prompt its cycle tokens and cycles: tau is their ratio
+    of sums, which ``eval.intervals`` resamples prompt by prompt."""
     hist = metrics.histogram([a for g in gens for a in g.accepted], k)
     return {"tau": metrics.tau_from_histogram(hist), "histogram": hist, "cycles": sum(hist),
             "alpha_conditional": metrics.conditional_rates(hist),
             "alpha_unconditional": metrics.unconditional_rates(hist),
-            "tokens": sum(len(g.tokens) for g in gens)}
+            "tokens": sum(len(g.tokens) for g in gens), "prompts": len(gens),
+            "per_prompt": {"tokens": [g.cycle_tokens for g in gens], "cycles": [len(g.accepted) for g in gens]}}
 
 
 def divergences(reference: Sequence[Generation], gens: Sequence[Generation], dataset: str,
@@ -61,7 +64,10 @@ def summarize(per_dataset: Mapping[str, Sequence[Generation]], references: Mappi
     out = {"datasets": {name: dataset_stats(gs, s.num_steps) for name, gs in per_dataset.items()},
            "phases_ms_per_cycle": ms, "phase_lines": metrics.phase_lines(times),
            "draft_step_ms": ms["draft"] / s.num_steps,
-           "speed": metrics.speed(sum(g.cycle_tokens for g in gens), times, decode_ms)}
+           "speed": metrics.speed(sum(g.cycle_tokens for g in gens), times, decode_ms),
+           # every prompt of every dataset in order, as plain's per_prompt: the timing samples of tau*
+           "per_prompt_timing": {"cycle_s": [g.draft_s + g.verify_s + g.overhead_s for g in gens],
+                                 "cycles": [len(g.accepted) for g in gens]}}
     out["measured_breakeven"] = breakeven.breakeven(decode_ms, ms["cycle"], s.num_steps) if times.cycles else None
     reason = lossless.unchecked_reason(s.temperature, dtype)
     if reason is None:
@@ -100,5 +106,7 @@ def measure(engine: Engine, prompts: Mapping[str, Sequence[Sequence[int]]], prop
             "prompts": {ds: len(p) for ds, p in prompts.items()},
             "plain": {"decode_ms": decode_ms, "decode_steps": steps,
                       "tokens_per_s": 1000 / decode_ms if steps else float("nan"),
-                      "prefill_s": sum(g.prefill_s for gs in plain.values() for g in gs)},
+                      "prefill_s": sum(g.prefill_s for gs in plain.values() for g in gs),
+                      "per_prompt": {"decode_s": [g.decode_s for gs in plain.values() for g in gs],
+                                     "steps": [g.steps for gs in plain.values() for g in gs]}},
             "drafters": {name: summarize(spec[name], plain, decode_ms, s, engine.target.dtype) for name in proposers}}

@@ -2,11 +2,13 @@
 
     python -m eval quality --config configs/smollm2-135m-h200.yaml --checkpoint runs/smollm2-h200/checkpoints/best
 
-Every prompt of the config's eval datasets (their limits lifted; ``limit`` for smoke runs), first turn,
-chat-templated, at each k:T setting, with the batched engine (``eval.batched_eval``): tau, alpha_k, and at T = 0
-the prompts whose output differs from the target's greedy output. Then tau* per k from the batch-1 engine's
-timings on the first ``timing_prompts`` prompts (one process, nothing else on the device), and what the gate
-would decide at the first setting (against break-even only). The target runs in float32 unless overridden, so
+Every prompt of the config's eval datasets (their limits lifted; ``limit`` for smoke runs), chat-templated (a
+later ``turn`` after the target's own answers, ``eval.turns``), at each k:T setting, with the batched engine
+(``eval.batched_eval``): tau with its bootstrap interval (``ci``, over ``prompts``), alpha_k, and at T = 0 the
+prompts whose output differs from the target's greedy output. Then tau* per k from the batch-1 engine's timings on
+the first ``timing_prompts`` prompts (one process, nothing else on the device) with its interval over them; tau by
+history length on the run's held-out conversations (``tau_by_context``, ``eval.context_buckets``); and what the
+gate would decide at the first setting (against break-even only). The target runs in float32 unless overridden, so
 that the lossless check is exact (``eval.lossless``). ``eval run`` measures the batch-1 engine on the datasets as
 configured (timings and acceptance together); this measures acceptance on all of them in a few batched passes.
 ``bench/drafter_quality.py`` records the same figures in ``bench/results.json``.
@@ -20,14 +22,18 @@ from pathlib import Path
 import torch
 
 from common.config import RunConfig, load_config
+from data_prep.capture import read_conversations
 from drafter.factory import load_for_target
 from drafter.model import Eagle3Drafter
 from eval import breakeven
 from eval.batched_eval import acceptance, greedy_references
+from eval.context_buckets import bucketed, by_conversation, holdout_turns
 from eval.gate import decide
+from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, tau_ci, timed_tau_star
+from eval.intervals import Bootstrap, Estimate, ratio_estimate
 from eval.measure import Settings, measure
-from eval.prompts import rendered_datasets
 from eval.speculative import Eagle3Proposer, Engine
+from eval.turns import eval_prompts
 from target_model.hf_model import TargetModel, load_target_from_config, stop_token_ids
 
 DEFAULT_SETTINGS = ("3:0", "3:1", "5:0")  # k:T; the first one is the one the gate's decision reads
@@ -70,7 +76,7 @@ def target_and_prompts(cfg: RunConfig, limit: int | None = None) -> tuple[Target
     """The target and every prompt of the eval datasets, their limits lifted (``limit``: smoke runs only)."""
     target = load_target_from_config(cfg.target)
     datasets = [ds.model_copy(update={"limit": limit}) for ds in cfg.eval.datasets]
-    return target, rendered_datasets(target.tokenizer, datasets, template_kwargs=cfg.target.chat_template_kwargs)
+    return target, eval_prompts(target, datasets, cfg.eval.max_new_tokens, cfg.target.chat_template_kwargs)
 
 
 def load_drafter(target: TargetModel, cfg: RunConfig, checkpoint: str | Path) -> tuple[Eagle3Drafter, tuple]:
@@ -79,10 +85,12 @@ def load_drafter(target: TargetModel, cfg: RunConfig, checkpoint: str | Path) ->
                            device=target.device, dtype=target.dtype)
 
 
-def summary(stats: dict, k: int, temperature: float) -> dict:
-    """Per dataset: tau, alpha, histogram and, at T = 0, how many prompts differ from greedy."""
-    out = {name: {"tau": s["tau"], "prompts": s["prompts"], "k": k, "temperature": temperature,
-                  "alpha": s["alpha_conditional"], "histogram": s["histogram"]} for name, s in stats.items()}
+def summary(stats: dict, k: int, temperature: float, boot: Bootstrap) -> dict:
+    """Per dataset: tau with its interval and prompts, alpha, histogram and, at T = 0, how many prompts differ from
+    greedy."""
+    out = {name: {"tau": s["tau"], "ci": tau_ci(s, boot), "prompts": s["prompts"], "k": k,
+                  "temperature": temperature, "alpha": s["alpha_conditional"], "histogram": s["histogram"]}
+           for name, s in stats.items()}
     for name, s in stats.items():
         if "lossless_mismatches" in s:
             out[name]["lossless_mismatches"] = len(s["lossless_mismatches"])
@@ -90,38 +98,75 @@ def summary(stats: dict, k: int, temperature: float) -> dict:
 
 
 def timings(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int], prompts: list[list[int]],
-            ks: list[int], max_new: int) -> dict:
-    """Batch-1 plain decode and speculative cycle times: tau* per k (one process, one stream)."""
+            ks: list[int], max_new: int, boot: Bootstrap) -> tuple[dict, dict[str, Estimate]]:
+    """Batch-1 plain decode and speculative cycle times: tau* per k with its interval over the timing prompts (one
+    process, one stream); and tau*'s bootstrap per k, for the gate."""
     engine = Engine(target, aux_ids, stop_token_ids(target.tokenizer))
-    out = {}
+    out, estimates = {}, {}
     for k in ks:
         rep = measure(engine, {"timing": prompts}, {"d": Eagle3Proposer(drafter, aux_ids)}, Settings(k, 0.0, max_new))
         cycle = rep["drafters"]["d"]["phases_ms_per_cycle"]["cycle"]
-        out[str(k)] = breakeven.breakeven(rep["plain"]["decode_ms"], cycle, k)
-    return out
+        estimates[str(k)] = est = timed_tau_star(rep["plain"], rep["drafters"]["d"]["per_prompt_timing"], boot)
+        iv = est.interval(boot.level)
+        out[str(k)] = breakeven.breakeven(rep["plain"]["decode_ms"], cycle, k) | {"ci": [iv.low, iv.high]}
+    return out, estimates
+
+
+def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int], k: int,
+                   temperature: float, per_bucket: int | None, boot: Bootstrap) -> dict:
+    """tau per history-length bucket (``eval.context_buckets``) on the run's held-out conversations, at one setting;
+    each bucket's interval resamples conversations. Without conversations.jsonl, the reason instead."""
+    path = cfg.conversations_path
+    if not path.is_file():
+        return {"skipped": f"{path}: not found; the buckets come from the run's held-out conversations (run "
+                           "`python -m data_prep regenerate` first)"}
+    turns, held = holdout_turns(read_conversations(path), cfg.train.holdout_fraction, target.tokenizer,
+                                cfg.target.chat_template_kwargs)
+    buckets, left = bucketed(turns, per_bucket)
+    prompts = {name: [p.ids for p in ps] for name, ps in buckets.items() if ps}
+    stats = acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens,
+                       rule=cfg.eval.acceptance) if prompts else {}
+    out = {}
+    for name, ps in buckets.items():
+        st = stats.get(name)
+        per_conv = by_conversation(ps, *per_prompt(st)) if st else ([], [])
+        iv = ratio_estimate(*per_conv, boot).interval(boot.level)
+        out[name] = {"tau": iv.point, "ci": [iv.low, iv.high], "prompts": len(ps), "conversations": len(per_conv[0]),
+                     "history_tokens": [min(len(p.ids) for p in ps), max(len(p.ids) for p in ps)] if ps else None}
+    return {"source": str(path), "holdout_fraction": cfg.train.holdout_fraction, "holdout_conversations": held,
+            "k": k, "temperature": temperature, "buckets": out, "beyond_last_bucket": left["beyond"],
+            "over_per_bucket": left["capped"], "per_bucket": per_bucket}
 
 
 @torch.no_grad()
 def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]], checkpoint: str | Path,
-            settings: Sequence[tuple[int, float]], timing_prompts: int = 8) -> dict:
-    """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``,
-    tau* and the timings per k, and the gate's decision at the first setting against break-even."""
+            settings: Sequence[tuple[int, float]], timing_prompts: int = 8, context_prompts: int | None = 80) -> dict:
+    """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``
+    (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
+    held-out conversations (at most ``context_prompts`` per bucket) and the gate's decision at the first setting
+    against break-even, read through the intervals."""
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
+    boot = bootstrap(cfg.gate)
     max_new = cfg.eval.max_new_tokens
     refs = greedy_references(target, prompts, max_new)
-    results = {f"k{k}_T{t:g}": summary(acceptance(target, drafter, aux_ids, prompts, k, t, max_new, refs,
-                                                   rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon), k, t)
-               for k, t in settings}
-    first = next(iter(results.values()))
+    stats = {f"k{k}_T{t:g}": acceptance(target, drafter, aux_ids, prompts, k, t, max_new, refs,
+                                        rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
+             for k, t in settings}
+    results = {name: summary(st, k, t, boot) for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
+    first, first_stats = next(iter(results.values())), next(iter(stats.values()))
     first_name = list(prompts)[0]
-    times = timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts],
-                    sorted({k for k, _ in settings}), max_new)
-    k0 = settings[0][0]
-    tau_star = times[str(k0)]["tau_star"]
+    times, tau_stars = timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts],
+                               sorted({k for k, _ in settings}), max_new, boot)
+    k0, t0 = settings[0]
     mismatches = [f"{name}: {s['lossless_mismatches']} prompts differ from greedy" for name, s in first.items()
                   if s.get("lossless_mismatches")]
-    d = decide({name: s["tau"] for name, s in first.items()}, tau_star, cfg.gate.margin, lossless_mismatches=mismatches)
+    ev = {name: evidence(per_prompt(s), tau_stars[str(k0)], cfg.gate.margin, boot) for name, s in first_stats.items()}
+    d = decide(ev, cfg.gate.margin, lossless_mismatches=mismatches)
     return {**first, "checkpoint": str(checkpoint), "max_new_tokens": max_new,
             "settings": results, "tau_star": {k: v["tau_star"] for k, v in times.items()},
+            "tau_star_ci": {k: v["ci"] for k, v in times.items()}, "confidence": boot.level,
             "timings_ms": {k: {"decode": v["decode_ms"], "cycle": v["cycle_ms"]} for k, v in times.items()},
-            "timing_prompts": timing_prompts, "gate": {"promote": d.promote, "reasons": d.reasons}}
+            "timing_prompts": len(prompts[first_name][:timing_prompts]),
+            "tau_by_context": tau_by_context(cfg, target, drafter, aux_ids, k0, t0, context_prompts, boot),
+            "gate": {"verdict": d.verdict, "promote": d.promote, "reasons": d.reasons,
+                     "intervals": evidence_record(ev, d)}}

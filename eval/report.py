@@ -1,5 +1,6 @@
-"""Write one eval's report: report.json (machines), report.md (people), alpha.png and tau.png (plots),
-and log the figures to the run config's experiment trackers (``tracking:``)."""
+"""Write one eval's report: report.json (machines), report.md (people), alpha.png, tau.png (with the intervals) and
+tau_per_prompt.png (candidate against incumbent, prompt by prompt) as plots, and log the figures to the run config's
+experiment trackers (``tracking:``)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,24 @@ from typing import Any
 from common.files import json_safe, json_text, write_text_atomic
 from common.tracking import flat_config, make_trackers
 
+PLOTS = ("alpha", "tau", "tau_per_prompt")  # the PNGs beside report.json, by stem
+
 
 def decimals(x: Any, places: int = 3) -> str:
     """A figure for report.md: ``x`` with ``places`` decimals, "–" when it is missing or not finite."""
     return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{places}f}"
 
 
+def ci_text(ci: Any, places: int = 3) -> str:
+    """``[1.602, 1.980]``, or "–" without an interval."""
+    return f"[{decimals(ci[0], places)}, {decimals(ci[1], places)}]" if ci else "–"
+
+
 def markdown(r: dict) -> str:
     s, be = r["settings"], r["breakeven"]
     k = s["num_steps"]
+    spread = (f"; {100 * be['level']:g}% interval {ci_text(be['ci'])} over {be['timing_prompts']} timing prompts"
+              if be.get("timing_prompts") else "")
     lines = [f"# Eval report: {r['name']}", "",
              f"Target `{r['target']}` on {r['device']}, batch size 1, k = {k} chained drafts "
              f"(up to {k + 1} tokens per cycle), T = {s['temperature']}"
@@ -28,7 +38,7 @@ def markdown(r: dict) -> str:
              "## Break-even", "",
              f"- tau* = {decimals(be['tau_star'])} = cycle {decimals(be['cycle_ms'], 2)} ms / decode "
              f"{decimals(be['decode_ms'], 2)} ms "
-             f"({be['source']} timings)",
+             f"({be['source']} timings){spread}",
              f"- alpha to break even (constant per draft): {decimals(be['alpha_breakeven']['finite_k'])} with k = {k}, "
              f"{decimals(be['alpha_breakeven']['k_infinity'])} as k -> inf"]
     if "alpha_required" in be:
@@ -43,11 +53,12 @@ def markdown(r: dict) -> str:
         lines += [f"## Drafter `{name}`" + (f" — `{ck['path']}`" if ck else ""), ""]
         if ck.get("fingerprint"):
             lines += [f"Fingerprint `{ck['fingerprint'][:16]}`", ""]
-        hdr = ["dataset", "cycles", "tau"] + [f"alpha_{i}" for i in range(1, k + 1)] + \
+        hdr = ["dataset", "prompts", "cycles", "tau", "interval"] + [f"alpha_{i}" for i in range(1, k + 1)] + \
               [f"P(d{i})" for i in range(1, k + 1)] + ["accepted 0..k"]
         lines += ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)]
         for ds, st in d["datasets"].items():
-            row = [ds, str(st["cycles"]), decimals(st["tau"])] + [decimals(a) for a in st["alpha_conditional"]] + \
+            row = [ds, str(st.get("prompts", "–")), str(st["cycles"]), decimals(st["tau"]), ci_text(st.get("ci"))] + \
+                  [decimals(a) for a in st["alpha_conditional"]] + \
                   [decimals(a) for a in st["alpha_unconditional"]] + [" / ".join(map(str, st["histogram"]))]
             lines.append("| " + " | ".join(row) + " |")
         sp = d["speed"]
@@ -95,7 +106,7 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
     ax.set(xlabel="draft position k", ylabel="alpha_k = P(k accepted | k-1 accepted)", ylim=(0, 1.05),
            xticks=range(1, k + 1), title="Conditional acceptance per draft position")
     ax.legend(fontsize=7)
-    alpha_png = out_dir / "alpha.png"
+    alpha_png, tau_png, per_prompt_png = (out_dir / f"{p}.png" for p in PLOTS)
     fig.tight_layout()
     fig.savefig(alpha_png, dpi=100)
     plt.close(fig)
@@ -105,17 +116,66 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
     datasets = list(r["prompts"])
     width = 0.8 / max(len(names), 1)
     for j, name in enumerate(names):
-        taus = [r["drafters"][name]["datasets"][ds]["tau"] for ds in datasets]
-        ax.bar([i + j * width for i in range(len(datasets))], [t or 0 for t in taus], width, label=name)
+        stats = [r["drafters"][name]["datasets"][ds] for ds in datasets]
+        taus = [st["tau"] or 0 for st in stats]
+        cis = [[t if x is None else x for x in (st.get("ci") or [t, t])] for t, st in zip(taus, stats, strict=True)]
+        errs = [[max(t - lo, 0) for t, (lo, _) in zip(taus, cis, strict=True)],
+                [max(hi - t, 0) for t, (_, hi) in zip(taus, cis, strict=True)]]
+        ax.bar([i + j * width for i in range(len(datasets))], taus, width, yerr=errs, capsize=3, label=name)
     ax.axhline(be["tau_star"], color="red", linestyle="--", label=f"tau* ({be['tau_star']:.2f})")
     ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(datasets))], datasets)
-    ax.set(ylabel="tau (tokens / verify cycle)", title="Acceptance length against break-even")
+    ax.set(ylabel="tau (tokens / verify cycle)", title="Acceptance length against break-even (bars: intervals)")
     ax.legend(fontsize=7)
-    tau_png = out_dir / "tau.png"
     fig.tight_layout()
     fig.savefig(tau_png, dpi=100)
     plt.close(fig)
-    return [alpha_png, tau_png]
+    per_prompt_plot(r, per_prompt_png)
+    return [alpha_png, tau_png, per_prompt_png]
+
+
+def prompt_taus(stats: dict) -> list[float]:
+    """tau of each prompt (NaN for one that ran no verify cycle)."""
+    pp = stats.get("per_prompt") or {"tokens": [], "cycles": []}
+    return [t / c if c else float("nan") for t, c in zip(pp["tokens"], pp["cycles"], strict=True)]
+
+
+def per_prompt_plot(r: dict, path: Path) -> None:
+    """One panel per dataset: each prompt's tau, the candidate's against the incumbent's (the diagonal: no change;
+    a dot's size: the candidate's verify cycles on it, its weight in tau), or against the prompt's index when no
+    incumbent was measured; the paired interval of the difference in the title, tau* as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets, drafters = list(r["prompts"]), r["drafters"]
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.5 * len(datasets), 4.2), squeeze=False)
+    tau_star = r["breakeven"]["tau_star"]
+    for ax, ds in zip(axes[0], datasets, strict=True):
+        cand = drafters["candidate"]["datasets"][ds]
+        ys = prompt_taus(cand)
+        sizes = [8 + 2 * c for c in (cand.get("per_prompt") or {}).get("cycles", [])] or None
+        iv = (r.get("intervals") or {}).get(ds, {}).get("vs_incumbent")
+        if "incumbent" in drafters:
+            xs = prompt_taus(drafters["incumbent"]["datasets"][ds])
+            ax.scatter(xs, ys, s=sizes, alpha=0.6)
+            finite = [v for v in xs + ys if v == v]
+            lo, hi = (min(finite), max(finite)) if finite else (1.0, 2.0)
+            ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, label="no change")
+            ax.set(xlabel="incumbent tau on the prompt", ylabel="candidate tau on the prompt")
+        else:
+            ax.scatter(range(len(ys)), ys, s=sizes, alpha=0.6)
+            ax.set(xlabel="prompt", ylabel="candidate tau on the prompt")
+        if tau_star is not None:
+            ax.axhline(tau_star, color="red", linestyle="--", lw=0.8, label=f"tau* ({tau_star:.2f})")
+        title = f"{ds}: {len(ys)} prompts"
+        if iv and iv["point"] is not None:
+            title += f"\ndelta tau {iv['point']:+.3f} {ci_text(iv['ci'])} ({100 * iv['level']:g}%)"
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def figures(r: dict) -> dict[str, float]:
@@ -125,6 +185,8 @@ def figures(r: dict) -> dict[str, float]:
         flat[f"eval/{name}/speedup"] = d["speed"]["speedup"]
         for ds, st in d["datasets"].items():
             flat[f"eval/{name}/{ds}/tau"] = st["tau"]
+            if st.get("ci"):
+                flat[f"eval/{name}/{ds}/tau_ci_low"], flat[f"eval/{name}/{ds}/tau_ci_high"] = st["ci"]
             for i, a in enumerate(st["alpha_conditional"], 1):
                 flat[f"eval/{name}/{ds}/alpha_{i}"] = a
     return {k: v for k, v in flat.items() if v is not None}

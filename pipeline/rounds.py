@@ -9,8 +9,9 @@ pool), and gates the result against the break-even τ* measured on this machine 
 the mission's loop in miniature. Each stage runs as the same CLI a user would type, in a subprocess, so a
 kill at any point resumes where it stopped when the command is run again.
 
-Exit codes: 0 the round finished (the gate promoted or rejected: the verdict says which), 2 an error; a
-round is marked done only after its gate exited 0 or 1 and recorded its decision. The pipeline holds the
+Exit codes: 0 the round finished (the gate promoted, rejected, or left it unresolved: the verdict says which and
+why, one line per dataset with its intervals), 2 an error; a round is marked done only after its gate exited 0 or
+1 and recorded its decision. The pipeline holds the
 locks of the run's root and of the round's dir (``common.locking``) for the whole round, so a second
 pipeline on the same run fails at once naming this one's pid; its stages run under those locks and die
 with it (``common.parent_death``), so a killed pipeline leaves no stage writing behind it.
@@ -87,7 +88,7 @@ def slice_prompts(pool: Path, out: Path, start: int, count: int) -> int:
 def run_stage(cmd: list[str], log: Path, env: dict[str, str] | None = None, gate: bool = False) -> int:
     """A stage as its own CLI; stdout/stderr go to the terminal (progress bars) and the failure message
     names the log and the command to rerun. The stage dies with this process (``common.parent_death``);
-    ``env`` is added to its environment. Exit 0 is success; 1 too for the ``gate`` (a rejection); anything
+    ``env`` is added to its environment. Exit 0 is success; 1 too for the ``gate`` (rejected or unresolved); anything
     else is an error, and so is a stage killed by a signal."""
     print(f"\n$ {' '.join(cmd)}", flush=True)
     start = time.time()
@@ -102,19 +103,24 @@ def run_stage(cmd: list[str], log: Path, env: dict[str, str] | None = None, gate
 
 
 def verdict(history: Path, round_no: int, eval_dir: Path) -> str:
-    """The last gate decision, for people: τ per dataset against τ* (and the incumbent), α_k, why."""
+    """The last gate decision, for people: τ* with its interval, then one line per dataset (τ, the paired
+    difference to the incumbent and the gap to break-even, each with its interval, and why the verdict follows;
+    α_k), then any other reason."""
     rec = next((r for r in reversed(read_history(history)) if r.get("decision") != "reconciled"), None)
     if rec is None:
         raise PipelineError(f"{history}: the gate exited without recording a decision; rerun the same command")
     lines = [f"## Round {round_no} verdict: {rec['decision'].upper()}", ""]
+    intervals = rec.get("intervals") or {}
+    star = next(iter(intervals.values()), {}).get("tau_star")
     if rec.get("tau_star") is not None:
-        lines.append(f"- break-even τ* = {rec['tau_star']:.3f} (timings: {rec.get('timings_source', '?')})")
-    incumbent = rec.get("incumbent_tau") or {}
-    for name, tau in (rec.get("tau") or {}).items():
+        spread = (f", {100 * star['level']:g}% interval [{star['ci'][0]:.3f}, {star['ci'][1]:.3f}] from "
+                  f"{star['prompts']} timing prompts" if star and star["prompts"] else "")
+        lines.append(f"- break-even τ* = {rec['tau_star']:.3f}{spread} (timings: {rec.get('timings_source', '?')})")
+    for name, iv in intervals.items():
         alphas = ", ".join(f"{a:.2f}" for a in rec.get("alpha", {}).get(name, []))
-        inc = f" vs incumbent τ = {incumbent[name]:.3f}" if name in incumbent else ""
-        lines.append(f"- {name}: τ = {tau:.3f}{inc}; α_k = [{alphas}]")
-    lines += [f"- why: {r}" for r in rec.get("reasons", [])]
+        lines.append(f"- {iv['line']}; α_k = [{alphas}]")
+    shown = {iv["line"] for iv in intervals.values()}
+    lines += [f"- why: {r}" for r in rec.get("reasons", []) if r not in shown]
     lines.append(f"- report: {eval_dir}")
     return "\n".join(lines)
 

@@ -15,34 +15,55 @@ from safetensors.torch import load_file, save_file
 from drafter.sglang_checkpoint import save_checkpoint
 from eval.commands import gate_command, run_command
 from eval.gate import append_history, decide
+from eval.gate_stats import evidence
+from eval.intervals import Bootstrap, constant
 
 TAU_STAR = 2.0
 REPO = Path(__file__).resolve().parents[1]
 
 
+def flat(tau: float, n: int = 20) -> tuple[list[float], list[int]]:
+    """Per-prompt (tokens, cycles) of ``n`` prompts that all run at ``tau``: an interval of no width (NaN: none
+    ran a cycle)."""
+    return ([0.0] * n, [0] * n) if tau != tau else ([10 * tau] * n, [10] * n)
+
+
+def point_gate(tau: dict, tau_star: float, margin: float = 0.0, incumbent: dict | None = None,
+               min_delta: float = 0.0, problems=(), mismatches=()):
+    boot = Bootstrap(0.95, 200, 0)
+    ev = {ds: evidence(flat(t), constant(tau_star, boot), margin, boot, flat(incumbent[ds]) if incumbent else None)
+          for ds, t in tau.items()}
+    return decide(ev, margin, min_delta, problems, mismatches)
+
+
 @pytest.mark.parametrize("case, tau, incumbent, problems, mismatches, promote_expected, reason", [
     ("clears break-even, loses to incumbent", {"a": 2.5, "b": 2.4}, {"a": 2.6, "b": 2.3}, [], [], False,
-     "a: tau 2.500 < incumbent 2.600"),
+     "a: FAIL (20 prompts, 95% intervals): tau 2.500 [2.500, 2.500]; vs incumbent 2.600 [2.600, 2.600]: difference "
+     "-0.100 [-0.100, -0.100] is below min_delta 0 (a real loss)"),
     ("beats break-even and incumbent", {"a": 2.7, "b": 2.4}, {"a": 2.6, "b": 2.3}, [], [], True, None),
     ("no incumbent, clears break-even", {"a": 2.1}, None, [], [], True, None),
-    ("below break-even on one dataset", {"a": 2.7, "b": 1.9}, None, [], [], False, "b: tau 1.900 < break-even"),
+    ("below break-even on one dataset", {"a": 2.7, "b": 1.9}, None, [], [], False,
+     "b: FAIL (20 prompts, 95% intervals): tau 1.900 [1.900, 1.900]; vs break-even tau* 2.000 (given timings) x "
+     "(1 + 0): gap -0.100 [-0.100, -0.100] is below 0 (a real loss)"),
     ("served wrongly", {"a": 3.0}, None, ["ckpt/config.json: tie_word_embeddings must be false"], [], False,
      "tie_word_embeddings"),
     ("lossless mismatch", {"a": 3.0}, None, [], ["mtbench prompt 0 differs at token 5"], False, "lossless"),
-    ("NaN tau", {"a": float("nan")}, None, [], [], False, "< break-even"),
+    ("no verify cycle", {"a": float("nan")}, None, [], [], False, "not measured (no verify cycle)"),
 ])
 def test_decision_table(case, tau, incumbent, problems, mismatches, promote_expected, reason):
-    d = decide(tau, TAU_STAR, 0.0, incumbent, 0.0, problems, mismatches)
+    """Without spread between prompts the intervals have no width, and the rule is the point rule."""
+    d = point_gate(tau, TAU_STAR, 0.0, incumbent, 0.0, problems, mismatches)
     assert d.promote is promote_expected, (case, d.reasons)
+    assert d.verdict == ("promote" if promote_expected else "reject")
     if reason:
         assert any(reason in r for r in d.reasons), d.reasons
 
 
 def test_margin_and_min_delta_are_applied():
-    assert not decide({"a": 2.05}, 2.0, 0.05).promote  # needs 2.1
-    assert decide({"a": 2.1}, 2.0, 0.05).promote
-    assert not decide({"a": 2.5}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
-    assert decide({"a": 2.55}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
+    assert not point_gate({"a": 2.05}, 2.0, 0.05).promote  # needs 2.1
+    assert point_gate({"a": 2.1}, 2.0, 0.05).promote
+    assert not point_gate({"a": 2.5}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
+    assert point_gate({"a": 2.55}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
 
 
 def test_history_appends_whole_lines(tmp_path):
@@ -157,7 +178,8 @@ def test_a_crash_inside_the_gate_exits_2_not_1(tmp_path, tiny_drafter, monkeypat
 def test_an_unwritable_history_is_exit_2_before_anything_is_promoted(tmp_path, tiny_drafter, monkeypatch, capsys):
     import eval.gate_flow
 
-    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 9.0, "alpha_conditional": [1.0]}},
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 9.0, "alpha_conditional": [1.0],
+                                                                     "per_prompt": {"tokens": [90], "cycles": [10]}}},
                                          "lossless": {"ok": True}}},
               "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {}}
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *_a: report)
@@ -217,7 +239,8 @@ def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_agains
     import eval.gate_flow
 
     calls = []
-    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "alpha_conditional": [0.9]}},
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "alpha_conditional": [0.9],
+                                                                     "per_prompt": {"tokens": [30], "cycles": [10]}}},
                                          "lossless": {"ok": True}}},
               "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {}}
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: calls.append(a) or report)
@@ -230,3 +253,27 @@ def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_agains
     assert len(calls) == 1 and "PROMOTED (already: serving since" in capsys.readouterr().out
     rows = [json.loads(x) for x in (tmp_path / "promotions.jsonl").read_text().splitlines()]
     assert [r["decision"] for r in rows] == ["promoted"]
+
+
+def test_an_unresolved_gate_exits_1_records_it_and_promotes_nothing(tmp_path, tiny_drafter, monkeypatch, capsys):
+    """The candidate and the incumbent differ by less than 5 prompts can tell: nothing is promoted, the history
+    records "unresolved" with the dataset's line, the exit code is 1 (a CI job reads it as not shipped)."""
+    import eval.gate_flow
+
+    def ds(tokens: list[int]) -> dict:
+        return {"tau": sum(tokens) / 50, "alpha_conditional": [0.5],
+                "per_prompt": {"tokens": tokens, "cycles": [10] * 5}}
+
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": ds([26, 18, 31, 21, 27])}, "lossless": {"ok": True}},
+                           "incumbent": {"datasets": {"mtbench": ds([25, 21, 29, 23, 24])}}},
+              "breakeven": {"tau_star": 1.2, "source": "config"}, "checkpoints": {"incumbent": {"path": "x"}}}
+    monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: report)
+    monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
+    cand = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    inc = save_checkpoint(tiny_drafter, tmp_path / "inc", dtype="float32")
+    assert gate_command(write_config(tmp_path), cand, incumbent=str(inc), promote=True) == 1
+    assert capsys.readouterr().out.strip().endswith("UNRESOLVED") and not (tmp_path / "promoted").exists()
+    row = json.loads((tmp_path / "promotions.jsonl").read_text())
+    assert row["decision"] == "unresolved" and row["intervals"]["mtbench"]["vs_incumbent"]["prompts"] == 5
+    assert row["reasons"][0].startswith("mtbench: UNRESOLVED (5 prompts, 95% intervals)")
+    assert report["intervals"] == row["intervals"]  # the report carries them too

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from common.config import ConfigError, parse_config
+from common.config import ConfigError, GateConfig, parse_config
 from common.locking import LockBusy, run_lock
 from drafter.sglang_checkpoint import fingerprint, save_checkpoint
 from eval import gate as gate_module
@@ -184,7 +184,10 @@ def test_live_gate_promotes_k25_drafter_over_k2_drafter(tmp_path, serve, ckpts):
     row = json.loads((tmp_path / "promotions.jsonl").read_text().splitlines()[-1])
     assert row["decision"] == "promoted" and row["mode"] == "live" and set(row["tau_star"]) == {"1", "3"}
     assert row["incumbent"]["served"].endswith("Kimi-K2-Instruct-eagle3")
-    assert "concurrency 3: mtbench: tau 3.000 >= break-even" in "\n".join(report["gate"]["reasons"])
+    reasons = "\n".join(report["gate"]["reasons"])
+    assert "concurrency 3: mtbench: PASS (3 prompts, 95% intervals): tau 3.000 [3.000, 3.000]" in reasons
+    assert report["intervals"]["3"]["mtbench"]["vs_incumbent"]["ci"] == pytest.approx([1.0, 1.0])
+    assert row["intervals"]["1"]["humaneval"]["tau_star"]["prompts"] == 5  # every request to the baseline
 
 
 def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatch, capsys):
@@ -223,8 +226,8 @@ def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatc
 
 
 @pytest.mark.parametrize(("cand_hist", "inc_hist", "why"), [
-    ([2, 2, 2, 0], None, "< break-even"),  # tau 2.0 < tau* 2.46 x 1.02: speculation would be slower
-    (CAND_GOOD, [0, 1, 1, 4], "< incumbent"),  # clears break-even, loses to a better incumbent (tau 3.5)
+    ([2, 2, 2, 0], None, "is below 0 (a real loss)"),  # tau 2.0 < tau* 2.46 x 1.02: speculation would be slower
+    (CAND_GOOD, [0, 1, 1, 4], "is below min_delta 0.05"),  # clears break-even, loses to a better incumbent (3.5)
 ])
 def test_live_gate_rejects(tmp_path, serve, ckpts, cand_hist, inc_hist, why):
     urls = three_servers(serve, ckpts, cand_hist, inc_hist or INC_K2)
@@ -238,14 +241,19 @@ def test_live_gate_rejects(tmp_path, serve, ckpts, cand_hist, inc_hist, why):
 
 def test_one_failing_concurrency_rejects():
     """decide at every concurrency: at 8 requests in flight the cycle costs more than speculation earns."""
-    def row(tau_star: float) -> dict:
+    def row(tau_star: float) -> dict:  # tau* from eval.timings (no baseline server): no spread
         return {"breakeven": {"tau_star": tau_star},
-                "drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0}}}}}
+                "drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "per_prompt": {
+                    "tokens": [30, 33, 27], "cycles": [10, 11, 9]}}}}}}
 
-    ok, reasons, taus = decide_live({"by_concurrency": {"1": row(2.46), "8": row(3.2)}}, ["mtbench"], 0.0, 0.0)
-    assert not ok and taus == {"1": {"mtbench": 3.0}, "8": {"mtbench": 3.0}}
-    assert any(r.startswith("concurrency 8: mtbench: tau 3.000 < break-even") for r in reasons)
-    assert decide_live({"by_concurrency": {"1": row(2.46)}}, ["mtbench"], 0.0, 0.0)[0]
+    gate = GateConfig()
+    verdict, reasons, taus, intervals = decide_live({"by_concurrency": {"1": row(2.46), "8": row(3.2)}}, ["mtbench"],
+                                                    gate)
+    assert verdict == "reject" and taus == {"1": {"mtbench": 3.0}, "8": {"mtbench": 3.0}}
+    assert any(r.startswith("concurrency 8: mtbench: FAIL") and "is below 0 (a real loss)" in r for r in reasons)
+    assert intervals["1"]["mtbench"]["vs_breakeven"]["ci"] == pytest.approx([0.54, 0.54])
+    assert decide_live({"by_concurrency": {"1": row(2.46)}}, ["mtbench"], gate)[0] == "promote"
+    assert decide_live({"by_concurrency": {"1": row(3.0)}}, ["mtbench"], gate)[0] == "promote"  # 3.0 >= 3.0
 
 
 def test_requests_without_a_verify_cycle_are_counted_not_fatal(tmp_path, serve, ckpts):

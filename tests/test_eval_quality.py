@@ -63,4 +63,12 @@ def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys
     assert greedy["lossless_mismatches"] == 0  # fp32 target: speculative output equals greedy, token for token
     assert figures["mtbench"] == greedy and figures["timing_prompts"] == 1
     assert isinstance(figures["gate"]["promote"], bool) and figures["gate"]["reasons"] is not None
+    # every tau with its interval and prompts; tau* with its interval over the timing prompts
+    for setting in figures["settings"].values():
+        st = setting["mtbench"]
+        assert st["prompts"] == 2 and st["ci"][0] <= st["tau"] <= st["ci"][1]
+    assert figures["tau_star_ci"]["3"][0] <= figures["tau_star"]["3"] <= figures["tau_star_ci"]["3"][1]
+    assert figures["gate"]["verdict"] in ("promote", "reject", "unresolved")
+    assert figures["gate"]["intervals"]["mtbench"]["tau"]["prompts"] == 2
+    assert "conversations.jsonl: not found" in figures["tau_by_context"]["skipped"]  # this run has none
     assert "quality: " in capsys.readouterr().out

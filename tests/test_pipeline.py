@@ -19,6 +19,10 @@ import yaml
 from common import wheels
 from common.cli import exit_reason
 from common.config import ConfigError, load_config
+from eval.gate import decide
+from eval.gate_stats import evidence, evidence_record
+from eval.intervals import Bootstrap, tau_star_estimate
+from eval.report import json_safe
 from pipeline import rounds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,16 +81,34 @@ def test_next_round_counts_finished_rounds_only(tmp_path):
     assert rounds.next_round(tmp_path) == 2
 
 
-def test_verdict_reports_tau_incumbent_alpha_and_reasons(tmp_path):
+def test_the_verdict_gives_one_line_per_dataset_with_its_intervals_and_why(tmp_path):
+    """The demo's case, constructed: a candidate and an incumbent on 5 + 5 prompts, tau* from 4 timing prompts. The
+    differences are inside the noise of 5 prompts: the verdict is UNRESOLVED, and each dataset's line gives tau, the
+    paired difference to the incumbent and the gap to break-even with their intervals and what follows."""
+    boot = Bootstrap(0.95, 2000, 0)
+    cycles = [14, 11, 16, 12, 15]
+    data = {"mtbench": ([26, 18, 31, 21, 27], [25, 21, 29, 23, 27]),  # candidate, incumbent tokens per prompt
+            "humaneval": ([30, 22, 33, 22, 29], [29, 23, 31, 24, 29])}
+    tau_star = tau_star_estimate([0.40, 0.44, 0.37, 0.41], [40] * 4, [0.26, 0.29, 0.25, 0.27], [14] * 4, boot)
+    ev = {ds: evidence((c, cycles), tau_star, 0.0, boot, (i, cycles)) for ds, (c, i) in data.items()}
+    d = decide(ev, 0.0, 0.0)
     history = tmp_path / "promotions.jsonl"
-    rec = {"decision": "rejected", "tau_star": 1.59, "timings_source": "measured",
-           "tau": {"mtbench": 1.41}, "incumbent_tau": {"mtbench": 1.45}, "alpha": {"mtbench": [0.3, 0.2, 0.1]},
-           "reasons": ["mtbench: tau 1.410 < incumbent 1.450 + 0.0"]}
-    history.write_text(json.dumps(rec) + "\n")
-    text = rounds.verdict(history, 2, tmp_path / "eval")
-    assert "REJECTED" in text and "τ* = 1.590" in text
-    assert "mtbench: τ = 1.410 vs incumbent τ = 1.450; α_k = [0.30, 0.20, 0.10]" in text
-    assert "why: mtbench: tau 1.410 < incumbent" in text
+    rec = {"decision": "unresolved", "tau_star": tau_star.point, "timings_source": "measured",
+           "alpha": {"mtbench": [0.3, 0.2, 0.1], "humaneval": [0.4, 0.3, 0.2]}, "reasons": d.reasons,
+           "intervals": evidence_record(ev, d)}
+    history.write_text(json.dumps(json_safe(rec)) + "\n")
+    text = rounds.verdict(history, 2, tmp_path / "eval").splitlines()
+    assert text[0] == "## Round 2 verdict: UNRESOLVED"
+    iv = tau_star.interval(0.95)
+    assert text[2] == (f"- break-even τ* = {tau_star.point:.3f}, 95% interval [{iv.low:.3f}, {iv.high:.3f}] from 4 "
+                       "timing prompts (timings: measured)")
+    mt, he = text[3], text[4]
+    assert mt.startswith("- mtbench: UNRESOLVED (5 prompts, 95% intervals): tau 1.809 [") and "α_k = [0.30, 0.20" in mt
+    assert "vs incumbent 1.838 [" in mt and "difference -0.029 [" in mt and "holds min_delta 0: unresolved, about" in mt
+    assert f"vs break-even tau* {tau_star.point:.3f} [" in mt and "timing prompts) would resolve the observed" in mt
+    assert "no number of prompts resolves a zero difference" in he  # humaneval: the same tau, 2.000 both
+    assert he.startswith("- humaneval: ") and he.endswith("α_k = [0.40, 0.30, 0.20]")
+    assert text[5].startswith("- why: unresolved: nothing promoted") and text[6] == f"- report: {tmp_path / 'eval'}"
 
 
 def test_rounds_need_num_prompts_the_config_leaves_unset_by_default(tmp_path):

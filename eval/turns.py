@@ -1,0 +1,58 @@
+"""Later turns of the eval datasets: the history is the target's own answers, as it is in a served chat.
+
+A served conversation's second turn is drafted after the target's first answer, so its tau is measured there:
+for a dataset with ``turn: n`` the target answers user turns 1..n-1 greedily (``eval.max_new_tokens`` each, the
+budget of the reference decode), one batched pass per turn (``engine.continuous_batching``), and turn n is
+rendered after that history as the server renders a chat (``data_prep.loss_mask.prompt_text``). The same prompts
+serve every k:T setting, so the history is greedy whatever the setting's T.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from data_prep.loss_mask import prompt_text
+from engine.batched import BatchedTarget
+from engine.continuous_batching import generate
+from eval.prompts import load_eval_turns, render
+from target_model.hf_model import TargetModel, stop_token_ids
+
+
+def chat_ids(tokenizer: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of a chat ready for the target's next answer, as the server renders it."""
+    return tokenizer(prompt_text(tokenizer, messages, template_kwargs), add_special_tokens=False).input_ids
+
+
+def with_history(target: TargetModel, turns: Sequence[Sequence[str]], max_new: int,
+                 template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
+    """Each conversation's last user turn after its earlier ones, every earlier one answered by the target
+    (greedy, up to ``max_new`` tokens, its stop token left out as a server leaves it out of the message)."""
+    tok, engine, stops = target.tokenizer, BatchedTarget(target.model), stop_token_ids(target.tokenizer)
+    chats: list[list[dict]] = [[] for _ in turns]
+    for j in range(len(turns[0]) - 1 if turns else 0):
+        for chat, t in zip(chats, turns, strict=True):
+            chat.append({"role": "user", "content": t[j]})
+        answers = generate(engine, [chat_ids(tok, c, template_kwargs) for c in chats], max_new, stops,
+                           desc=f"history: turn {j + 1} answers")
+        for chat, a in zip(chats, answers, strict=True):
+            chat.append({"role": "assistant", "content": tok.decode(a.tokens, skip_special_tokens=True)})
+    for chat, t in zip(chats, turns, strict=True):
+        chat.append({"role": "user", "content": t[-1]})
+    return [chat_ids(tok, c, template_kwargs) for c in chats]
+
+
+def eval_prompts(target: TargetModel, datasets: Sequence[Any], max_new: int,
+                 template_kwargs: dict[str, Any] | None = None) -> dict[str, list[list[int]]]:
+    """Dataset name -> its prompts as token ids, for ``eval.datasets`` entries of any turn (their own limits);
+    records with fewer user turns than the dataset's ``turn`` are skipped, and said so on stderr."""
+    out = {}
+    for ds in datasets:
+        turns, short = load_eval_turns(ds)
+        if short:
+            print(f"note: eval dataset {ds.name!r}: {short} records have fewer than {ds.turn} user turns; skipped",
+                  file=sys.stderr)
+        out[ds.name] = ([render(target.tokenizer, t[0], template_kwargs) for t in turns] if ds.turn == 1
+                        else with_history(target, turns, max_new, template_kwargs))
+    return out

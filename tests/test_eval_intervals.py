@@ -1,0 +1,147 @@
+"""The gate's intervals (eval/intervals.py) and the decision rule read through them (eval.gate.decide), on constructed
+per-prompt data: a real gain on enough prompts promotes, the same gain on 5 prompts is unresolved, a real loss
+rejects; the bootstrap is seeded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eval.gate import decide
+from eval.gate_stats import evidence
+from eval.intervals import (
+    Bootstrap,
+    constant,
+    paired_difference,
+    prompts_to_resolve,
+    ratio_estimate,
+    tau_star_estimate,
+)
+
+BOOT = Bootstrap(0.95, 2000, 0)
+
+
+def pair(n: int, gain: float, seed: int = 0, spread: float = 0.3) -> tuple[tuple, tuple]:
+    """(candidate, incumbent) per-prompt (tokens, cycles) on the same ``n`` prompts: prompts differ in difficulty
+    (tau 1.6..2.6, 10..40 cycles, shared by both drafters), and the candidate's tau is the incumbent's + ``gain``
+    + noise of sd ``spread`` per prompt, centred so that the observed difference of the two taus is ``gain`` itself
+    on any ``n``: only the number of prompts differs between a resolved gain and an unresolved one."""
+    rng = np.random.default_rng(seed)
+    cycles = rng.integers(10, 40, n)
+    inc_tau = rng.uniform(1.6, 2.6, n)
+    noise = rng.normal(0, 1, n)
+    noise = (noise - np.average(noise, weights=cycles)) / noise.std() * spread
+    return ((inc_tau + gain + noise) * cycles, cycles), (inc_tau * cycles, cycles)
+
+
+def gate_on(n: int, gain: float, tau_star: float = 1.2, **kw):
+    cand, inc = pair(n, gain, **kw)
+    ev = {"mtbench": evidence(cand, constant(tau_star, BOOT), 0.0, BOOT, inc)}
+    return decide(ev, margin=0.0, min_delta=0.0)
+
+
+def test_tau_is_a_ratio_of_sums_and_its_interval_holds_it():
+    est = ratio_estimate([30, 10, 0], [10, 10, 0], BOOT)  # the third prompt ended at its prefill token
+    iv = est.interval(0.95)
+    assert est.point == 2.0 and iv.prompts == 3 and iv.low <= 2.0 <= iv.high
+    assert 1.0 <= iv.low and iv.high <= 3.0  # every resample's ratio lies between the prompts' own taus
+    same = ratio_estimate([20] * 8, [10] * 8, BOOT).interval(0.95)
+    assert (same.low, same.high) == (2.0, 2.0)  # no spread between prompts: no width
+
+
+def test_the_bootstrap_is_seeded():
+    cand, inc = pair(30, 0.1)
+    one = paired_difference(cand, inc, BOOT).interval(0.95)
+    assert one == paired_difference(cand, inc, Bootstrap(0.95, 2000, 0)).interval(0.95)
+    other = paired_difference(cand, inc, Bootstrap(0.95, 2000, 1)).interval(0.95)
+    assert (other.low, other.high) != (one.low, one.high) and other.point == one.point
+    wider = paired_difference(cand, inc, Bootstrap(0.99, 2000, 0)).interval(0.99)
+    assert wider.low < one.low and wider.high > one.high
+
+
+def test_pairing_cancels_what_the_prompts_share():
+    """Both drafters see the same hard and easy prompts: the paired interval of the difference is much narrower
+    than the two taus' intervals side by side."""
+    cand, inc = pair(40, 0.1, spread=0.05)
+    diff = paired_difference(cand, inc, BOOT).interval(0.95)
+    tau = ratio_estimate(*cand, BOOT).interval(0.95)
+    assert diff.half_width < tau.half_width / 3
+
+
+def test_a_real_gain_on_enough_prompts_promotes():
+    d = gate_on(400, 0.1)
+    assert d.verdict == "promote" and d.promote, d.reasons
+    assert d.lines["mtbench"].startswith("mtbench: PASS (400 prompts, 95% intervals): tau ")
+    assert "difference +0.100 [" in d.lines["mtbench"] and "clears min_delta 0" in d.lines["mtbench"]
+
+
+def test_the_same_gain_on_5_prompts_is_unresolved_and_says_how_many_would_resolve_it():
+    d = gate_on(5, 0.1)
+    assert d.verdict == "unresolved" and not d.promote, d.reasons
+    line = d.lines["mtbench"]
+    assert line.startswith("mtbench: UNRESOLVED (5 prompts") and "holds min_delta 0: unresolved, about " in line
+    assert "vs break-even" in line and "gap" in line and d.reasons[-1].startswith("unresolved: nothing promoted")
+    need = int(line.split("about ")[1].split(" prompts")[0])
+    assert 5 < need < 400
+
+
+def test_a_real_loss_rejects():
+    d = gate_on(50, -0.3)
+    assert d.verdict == "reject", d.reasons
+    assert "is below min_delta 0 (a real loss)" in d.lines["mtbench"]
+
+
+def test_a_loss_on_one_dataset_rejects_whatever_another_leaves_unresolved():
+    (c1, i1), (c2, i2) = pair(5, 0.1), pair(50, -0.3, seed=1)
+    ts = constant(1.2, BOOT)
+    ev = {"a": evidence(c1, ts, 0.0, BOOT, i1), "b": evidence(c2, ts, 0.0, BOOT, i2)}
+    d = decide(ev, 0.0, 0.0)
+    assert d.verdict == "reject" and d.lines["a"].startswith("a: UNRESOLVED") and d.lines["b"].startswith("b: FAIL")
+
+
+def test_break_even_is_read_through_both_intervals():
+    """tau* from 6 timing prompts with their spread: a tau clearly above it promotes, one inside its spread is
+    unresolved (and the line counts timing prompts too), one clearly below rejects."""
+    decode_s, steps = [0.50, 0.55, 0.45, 0.60, 0.52, 0.48], [50] * 6  # ~10 ms a token
+    cycle_s, cycles = [0.40, 0.42, 0.38, 0.45, 0.41, 0.39], [20] * 6  # ~20 ms a cycle: tau* ~ 2
+    ts = tau_star_estimate(decode_s, steps, cycle_s, cycles, BOOT)
+    iv = ts.interval(0.95)
+    assert ts.point == pytest.approx((sum(cycle_s) / 120) / (sum(decode_s) / 300)) and iv.prompts == 6
+    assert iv.low < ts.point < iv.high
+    cycles_each = np.full(200, 20)
+    jitter = np.resize([-0.05, 0.05], 200)
+    lines = {}
+    for tau, verdict in ((2.6, "promote"), (ts.point + 0.01, "unresolved"), (1.4, "reject")):
+        d = decide({"he": evidence(((tau + jitter) * 20, cycles_each), ts, 0.0, BOOT)}, 0.0)
+        assert d.verdict == verdict, (tau, d.reasons)
+        lines[verdict] = d.lines["he"]
+    assert "timing prompts) would resolve the observed difference" in lines["unresolved"]
+
+
+def test_margin_and_min_delta_are_the_bars():
+    cand, inc = pair(400, 0.1)
+    ts = constant(1.2, BOOT)
+    assert decide({"a": evidence(cand, ts, 0.0, BOOT, inc)}, 0.0, min_delta=0.3).verdict == "reject"
+    assert decide({"a": evidence(cand, ts, 1.0, BOOT, inc)}, 1.0, 0.0).verdict == "reject"  # needs tau >= 2.4
+    assert decide({"a": evidence(cand, ts, 0.5, BOOT, inc)}, 0.5, 0.0).verdict == "promote"  # needs 1.8
+
+
+def test_problems_and_unmeasured_datasets_reject():
+    cand, inc = pair(400, 0.1)
+    ok = {"a": evidence(cand, constant(1.2, BOOT), 0.0, BOOT, inc)}
+    assert decide(ok, 0.0, checkpoint_problems=["fc.weight: NaN"]).verdict == "reject"
+    assert decide(ok, 0.0, lossless_mismatches=["a prompt 0 differs"]).verdict == "reject"
+    assert decide({}, 0.0).reasons == ["no gate dataset was measured"]
+    nothing = {"a": evidence(([0, 0], [0, 0]), constant(1.2, BOOT), 0.0, BOOT)}
+    d = decide(nothing, 0.0)
+    assert d.verdict == "reject" and "not measured" in d.lines["a"]
+
+
+def test_prompts_to_resolve_scales_with_the_squared_half_width():
+    iv = ratio_estimate([30, 10, 25, 15], [10] * 4, BOOT).interval(0.95)
+    from dataclasses import replace
+
+    at = replace(iv, point=2.0, low=1.5, high=2.5, prompts=10)
+    assert prompts_to_resolve(at, 1.9) == 250  # 10 (0.5 / 0.1)^2
+    assert prompts_to_resolve(at, 2.0) is None  # a zero difference: no number of prompts
+    assert prompts_to_resolve(replace(at, low=1.99, high=2.01), 1.9) == 11  # at least one more than now

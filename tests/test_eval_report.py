@@ -1,0 +1,81 @@
+"""The eval report carries the intervals: per-prompt columns from the batch-1 engine (eval.measure), tau's and tau*'s
+intervals (eval.gate_stats.annotate), the gate's lines, report.md's columns and the plots, tau per prompt included.
+A tiny target and two random drafters on CPU."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
+
+from eval import breakeven
+from eval.gate import decide
+from eval.gate_stats import annotate, evidence_record, report_evidence
+from eval.intervals import Bootstrap
+from eval.measure import Settings, measure
+from eval.report import PLOTS, markdown, prompt_taus, write_report
+from eval.speculative import Eagle3Proposer, Engine
+from target_model.hf_model import TargetModel
+
+V, AUX, K = 12, (0, 1, 2), 3
+BOOT = Bootstrap(0.95, 500, 0)
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    """What ``eval.evaluate.evaluate`` assembles, on a tiny target: measured timings, candidate and incumbent."""
+    target, drafter = tiny_target_and_drafter(V, AUX)
+    other = copy.deepcopy(drafter)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.3)
+    g = torch.Generator().manual_seed(4)
+    prompts = {ds: [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(3, 12, (6,),
+                                                                                             generator=g)]
+               for ds in ("mtbench", "humaneval")}
+    engine = Engine(TargetModel(target, TinyTokenizer(), "tiny", None), AUX, [1])
+    proposers = {"candidate": Eagle3Proposer(drafter, AUX), "incumbent": Eagle3Proposer(other, AUX)}
+    r = {"name": "t", "target": "tiny", "device": "cpu", **measure(engine, prompts, proposers, Settings(K, 0.0, 16))}
+    cycle = r["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"]
+    r["breakeven"] = breakeven.breakeven(r["plain"]["decode_ms"], cycle, K) | {"source": "measured"}
+    return annotate(r, BOOT)
+
+
+def test_per_prompt_columns_add_up_to_the_datasets_figures(report):
+    for d in report["drafters"].values():
+        for st in d["datasets"].values():
+            pp = st["per_prompt"]
+            assert st["prompts"] == len(pp["tokens"]) == 6 and sum(pp["cycles"]) == st["cycles"]
+            assert sum(pp["tokens"]) / sum(pp["cycles"]) == pytest.approx(st["tau"])
+            assert st["ci"][0] <= st["tau"] <= st["ci"][1]
+    be = report["breakeven"]
+    assert be["timing_prompts"] == 12 and be["level"] == 0.95  # every prompt of both datasets is timed
+    assert be["ci"][0] <= be["tau_star"] <= be["ci"][1] and be["ci"][0] < be["ci"][1]  # timings spread
+
+
+def test_the_report_carries_the_intervals_and_the_plots(report, tmp_path):
+    ev = report_evidence(report, ["mtbench", "humaneval"], 0.0, BOOT)
+    d = decide(ev, 0.0, 0.0)
+    assert ev["mtbench"].tau_star.point == pytest.approx(report["breakeven"]["tau_star"])
+    assert ev["mtbench"].tau.point == pytest.approx(report["drafters"]["candidate"]["datasets"]["mtbench"]["tau"])
+    r = dict(report, intervals=evidence_record(ev, d), gate={"decision": d.verdict, "reasons": d.reasons})
+    out = write_report(r, tmp_path / "rep")
+    written = json.loads((out / "report.json").read_text())
+    assert written["intervals"]["mtbench"]["vs_incumbent"]["prompts"] == 6
+    assert written["intervals"]["humaneval"]["line"] == d.lines["humaneval"]
+    md = (out / "report.md").read_text()
+    assert "| dataset | prompts | cycles | tau | interval | alpha_1 |" in md
+    assert "95% interval [" in md and "over 12 timing prompts" in md
+    assert all(line in md for line in d.lines.values())
+    for stem in PLOTS:
+        assert (out / f"{stem}.png").stat().st_size > 1000
+    assert markdown(written) == md
+
+
+def test_prompt_taus_leave_prompts_without_cycles_out():
+    taus = prompt_taus({"per_prompt": {"tokens": [6, 0, 4], "cycles": [3, 0, 4]}})
+    assert taus[0] == 2.0 and taus[1] != taus[1] and taus[2] == 1.0
