@@ -109,7 +109,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         ckpt = training.pop("checkpoint")
         if target is None:
             cfg, target, prompts = setup(args.config, args.limit)
-        figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts)
+        figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts, context_prompts=0)
         rows[name] = {"checkpoint": str(ckpt), "training": training,
                       **{ds: {key: figures[ds][key] for key in ("tau", "alpha", "prompts", "lossless_mismatches")}
                          for ds in prompts}}

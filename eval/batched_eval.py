@@ -34,14 +34,15 @@ def greedy_references(target: TargetModel, prompts: Mapping[str, Sequence[Sequen
     return out
 
 
-def acceptance(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
+def acceptance(target: TargetModel, drafter: Eagle3Drafter | None, aux_ids: Sequence[int],
                prompts: Mapping[str, Sequence[Sequence[int]]], k: int, temperature: float, max_new: int,
                references: Mapping[str, Sequence[Generation]] | None = None, seed: int = 0,
                rule: str = "sglang", tie_epsilon: float = 1e-4) -> dict:
     """Per dataset: tau, histogram, alpha_k (conditional and not), tokens; at T=0 with references, the
     prompts whose speculative output differs from greedy (``lossless_mismatches``) and those that part at a
     top-1/top-2 margin below ``tie_epsilon`` (``lossless_near_ties``); a reduced-precision target is not checked
-    (``lossless_unchecked`` says why: ``eval.lossless``). ``rule``: eval.acceptance at T > 0."""
+    (``lossless_unchecked`` says why: ``eval.lossless``). ``rule``: eval.acceptance at T > 0. ``drafter`` None: the
+    oracle (``eval.batched_speculative.speculative_batch``)."""
     engine, stops = BatchedTarget(target.model, aux_ids), stop_token_ids(target.tokenizer)
     out: dict = {}
     for name, ps in prompts.items():

@@ -64,7 +64,7 @@ class BatchedDrafter:
 
 
 @torch.no_grad()
-def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Sequence[Sequence[int]], k: int,
+def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter | None, prompts: Sequence[Sequence[int]], k: int,
                       max_new: int, stop_ids: Sequence[int], temperature: float = 0.0, seed: int = 0,
                       desc: str = "speculative", acceptance: str = "sglang") -> list[RowResult]:
     """Chain-draft ``k`` tokens per cycle for every prompt; per row, the tokens and drafts kept per cycle.
@@ -72,16 +72,22 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
     ``target.aux_layer_ids`` must be the drafter's. At T > 0 each row draws from its own generator,
     seeded by ``seed`` and the row index, and accepts by the rule ``acceptance`` names (eval.acceptance):
     SGLang's drafts greedily, ``speculative_sampling`` samples its drafts from q.
+
+    ``drafter`` None is the **oracle**: it proposes the target's own greedy tokens (k target steps ahead), the best
+    any drafter that drafts greedily can do. At T = 0 it keeps every draft; at T > 0 under SGLang's rule a draft d
+    is kept with probability p(d), so the oracle's tau is the ceiling the target's own confidence sets.
     """
     accept, sample_drafts = acceptance_rule(acceptance, temperature)
+    if drafter is None and sample_drafts:
+        raise ValueError(f"the oracle drafts greedily; eval.acceptance {acceptance!r} samples its drafts")
     dev, n = target.device, len(prompts)
     stops = set(stop_ids)
     lens = torch.tensor([len(p) for p in prompts], device=dev)
     max_len = int(lens.max()) + max_new + k + 2
     cache = target.new_cache(n, max_len)
-    dr = BatchedDrafter(drafter, n, max_len)
     d = drafter
-    draft_targets = d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=dev))
+    dr = BatchedDrafter(d, n, max_len) if d is not None else None
+    draft_targets = d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=dev)) if d is not None else None
     gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)] if temperature > 0 else None
     results = [RowResult() for _ in range(n)]
     done = [False] * n
@@ -94,7 +100,7 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
                 return
 
     # -- prefill: the target over each prompt, then the drafter over the same positions -------------
-    last = torch.zeros(n, 1, d.shape.hidden_size, dtype=d.fc.weight.dtype, device=dev)
+    last = torch.zeros(n, 1, d.shape.hidden_size, dtype=d.fc.weight.dtype, device=dev) if d is not None else None
     for a, b in _groups([len(p) for p in prompts], SPECULATIVE_PREFILL_TOKENS):
         width = max(len(p) for p in prompts[a:b])
         ids = torch.zeros(b - a, width, dtype=torch.long, device=dev)
@@ -102,10 +108,12 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
             ids[j, : len(p)] = torch.tensor(p, device=dev)
         pos = torch.arange(width, device=dev)[None].expand(b - a, width)
         out = target.forward(cache, torch.arange(a, b, device=dev), ids, pos, fresh=True,
-                             logits_at=lens[a:b] - 1, aux=True)
+                             logits_at=lens[a:b] - 1, aux=d is not None)
         first = [pick(out.logits[j], temperature, gens[a + j] if gens else None) for j in range(b - a)]
         for j, tok in enumerate(first):
             emit(a + j, [tok])
+        if d is None:
+            continue
         # drafter position t reads aux(t) and token t+1: the prompt shifted by one, then the first answer token
         nxt = torch.cat([ids[:, 1:], torch.zeros(b - a, 1, dtype=torch.long, device=dev)], 1)
         nxt[torch.arange(b - a, device=dev), lens[a:b] - 1] = torch.tensor(first, device=dev)
@@ -121,6 +129,12 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
         # -- draft k tokens per row (greedy over the draft vocab; sampled at T > 0) -------------------
         drafts, probs, hidden = [], [], last
         for i in range(k):
+            if d is None:  # the oracle: the target's own greedy next token (its keys land where verify writes them)
+                prev = newest if i == 0 else drafts[-1]
+                out = target.forward(cache, rows, prev[:, None], (committed + i)[:, None], fresh=False,
+                                     all_logits=True)
+                drafts.append(out.logits[:, -1].argmax(-1))
+                continue
             if i:
                 out = dr.step(rows, drafts[-1][:, None], hidden, (committed - 1 + i)[:, None])
                 hidden = out.prenorm
@@ -136,7 +150,7 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
         # -- verify [newest, d1..dk] at positions committed..committed+k -------------------------------
         ids = torch.cat([newest[:, None], draft_ids], 1)
         pos = committed[:, None] + torch.arange(k + 1, device=dev)[None]
-        out = target.forward(cache, rows, ids, pos, fresh=False, all_logits=True, aux=True)
+        out = target.forward(cache, rows, ids, pos, fresh=False, all_logits=True, aux=d is not None)
         accepted, nexts = _accept(accept, out.logits, draft_ids, probs, d, temperature, gens, done)
         for i in range(n):
             if not done[i]:
@@ -148,11 +162,12 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter, prompts: Se
         # -- draft-extend over the accepted positions (padding rows beyond a are overwritten later) ----
         acc = torch.tensor(accepted, device=dev)
         nxt_t = torch.tensor(nexts, device=dev)
-        ext = torch.cat([draft_ids, draft_ids[:, -1:]], 1)
-        ext[torch.arange(n, device=dev), acc] = nxt_t
-        step = dr.step(rows, ext, d.project_aux(out.aux.to(d.fc.weight.dtype)), pos)
         live = torch.tensor([not x for x in done], device=dev)
-        last = torch.where(live[:, None, None], step.prenorm[torch.arange(n, device=dev), acc][:, None], last)
+        if d is not None:
+            ext = torch.cat([draft_ids, draft_ids[:, -1:]], 1)
+            ext[torch.arange(n, device=dev), acc] = nxt_t
+            step = dr.step(rows, ext, d.project_aux(out.aux.to(d.fc.weight.dtype)), pos)
+            last = torch.where(live[:, None, None], step.prenorm[torch.arange(n, device=dev), acc][:, None], last)
         committed = torch.where(live, committed + acc + 1, committed)
         newest = torch.where(live, nxt_t, newest)
     bar.close()
@@ -173,11 +188,12 @@ def _groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
     return out
 
 
-def _accept(accept: AcceptRule, logits: Tensor, drafts: Tensor, probs: list[Tensor], d: Eagle3Drafter,
+def _accept(accept: AcceptRule, logits: Tensor, drafts: Tensor, probs: list[Tensor], d: Eagle3Drafter | None,
             temperature: float, gens: list[torch.Generator] | None, done: list[bool]) -> tuple[list[int], list[int]]:
     """Per row: drafts kept and the target's own next token, by the batch-1 engine's rule. ``probs`` (the
-    draft distributions, per step (B, draft vocab)) only when the rule samples its drafts."""
-    draft_targets = d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=logits.device)).cpu()
+    draft distributions, per step (B, draft vocab)) only when the rule samples its drafts (never the oracle's)."""
+    draft_targets = (d.to_target_ids(torch.arange(d.shape.draft_vocab_size, device=logits.device)).cpu()
+                     if probs else None)
     pairs = []
     for i in range(logits.shape[0]):
         if done[i]:

@@ -97,6 +97,14 @@ def summary(stats: dict, k: int, temperature: float, boot: Bootstrap) -> dict:
     return out
 
 
+def add_oracle(per_dataset: dict, oracle_stats: dict, boot: Bootstrap) -> None:
+    """Beside each dataset's tau at T > 0: the oracle's (a drafter proposing the target's own greedy tokens, same
+    prompts, same rule), the most any greedy drafter could keep at that temperature."""
+    for name, s in oracle_stats.items():
+        per_dataset[name] |= {"oracle_tau": s["tau"], "oracle_ci": tau_ci(s, boot),
+                              "oracle_alpha": s["alpha_conditional"]}
+
+
 def timings(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int], prompts: list[list[int]],
             ks: list[int], max_new: int, boot: Bootstrap) -> tuple[dict, dict[str, Estimate]]:
     """Batch-1 plain decode and speculative cycle times: tau* per k with its interval over the timing prompts (one
@@ -117,6 +125,8 @@ def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, 
     """tau per history-length bucket (``eval.context_buckets``) on the run's held-out conversations, at one setting;
     each bucket's interval resamples conversations. Without conversations.jsonl, the reason instead."""
     path = cfg.conversations_path
+    if per_bucket == 0:
+        return {"skipped": "not asked for (--context-prompts 0)"}
     if not path.is_file():
         return {"skipped": f"{path}: not found; the buckets come from the run's held-out conversations (run "
                            "`python -m data_prep regenerate` first)"}
@@ -143,7 +153,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
             settings: Sequence[tuple[int, float]], timing_prompts: int = 8, context_prompts: int | None = 80) -> dict:
     """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``
     (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
-    held-out conversations (at most ``context_prompts`` per bucket) and the gate's decision at the first setting
+    held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
+    tau and alpha beside the drafter's (``add_oracle``), and the gate's decision at the first setting
     against break-even, read through the intervals."""
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     boot = bootstrap(cfg.gate)
@@ -153,6 +164,10 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
                                         rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
              for k, t in settings}
     results = {name: summary(st, k, t, boot) for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
+    for (k, t), per_dataset in zip(settings, results.values(), strict=True):
+        if t > 0:
+            add_oracle(per_dataset, acceptance(target, None, aux_ids, prompts, k, t, max_new,
+                                               rule=cfg.eval.acceptance), boot)
     first, first_stats = next(iter(results.values())), next(iter(stats.values()))
     first_name = list(prompts)[0]
     times, tau_stars = timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts],

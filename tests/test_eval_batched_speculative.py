@@ -75,3 +75,37 @@ def test_greedy_references_carry_the_plain_loops_margins(pair) -> None:
         plain = engine.plain(p, NEW)
         assert ref.tokens == plain.tokens and len(ref.margins) == len(plain.margins) == len(ref.tokens)
         assert ref.margins == pytest.approx(plain.margins, abs=1e-4)
+
+
+def test_the_oracle_keeps_every_greedy_draft_and_is_lossless(pair) -> None:
+    """drafter None drafts the target's own greedy tokens: at T = 0 every cycle keeps all k drafts until the answer
+    ends, and the output is the target's greedy output."""
+    from eval.batched_eval import greedy_references
+
+    target, _ = pair
+    tm = TargetModel(target, TinyTokenizer(), "tiny", None)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(2, V, (int(n),), generator=g).tolist() for n in (3, 8, 14, 19)]
+    refs = greedy_references(tm, {"a": prompts}, NEW)["a"]
+    rows = speculative_batch(BatchedTarget(target, AUX), None, prompts, K, NEW, [1])
+    for row, ref in zip(rows, refs, strict=True):
+        assert row.tokens == ref.tokens
+        assert all(a == K for a in row.accepted[:-1]), row.accepted  # the last cycle may end inside its drafts
+
+
+def test_the_oracle_is_the_ceiling_at_t1_under_sglangs_rule(pair) -> None:
+    """At T = 1 SGLang keeps a greedy draft d with probability p(d): the oracle's drafts (the target's argmax, the
+    largest p) are kept more often than a drafter's, on the same prompts and seeds."""
+    from eval.batched_eval import acceptance
+
+    target, drafter = pair
+    tm = TargetModel(target, TinyTokenizer(), "tiny", None)
+    g = torch.Generator().manual_seed(6)
+    prompts = {"a": [torch.randint(2, V, (int(n),), generator=g).tolist() for n in torch.randint(2, 20, (16,),
+                                                                                                  generator=g)]}
+    oracle = acceptance(tm, None, AUX, prompts, K, 1.0, NEW)["a"]
+    drafted = acceptance(tm, drafter, AUX, prompts, K, 1.0, NEW)["a"]
+    assert oracle["tau"] > drafted["tau"] >= 1.0
+    with pytest.raises(ValueError, match="the oracle drafts greedily"):
+        speculative_batch(BatchedTarget(target, AUX), None, prompts["a"], K, NEW, [1], 1.0,
+                          acceptance="speculative_sampling")

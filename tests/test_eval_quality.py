@@ -69,6 +69,9 @@ def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys
         assert st["prompts"] == 2 and st["ci"][0] <= st["tau"] <= st["ci"][1]
     assert figures["tau_star_ci"]["3"][0] <= figures["tau_star"]["3"] <= figures["tau_star_ci"]["3"][1]
     assert figures["gate"]["verdict"] in ("promote", "reject", "unresolved")
+    # at T > 0 the oracle (the target's own greedy drafts) stands beside the drafter, the ceiling at that T
+    sampled = figures["settings"]["k2_T1"]["mtbench"]
+    assert sampled["oracle_tau"] >= 1.0 and len(sampled["oracle_alpha"]) == 2 and "oracle_tau" not in greedy
     assert figures["gate"]["intervals"]["mtbench"]["tau"]["prompts"] == 2
     assert "conversations.jsonl: not found" in figures["tau_by_context"]["skipped"]  # this run has none
     assert "quality: " in capsys.readouterr().out
