@@ -26,7 +26,7 @@
 #                adds options: --shares 2 --share-ranks R, each half of a 2-GPU run alone; --gpus with no count
 #                skips the full run)                                -> "regenerate", with 2 GPUs "ddp_scaling",
 #                                                                      with --shares "regenerate_shares"
-#   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when a previous session's
+#   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when an earlier machine's
 #                conversations are carried (.gpu/conversations/conversations.jsonl.gz, which `out` returns with
 #                OUT_CONVERSATIONS=1) they are unpacked instead: regeneration at T=0 gave the same answer tokens (3,597,901)
 #                and finish reasons on three machines, so this saves its ~2.5 minutes; delete the folder when the regenerate settings change
@@ -60,7 +60,7 @@
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),
 #                logs.tar.gz (the logs' tails, the ablation rows; a stalled row's stacks; the regenerate log's
 #                errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's conversations.jsonl.gz for the next
-#                session to carry, into $OUT
+#                machine to carry, into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
