@@ -23,7 +23,8 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
 - sharp_teacher: trained toward the target's distribution at temperature 0.5 (train.teacher_temperature), nearer
   its argmax, the token greedy verification accepts;
 - aux_late: the top aux id moved to N-2, the latest layer whose output SGLang can capture (its residual stream
-  is closest to the target's own next-token prediction; the config's is N-3).
+  is closest to the target's own next-token prediction; the config's is N-3);
+- lk_alpha, lk_lambda: the LK losses on the expected acceptance instead of the KL to the teacher (train.loss).
 Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trains each of its rows with the
 user's own command (``python -m train``, a process of its own: <row>/train.out) and then measures it. Each row
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
@@ -71,7 +72,8 @@ def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) 
             "draft_vocab_32k": ["drafter.draft_vocab_size=32000"], "loop_copies_dropped": [],
             "first_turn_short_answers": [], "aux_scaled": ["drafter.aux_scale=per_state"],
             "sharp_teacher": ["train.teacher_temperature=0.5"],
-            "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"]}
+            "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"],
+            "lk_alpha": ["train.loss=lk_alpha"], "lk_lambda": ["train.loss=lk_lambda"]}
 
 
 def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:

@@ -289,6 +289,15 @@ class TrainConfig(Section):
         "The target distribution the drafter is trained toward, at this temperature: below 1 it sharpens toward "
         "the target's argmax, the one token greedy verification accepts (a small drafter spends less of itself "
         "on the tail)")), NotBool] = 1.0
+    loss: Literal["kl", "lk_alpha", "lk_lambda"] = Field(
+        "kl", description="Each TTT step's objective: kl, the cross-entropy to the teacher; lk_alpha, -log of the "
+        "expected acceptance sum_v min(p, q) (p: the target's probabilities on the draft vocab); lk_lambda, a mix "
+        "that moves from kl to acceptance as acceptance grows (train.lk_kl_scale, lk_kl_decay). LK needs the "
+        "target's last hidden state (online, or a store with capture.teacher hidden).")
+    lk_kl_scale: PositiveFloat = Field(1.0, description="lk_lambda: the kl weight is lk_kl_scale * exp(-lk_kl_decay "
+                                       "* mean acceptance).")
+    lk_kl_decay: NonNegativeFloat = Field(1.0, description="lk_lambda: how fast the kl weight falls as acceptance "
+                                          "grows.")
     holdout_fraction: Annotated[float, Field(ge=0.0, lt=1.0), NotBool] = Field(
         0.05, description="Share of samples (by id hash) held out for the held-out metrics that pick `best`.")
     eval_every: PositiveInt = Field(200, description="Steps between held-out evaluations.")
@@ -303,6 +312,13 @@ class TrainConfig(Section):
     mixed_precision: Literal["auto", "no", "bf16"] = Field(
         "auto", description="auto: bf16 on CUDA, fp32 on CPU, unless `accelerate launch` chose already.")
     seed: Int = Field(0, description="Seed of the initialisation and of the batch order.")
+
+    @model_validator(mode="after")
+    def _lk_reads_the_true_target(self) -> TrainConfig:
+        if self.loss != "kl" and self.teacher_temperature != 1.0:
+            raise ValueError(f"train.loss {self.loss} measures acceptance under the target's own distribution: "
+                             "train.teacher_temperature must stay 1")
+        return self
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

@@ -86,3 +86,17 @@ def test_online_and_store_training_give_the_same_losses(smollm2, tmp_path: Path)
     for x, y in zip(a, b, strict=True):
         assert x["holdout/acc_0"] == pytest.approx(y["holdout/acc_0"], abs=1e-6)
         assert x["holdout/loss_0"] == pytest.approx(y["holdout/loss_0"], abs=1e-5)
+
+
+@pytest.mark.real
+def test_online_training_runs_the_lk_objective(smollm2, tmp_path: Path) -> None:
+    """train.loss lk_lambda through the real loop: the target's whole lm_head gives the mass on the draft vocab,
+    every step's loss is finite and a checkpoint is saved."""
+    cfg = write_run(tmp_path / "lk", "online")
+    tree = yaml.safe_load(cfg.read_text())
+    tree["train"] |= {"loss": "lk_lambda", "max_steps": 2}
+    cfg.write_text(yaml.safe_dump(tree))
+    assert run_training(cfg) == 0
+    losses = step_losses(tmp_path / "lk")
+    assert sorted(losses) == [1, 2] and all(v is not None and v == v for v in losses.values())
+    assert list((tmp_path / "lk" / "checkpoints").glob("step-000002"))

@@ -329,3 +329,70 @@ def test_a_sharper_teacher_is_the_target_distribution_at_that_temperature(mapped
     assert float(res[0.5].loss) == pytest.approx(float(want.loss), rel=1e-6)
     assert float(res[0.5].loss) != pytest.approx(float(res[1.0].loss), rel=1e-3)
     assert torch.equal(res[0.5].correct, res[1.0].correct)  # the same drafter: the same hits
+
+
+def test_lk_objectives_equal_their_definition(mapped):
+    """train.loss lk_alpha / lk_lambda: each TTT step's loss from the expected acceptance sum_v min(p, q) of the
+    drafter's q under the target's p on the draft vocab (draft_mass times the renormalised teacher), as defined."""
+    from train.ttt import Objective, draft_mass, expected_acceptance
+
+    m = mapped
+    ids, aux, last, lm_head, mask = _batch(m.shape)
+    argmax = (last @ lm_head.t()).argmax(-1)
+    rows = lm_head[m.to_target_ids(torch.arange(m.shape.draft_vocab_size))]
+    mass = draft_mass(last, rows, lm_head, chunk_rows=5)  # several chunks
+    full = torch.softmax(last.double() @ lm_head.double().t(), -1)
+    torch.testing.assert_close(mass.double(), full[..., m.to_target_ids(torch.arange(m.shape.draft_vocab_size))]
+                               .sum(-1), rtol=1e-5, atol=1e-6)
+    assert 0 < float(mass.min()) and float(mass.max()) < 1  # the draft vocab holds part of the target's mass
+
+    sup = supervision(teacher_from_hidden(last, rows), argmax, mask, m.t2d)
+    kl = ttt_forward(m, ids, aux, sup, N, DECAY)
+    # the steps' alphas by hand: q from the KL run's own logits is what ttt_forward scores; compute it per step here
+    probs = sup.teacher_logp.exp()
+    for kind in ("lk_alpha", "lk_lambda"):
+        res = ttt_forward(m, ids, aux, sup, N, DECAY, objective=Objective(kind, 1.5, 2.0), mass=mass)
+        assert torch.equal(res.step_losses, kl.step_losses)  # the logged CE is the same quantity
+        assert float(res.loss.detach()) != pytest.approx(float(kl.loss.detach()), rel=1e-3)
+    # step 0 alone (n = 1) pins the formula: one step, decay irrelevant
+    hidden = m.project_aux(aux)
+    t = ids.shape[1]
+    out = m.step(None, hidden, torch.arange(t)[None], mask=causal_mask(t, 0), attn_fn=attention,
+                 embed_part=[p[:, :t] for p in m.embed_projections(torch.nn.functional.pad(ids[:, 1:], (0, 1)),
+                                                                    hidden.dtype)])
+    logits = m.logits(out.prenorm[:, : t - 1])
+    weight = (sup.label & sup.in_vocab)[:, 1:].float()
+    alpha = expected_acceptance(logits, probs[:, 1:] * mass[:, 1:, None])
+    count = weight.sum()
+    want_alpha = -(torch.log(alpha) * weight).sum() / count
+    got = ttt_forward(m, ids, aux, sup, 1, DECAY, objective=Objective("lk_alpha"), mass=mass)
+    assert float(got.loss) == pytest.approx(float(want_alpha), rel=1e-5)
+    mean_alpha = (alpha * weight).sum() / count
+    w = 1.5 * math.exp(-2.0 * float(mean_alpha))
+    ce = float(got.step_losses[0])
+    got = ttt_forward(m, ids, aux, sup, 1, DECAY, objective=Objective("lk_lambda", 1.5, 2.0), mass=mass)
+    assert float(got.loss) == pytest.approx(w * ce + (1 - w) * (1 - float(mean_alpha)), rel=1e-5)
+    with pytest.raises(ValueError, match="needs the target's mass"):
+        ttt_forward(m, ids, aux, sup, N, DECAY, objective=Objective("lk_alpha"))
+
+
+def test_an_lk_step_raises_the_expected_acceptance(mapped):
+    """A few plain gradient steps on lk_alpha raise the mean expected acceptance of step 0's drafts on the batch."""
+    from train.ttt import Objective
+
+    m = mapped
+    ids, aux, last, lm_head, mask = _batch(m.shape, seed=5)
+    argmax = (last @ lm_head.t()).argmax(-1)
+    rows = lm_head[m.to_target_ids(torch.arange(m.shape.draft_vocab_size))]
+    model = TTTModel(m, rows, 1, DECAY, objective=Objective("lk_alpha"), lm_head=lm_head)
+    opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+    losses = []
+    for _ in range(4):
+        res = model(ids, mask, aux, argmax, last_hidden=last)
+        losses.append(float(res.loss))
+        opt.zero_grad()
+        res.loss.backward()
+        opt.step()
+    assert losses[-1] < losses[0], losses  # -mean log alpha falls: alpha rises
+    with pytest.raises(ValueError, match="needs the target's last hidden state and lm_head"):
+        TTTModel(m, rows, 1, DECAY, objective=Objective("lk_lambda"))

@@ -40,6 +40,7 @@ from train.data import TrainingData, to_device, training_data
 from train.module import TTTModel
 from train.optim import clip_into_step, make_optimizer, make_scheduler, trainable
 from train.target_ahead import TargetAhead
+from train.ttt import Objective
 from train.ttt_metrics import Counts
 
 
@@ -199,8 +200,14 @@ def setup(cfg: Any, resume: str) -> Run:
         how += "; " + scale_aux_inputs(drafter, data, accelerator.device)
     compute_dtype = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     rows = teacher_rows(data, drafter) if data.teacher == "hidden" else None
-    model = TTTModel(drafter, rows, train_cfg.ttt_length, train_cfg.loss_decay,
-                     train_cfg.teacher_temperature).to_device(accelerator.device, compute_dtype)
+    objective = Objective(train_cfg.loss, train_cfg.lk_kl_scale, train_cfg.lk_kl_decay)
+    if objective.needs_mass and data.teacher != "hidden":
+        raise TrainingAborted(f"{data.source}: train.loss {train_cfg.loss} needs the target's last hidden state, and "
+                              "this store holds top-k log-probs (capture.teacher topk); capture with teacher hidden, "
+                              "train online, or use train.loss kl")
+    model = TTTModel(drafter, rows, train_cfg.ttt_length, train_cfg.loss_decay, train_cfg.teacher_temperature,
+                     objective, data.head["lm_head.weight"] if objective.needs_mass else None
+                     ).to_device(accelerator.device, compute_dtype)
     n_train = sum(p.numel() for p in trainable(model))
     accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; {accelerator.num_processes} "
                       f"process{'es' if accelerator.num_processes > 1 else ''}; "

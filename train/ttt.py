@@ -11,7 +11,8 @@ the loss also needs the target's argmax at ``j`` inside the draft vocab (the dra
 anything else); accuracy keeps those rows as misses, so it is what serving would see.
 
 Loss = sum_i decay**i * mean over step i's loss rows of CE(teacher_j, draft_i,t). The teacher is the
-target distribution restricted to the draft vocab and renormalised, computed once (draft rows only).
+target distribution restricted to the draft vocab and renormalised, computed once (draft rows only). ``Objective``
+can replace the CE by the LK losses on the expected acceptance instead.
 """
 
 from __future__ import annotations
@@ -31,6 +32,63 @@ CE_CHUNK_ROWS = 1024  # rows of the (rows, draft_vocab) logits handled at a time
 # and a copy of its gradient into the whole. A SmolLM2 batch of 16,384 rows would be 16 chunks, 224 compiled calls a
 # step over 7 draft steps; one chunk makes it one a draft step each way.
 CUDA_CE_CHUNK_ROWS = 1 << 16
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What each TTT step minimises. "kl": the cross-entropy to the teacher (EAGLE's and SpecForge's default). The LK
+    losses (arXiv 2602.23881, as SpecForge's main branch offers them) target the expected acceptance
+    alpha = sum_v min(p(v), q(v)) of the draft distribution q under the target's p (its probabilities on the draft
+    vocab, not renormalised: mass outside the draft vocab is never accepted): "lk_alpha" minimises -mean log alpha;
+    "lk_lambda" minimises w * CE + (1 - w) * (1 - mean alpha) with w = kl_scale * exp(-kl_decay * mean alpha) (alpha
+    detached there), which moves from imitation to acceptance as acceptance grows."""
+
+    kind: str = "kl"
+    kl_scale: float = 1.0
+    kl_decay: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("kl", "lk_alpha", "lk_lambda"):
+            raise ValueError(f"objective {self.kind!r}: expected kl, lk_alpha or lk_lambda")
+
+    @property
+    def needs_mass(self) -> bool:
+        """Whether the step needs the target's probability mass on the draft vocab (``draft_mass``)."""
+        return self.kind != "kl"
+
+    def step_loss(self, ce: Tensor, alpha: Tensor | None, weight: Tensor, count: Tensor) -> Tensor:
+        """One TTT step's loss from its mean CE over the loss rows and, for LK, each row's expected acceptance."""
+        if self.kind == "kl":
+            return ce
+        n = count.clamp(min=1)
+        if self.kind == "lk_alpha":
+            log_alpha = torch.where(alpha > 0, torch.log(alpha.clamp_min(1e-30)), torch.zeros_like(alpha))
+            return -(log_alpha * weight).sum() / n
+        mean_alpha = (alpha * weight).sum() / n
+        w = self.kl_scale * torch.exp(-self.kl_decay * mean_alpha.detach())
+        return w * ce + (1 - w) * (1 - mean_alpha)
+
+
+KL = Objective()
+
+
+@torch.no_grad()
+def draft_mass(last_hidden: Tensor, head_rows: Tensor, lm_head: Tensor, chunk_rows: int = 4096) -> Tensor:
+    """(B, T) fp32: the target's probability mass on the draft vocab at each position, exp(logsumexp over the draft
+    rows - logsumexp over every row of ``lm_head``); the full-vocab logits are made ``chunk_rows`` positions at a
+    time. The teacher (renormalised over the draft vocab) times this is p on the draft vocab."""
+    flat = last_hidden.reshape(-1, last_hidden.shape[-1])
+    out = []
+    for chunk in flat.split(chunk_rows):
+        full = torch.logsumexp((chunk.to(lm_head.dtype) @ lm_head.t()).float(), -1)
+        draft = torch.logsumexp((chunk.to(head_rows.dtype) @ head_rows.t()).float(), -1)
+        out.append(torch.exp(draft - full))
+    return torch.cat(out).reshape(last_hidden.shape[:-1])
+
+
+def expected_acceptance(logits: Tensor, p_on_draft: Tensor) -> Tensor:
+    """(B, L): sum_v min(p(v), q(v)) per row, q = softmax(logits) over the draft vocab; differentiable in q."""
+    return torch.minimum(p_on_draft, torch.softmax(logits.float(), -1)).sum(-1)
 
 
 @dataclass
@@ -186,9 +244,12 @@ def soft_cross_entropy(logits: Tensor, probs: Tensor, weight: Tensor, offset: in
 
 
 def ttt_forward(model: Eagle3Drafter, input_ids: Tensor, aux: Tensor, sup: Supervision, ttt_length: int,
-                decay: float, attn_fn: AttentionFn = attention) -> TTTResult:
+                decay: float, attn_fn: AttentionFn = attention, objective: Objective = KL,
+                mass: Tensor | None = None) -> TTTResult:
     """Unroll ``ttt_length`` draft steps over right-padded rows (one sample per row, so the causal
-    mask alone keeps valid queries off padding)."""
+    mask alone keeps valid queries off padding). ``mass`` (B, T): ``draft_mass``, for an LK ``objective``."""
+    if objective.needs_mass and mass is None:
+        raise ValueError(f"objective {objective.kind}: needs the target's mass on the draft vocab (draft_mass)")
     b, t = input_ids.shape
     dev = input_ids.device
     probs = sup.teacher_logp.exp()
@@ -218,7 +279,11 @@ def ttt_forward(model: Eagle3Drafter, input_ids: Tensor, aux: Tensor, sup: Super
         weight = (label & sup.in_vocab[:, 1 + i:]).float()
         count = weight.sum()
         ce = soft_cross_entropy(logits, probs, weight, offset=1 + i) / count.clamp(min=1)
-        loss = loss + decay ** i * ce
+        alpha = None
+        if objective.needs_mass:  # p on the draft vocab at j = row + 1 + i: the teacher times its mass there
+            p = probs[:, 1 + i:1 + i + n] * mass[:, 1 + i:1 + i + n, None]
+            alpha = expected_acceptance(logits, p)
+        loss = loss + decay ** i * objective.step_loss(ce, alpha, weight, count)
         step_losses.append(ce.detach())
         with torch.no_grad():
             hit = model.to_target_ids(logits.argmax(-1)) == sup.target_argmax[:, 1 + i:]
