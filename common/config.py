@@ -193,7 +193,9 @@ class RegenerateConfig(Section):
     max_new_tokens: PositiveInt = Field(
         512, description="The most tokens an answer may have (the openai backend sends it as max_tokens); a "
         "longer one is cut there, finish reason 'length'.")
-    seed: Int = Field(0, description="Sampling seed (the hf engine's, and the `seed` sent to servers).")
+    seed: Int = Field(0, description="Sampling seed. The hf engine draws each token from the conversation's own seed "
+                      "(this one and its id) and the token's position, so a conversation's answers are the same in "
+                      "any batch and after a resume; the openai backend sends it as `seed`.")
     stop_loops: bool = Field(
         True, description="End an answer that falls into a degenerate loop (its tail repeats a block of tokens, "
         "engine.loops) at the loop's first copy, finish reason 'loop'. hf: checked every 16 tokens while it "

@@ -43,6 +43,7 @@ seconds go (a benchmark's question; unprofiled, it keeps no timings and records 
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import time
@@ -182,15 +183,49 @@ def decode_rows(hi: int, rows: int, buckets: int) -> int:
     return size
 
 
+def request_seed(seed: int, key: Hashable) -> int:
+    """A request's own sampling seed: ``seed`` and the request's key (its repr) through sha256, so a conversation's
+    turn draws the same random numbers whichever batch, row or run serves it (Python's ``hash`` of a str changes
+    from process to process)."""
+    digest = hashlib.sha256(f"{seed}:{key!r}".encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
+_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
+_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
+
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic on signed values)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniform(seeds: Tensor, counters: Tensor) -> Tensor:
+    """(B,) float64 in [0, 1): splitmix64 of each row's (seed, counter) on the device (int64 arithmetic wraps), a
+    counter-based generator: the number drawn for a token depends on its request and position alone."""
+    z = seeds + (counters + 1) * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() * 2.0 ** -53
+
+
 class _Picker:
-    """Greedy argmax, or temperature / top-k / top-p sampling from one seeded generator."""
+    """Greedy argmax, or temperature / top-k / top-p sampling with one uniform number per row from
+    ``counter_uniform``: each request's seed (``request_seed``) and the position of the token drawn, so a sampled
+    answer is the same in any batch and after any resume (up to the logits' own last bits, which a batch's shape
+    can move)."""
 
-    def __init__(self, s: Sampling, device: torch.device):
+    def __init__(self, s: Sampling):
         self.s = s
-        self.gen = torch.Generator(device=device).manual_seed(s.seed) if s.temperature > 0 else None
 
-    def __call__(self, logits: Tensor) -> Tensor:
-        if self.gen is None:
+    @property
+    def greedy(self) -> bool:
+        return self.s.temperature <= 0
+
+    def __call__(self, logits: Tensor, seeds: Tensor | None = None, counters: Tensor | None = None) -> Tensor:
+        if self.greedy:
             return logits.argmax(-1)
         z = logits.float() / self.s.temperature
         if self.s.top_k:
@@ -201,7 +236,9 @@ class _Picker:
             cum = sorted_z.softmax(-1).cumsum(-1)
             drop = cum - sorted_z.softmax(-1) >= self.s.top_p  # keep the smallest prefix reaching top_p
             z = z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
-        return torch.multinomial(z.softmax(-1), 1, generator=self.gen).squeeze(-1)
+        cdf = z.softmax(-1).double().cumsum(-1)
+        u = counter_uniform(seeds, counters)[:, None] * cdf[:, -1:]  # the cdf's own total: sums in fp64 drift
+        return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=z.shape[-1] - 1)
 
 
 @dataclass
@@ -285,7 +322,7 @@ class Stream:
         self.cache = target.new_paged_cache(self.rows, pool, max_len, attention)
         self.most_pages = pool if dev.type == "cuda" or pages else 1 + self.rows * self.cache.max_pages
         self.buckets = DECODE_ROW_BUCKETS if self.cache.attention == "flex" else 0
-        self.pick = _Picker(sampling, dev)
+        self.pick = _Picker(sampling)
         self.stop_ids = set(stop_ids)
         self.queue: deque[_Request] = deque()
         n = self.rows
@@ -299,6 +336,7 @@ class Stream:
         self.admitted = [0] * n  # admission order (the last admitted is preempted first)
         self.free = list(range(n))  # a heap: refill the lowest rows so live ones stay at the front
         self.pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seed = torch.zeros(n, dtype=torch.long, device=dev)  # each row's request_seed (sampling only)
         self.last = torch.zeros(n, dtype=torch.long, device=dev)
         self.alive = torch.zeros(n, dtype=torch.long, device=dev)  # 1 for a row serving a request
         self.stopped_rows: list[int] = []  # rows whose alive flag goes to 0 before the next forward, and
@@ -549,9 +587,15 @@ class Stream:
         out = self.t.forward(self.cache, index, queued_to_device(ids, dev), positions, fresh=not continued,
                              logits_at=at, lengths=at + 1)
         logits = out.logits[:n]
-        first = self.pick(logits)
         index = index[:n]
-        self.pos[index] = queued_to_device(torch.tensor([len(r.prompt) for _, r, _ in group]), dev)
+        prompt_lens = queued_to_device(torch.tensor([len(r.prompt) for _, r, _ in group]), dev)
+        if self.pick.greedy:
+            first = self.pick(logits)
+        else:  # the first answer token sits at the prompt's length
+            self.seed[index] = queued_to_device(torch.tensor([request_seed(self.pick.s.seed, r.key)
+                                                              for _, r, _ in group]), dev)
+            first = self.pick(logits, self.seed[index], prompt_lens)
+        self.pos[index] = prompt_lens
         self.last[index] = first
         self.alive.index_fill_(0, index, 1)
         margins = self._margin_tensor(logits)
@@ -756,7 +800,7 @@ class Stream:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         logits = self.decode.logits(b)  # a graph's own buffer on CUDA: read here, before the next step overwrites it
-        nxt = self.pick(logits)
+        nxt = self.pick(logits) if self.pick.greedy else self.pick(logits, self.seed[:b], self.pos[:b] + 1)
         margins = self._margin_tensor(logits[:hi])
         self.last[:b] = nxt
         self.pos[:b] += self.alive[:b]
@@ -822,6 +866,7 @@ class Stream:
         self.cache.move_rows(srcs, dsts)
         src, dst = queued_to_device(torch.tensor(srcs), dev), queued_to_device(torch.tensor(dsts), dev)
         self.pos[dst], self.last[dst], self.alive[dst] = self.pos[src], self.last[src], self.alive[src]
+        self.seed[dst] = self.seed[src]
         for s, d in moves:
             self.request[d], self.tokens[d], self.margins[d] = self.request[s], self.tokens[s], self.margins[s]
             self.length[d], self.admitted[d], self.due[d] = self.length[s], self.admitted[s], self.due[s]

@@ -219,6 +219,32 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
     assert generate(engine, ps, 12, STOPS, Sampling(temperature=0.7, top_p=1e-6, seed=5), cpu_slots=8) == greedy
 
 
+def test_a_sampled_answer_is_its_requests_own_whatever_the_batch() -> None:
+    """Each token is drawn with a number from its request's seed (the run's seed and the request's key) and its
+    position: the same answers with 8 rows at once or 2 (other batches, other rows, rows compacted), and with
+    the requests submitted in another order; a request alone gets the answer it gets among others."""
+    model = tiny()
+    ps = prompts(8, 2, 20)
+    engine = BatchedTarget(model)
+    sampling = Sampling(temperature=1.0, seed=3)
+    wide = generate(engine, ps, 12, STOPS, sampling, cpu_slots=8)
+    assert generate(engine, ps, 12, STOPS, sampling, slots=2) == wide
+
+    def by_key(order: list[int], rows: int) -> dict[int, cb.Generated]:
+        stream = cb.Stream(engine, STOPS, sampling, max_len=40, rows=rows)
+        for i in order:
+            stream.submit(i, ps[i], 12)
+        return dict(stream.run())
+
+    assert by_key(list(range(8))[::-1], 3) == dict(enumerate(wide))
+    assert by_key([5], 1)[5] == wide[5]
+    # the numbers themselves: a function of (seed, counter) alone, uniform enough to sample with
+    u = cb.counter_uniform(torch.full((20000,), cb.request_seed(3, 5)), torch.arange(20000))
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.01
+    assert torch.equal(u[:7], cb.counter_uniform(torch.full((7,), cb.request_seed(3, 5)), torch.arange(7)))
+    assert cb.request_seed(3, 5) != cb.request_seed(3, 6) != cb.request_seed(4, 5)
+
+
 def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
     """A random tiny model decoding greedily loops within a few dozen tokens: with ``loops`` those answers end
     as "loop", cut to the prefix before the copies of the answer generated without it; answers that never
