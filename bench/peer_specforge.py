@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from common.config import RunConfig
 from data_prep.dataset import TokenBudgetSampler
 from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import expected_tensors, hf_config, save_checkpoint
@@ -129,7 +130,7 @@ def target_head(lm_head: torch.Tensor, device: torch.device, config_dir: Path) -
     return head.eval().to(device=device, dtype=torch.bfloat16)
 
 
-def our_batches(cfg: Any, data: TrainingData, device: torch.device) -> tuple[int, Iterator[tuple[dict, dict]]]:
+def our_batches(cfg: RunConfig, data: TrainingData, device: torch.device) -> tuple[int, Iterator[tuple[dict, dict]]]:
     """(total optimizer steps, the micro-batches in the order ``python -m train`` takes them on one process):
     the same sampler, seed, epoch shuffles and padding as train/loop.py's ``setup`` and ``train_steps``."""
     t = cfg.train
@@ -148,7 +149,7 @@ def our_batches(cfg: Any, data: TrainingData, device: torch.device) -> tuple[int
     return total, gen()
 
 
-def train(cfg: Any, recipe: Recipe, out_dir: Path, device: torch.device) -> dict[str, Any]:
+def train(cfg: RunConfig, recipe: Recipe, out_dir: Path, device: torch.device) -> dict[str, Any]:
     """Train with SpecForge's step on our batches for as many optimizer steps as ``python -m train`` takes with
     ``cfg``, save the drafter at ``out_dir``, and return what was done (steps, tokens seen, losses, seconds)."""
     from specforge.algorithms.eagle3.model import OnlineEagle3Model

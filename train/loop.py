@@ -26,7 +26,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm import tqdm
 
 from common.cli import StopRequest, one_line_errors, stop_on_sigterm
-from common.config import dump_config, load_config
+from common.config import RunConfig, TrainConfig, dump_config, load_config
 from common.files import json_text, named_errors, remove_temps, write_text_atomic
 from common.locking import run_lock
 from common.queued_copy import queued_to_device, queued_to_host
@@ -57,7 +57,7 @@ def mixed_precision(setting: str) -> str | None:
     return "bf16" if torch.cuda.is_available() else "no"
 
 
-def configure_deepspeed(accelerator: Accelerator, train_cfg: Any) -> None:
+def configure_deepspeed(accelerator: Accelerator, train_cfg: TrainConfig) -> None:
     """DeepSpeed clips and accumulates inside its engine, and wants a micro-batch size even though our
     batches are token budgets (the number only labels its throughput logs)."""
     plugin = accelerator.state.deepspeed_plugin
@@ -119,7 +119,7 @@ def run(config: str | Path, overrides: Sequence[str] = (), resume: str = "auto")
 EXIT_STOPPED = 128 + signal.SIGTERM
 
 
-def train(cfg: Any, resume: str) -> int:
+def train(cfg: RunConfig, resume: str) -> int:
     """``resume``: "auto" continues from the newest complete checkpoint in run_dir/checkpoints, "never"
     starts over. SIGTERM ends the run after its current step, with a checkpoint of that step."""
     run = setup(cfg, resume)
@@ -158,7 +158,7 @@ class Run:
     serve_dtype: str  # the dtype checkpoints are saved in
 
 
-def setup(cfg: Any, resume: str) -> Run:
+def setup(cfg: RunConfig, resume: str) -> Run:
     """Accelerator, data, drafter (resume > warm start > from scratch), optimizer and schedule, and the state
     of a resumed run, in this order (the seeded RNG is drawn from in it)."""
     train_cfg = cfg.train
@@ -233,7 +233,7 @@ def setup(cfg: Any, resume: str) -> Run:
                optimizer, scheduler, state, log, ckpt_root, run_config, serve_dtype)
 
 
-def save_step(run: Run, train_cfg: Any, last_eval: dict[str, float] | None) -> None:
+def save_step(run: Run, train_cfg: TrainConfig, last_eval: dict[str, float] | None) -> None:
     """A checkpoint of the current step (every process takes part), then, on rank 0, best and pruning.
     ``last_eval`` None: a stop's save, made without a held-out pass, so it is no candidate for best."""
     accelerator, state, ckpt_root = run.accelerator, run.state, run.ckpt_root
@@ -280,8 +280,8 @@ class Window:
         self.tokens, self.real, self.t0 = 0, 0, time.perf_counter()
 
 
-def accumulate(run: Run, train_cfg: Any, w: Window, raw: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
-               steps_in_backward: bool) -> None:
+def accumulate(run: Run, train_cfg: TrainConfig, w: Window, raw: dict[str, torch.Tensor],
+               batch: dict[str, torch.Tensor], steps_in_backward: bool) -> None:
     """One micro-batch's forward and backward into the window. DeepSpeed steps its optimizer inside backward: a
     non-finite loss must be kept from it there, which costs a wait per micro-batch. Elsewhere the loss's gradients
     are non-finite too, and the step skips the window."""
@@ -300,7 +300,7 @@ def accumulate(run: Run, train_cfg: Any, w: Window, raw: dict[str, torch.Tensor]
     w.clock.mark()
 
 
-def optimizer_step(run: Run, train_cfg: Any, w: Window, k: int, micro_batches: TargetAhead,
+def optimizer_step(run: Run, train_cfg: TrainConfig, w: Window, k: int, micro_batches: TargetAhead,
                    stop: StopRequest | None) -> tuple[dict[str, Any], bool]:
     """The window's optimizer step (skipped when its loss or gradient norm is not finite) and the state after it;
     returns the step's log record and whether any process was asked to stop. The one wait of the step: the window's
@@ -349,7 +349,7 @@ def optimizer_step(run: Run, train_cfg: Any, w: Window, k: int, micro_batches: T
     return record, stopping > 0
 
 
-def log_step(run: Run, train_cfg: Any, w: Window, record: dict[str, Any], bar: tqdm) -> None:
+def log_step(run: Run, train_cfg: TrainConfig, w: Window, record: dict[str, Any], bar: tqdm) -> None:
     """The step's record (train_log.jsonl, the bar), the abort after too many non-finite steps in a row, and every
     train.log_every steps the train/ summary since the last one (to the trackers too)."""
     accelerator, state, n = run.accelerator, run.state, train_cfg.ttt_length
@@ -369,7 +369,7 @@ def log_step(run: Run, train_cfg: Any, w: Window, record: dict[str, Any], bar: t
         w.counts = Counts.zeros(n, accelerator.device)
 
 
-def evaluate_and_save(run: Run, train_cfg: Any, w: Window, stopping: bool) -> tuple[bool, bool]:
+def evaluate_and_save(run: Run, train_cfg: TrainConfig, w: Window, stopping: bool) -> tuple[bool, bool]:
     """The held-out pass (every train.eval_every steps and before each save) and the save (every
     train.save_every steps, at train.save_at and at the end; a stop's save at once, without a held-out pass: done
     well before timeout's SIGKILL). Returns (at the end, stopped early)."""
@@ -390,7 +390,7 @@ def evaluate_and_save(run: Run, train_cfg: Any, w: Window, stopping: bool) -> tu
     return at_end, stopped
 
 
-def train_steps(run: Run, train_cfg: Any, stop: StopRequest | None = None) -> bool:
+def train_steps(run: Run, train_cfg: TrainConfig, stop: StopRequest | None = None) -> bool:
     """The step loop: accumulate, step, log, held-out eval, save; from ``run.state`` to ``run.total_steps``, or to
     the first step that ends after ``stop`` was set in any process (all of them learn it in the step's token count
     reduction, so they stop at the same step, and save it). Returns whether it stopped early: every process gets
