@@ -18,6 +18,8 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
 - loop_copies_dropped: the data with each loop answer's kept copies (regenerate.loop_keep_tokens) taken off
   again, i.e. answers cut at the loop's first copy: whether the bounded loop tail teaches decoding;
 - first_turn_short_answers: first turns with answers of at most 256 tokens (what the old data engine made);
+- first_turns_only: each conversation's first turn and whole first answer: against the baseline on multi-turn
+  conversations, what the later turns (longer histories) add at the same number of steps;
 - aux_scaled: fc reads each aux state scaled to rows of RMS about 1 while training (drafter.aux_scale=per_state;
   folded into fc at save, so the checkpoint is served as is);
 - sharp_teacher: trained toward the target's distribution at temperature 0.5 (train.teacher_temperature), nearer
@@ -60,7 +62,7 @@ from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
 from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
-DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers")
+DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only")
 
 
 def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) -> dict[str, list[str]]:
@@ -70,7 +72,7 @@ def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) 
             "lr_x10": [f"train.lr={10 * cfg.train.lr:g}"],
             "ttt_3": ["train.ttt_length=3"], "mlp_x3": [f"drafter.intermediate_size={3 * target_intermediate}"],
             "draft_vocab_32k": ["drafter.draft_vocab_size=32000"], "loop_copies_dropped": [],
-            "first_turn_short_answers": [], "aux_scaled": ["drafter.aux_scale=per_state"],
+            "first_turn_short_answers": [], "first_turns_only": [], "aux_scaled": ["drafter.aux_scale=per_state"],
             "sharp_teacher": ["train.teacher_temperature=0.5"],
             "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"],
             "lk_alpha": ["train.loss=lk_alpha"], "lk_lambda": ["train.loss=lk_lambda"]}
@@ -83,13 +85,14 @@ def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -
     return text if end >= len(ids) else tokenizer.decode(ids[:max(end, 0)])
 
 
-def first_turns(recs: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
-    """The first user turn and the first answer cut at SHORT_ANSWER_TOKENS tokens, of each conversation."""
+def first_turns(recs: list[dict[str, Any]], tokenizer: Any, keep: int | None = SHORT_ANSWER_TOKENS
+                ) -> list[dict[str, Any]]:
+    """The first user turn and the first answer, cut at ``keep`` tokens (None: whole), of each conversation."""
     out = []
     for rec in recs:
         msgs = rec["messages"]
         first = next(j for j, m in enumerate(msgs) if m["role"] == "assistant")
-        answer = shorten(msgs[first]["content"], tokenizer, keep=SHORT_ANSWER_TOKENS)
+        answer = msgs[first]["content"] if keep is None else shorten(msgs[first]["content"], tokenizer, keep=keep)
         reasons = rec.get("finish_reasons", [])[:1]
         if reasons and answer != msgs[first]["content"]:
             reasons = ["length"]  # cut here: the target did not end the turn (no loss on an end-of-turn marker)
@@ -231,6 +234,8 @@ def main() -> int:
     write_jsonl_atomic(args.out / "data-subset.jsonl", recs)
     if "first_turn_short_answers" in names:
         write_jsonl_atomic(args.out / "data-first_turn_short_answers.jsonl", first_turns(recs, tgt.tokenizer))
+    if "first_turns_only" in names:
+        write_jsonl_atomic(args.out / "data-first_turns_only.jsonl", first_turns(recs, tgt.tokenizer, keep=None))
     if "loop_copies_dropped" in names:
         write_jsonl_atomic(args.out / "data-loop_copies_dropped.jsonl",
                            loop_copies_dropped(recs, tgt.tokenizer, copies))
