@@ -123,7 +123,7 @@ def test_requests_submitted_while_the_stream_runs_join_it_and_stay_exact() -> No
         assert tokens == plain_greedy(model, prompt, 5 + 3 * i)[0]
 
 
-def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch) -> None:
+def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch, cpu_flex) -> None:
     """CUDA's kernel: flex attention compiled over a block mask of each row's pages (one decode shape: the CPU
     compile takes tens of seconds). Inductor's CPU kernel skips the blocks the mask leaves out as the GPU's
     does, so a wrong block list would show here. Two turns each: the second decodes over a row whose pages were
@@ -278,7 +278,8 @@ def test_a_flex_kernel_that_fails_to_build_falls_back_to_gather(monkeypatch) -> 
 
 
 @pytest.mark.parametrize("failure", ["build", "recompile limit"])
-def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failure: str, monkeypatch, capsys) -> None:
+def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failure: str, monkeypatch, capsys,
+                                                                         cpu_flex) -> None:
     """A flex suffix kernel that does not build, or that meets dynamo's recompile limit after it ran (then dynamo
     would run flex uncompiled, whose dense scores do not fit on a GPU): suffixes gather from then on (one
     warning), the decode step keeps flex, and every turn is still greedy's. The kernel called on its own, as it is
@@ -664,7 +665,7 @@ def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees(with_
     assert padding_only == (2 if with_lengths else 0)  # row 3's second and third blocks
 
 
-def test_a_block_sparse_flex_kernel_reads_the_suffix_mask_as_the_dense_mask_does() -> None:
+def test_a_block_sparse_flex_kernel_reads_the_suffix_mask_as_the_dense_mask_does(cpu_flex) -> None:
     """What the mask test above cannot see (eager flex ignores the blocks): flex compiled by inductor (on a CPU, its
     C++ template at static shapes) reads only the listed blocks, and skips the mask on full ones. Over a suffix
     mask with full blocks and, with the rows' lengths, query blocks of padding only, every real query's output is
@@ -742,6 +743,7 @@ def test_each_layer_piece_traces_once_for_every_prefill_shape(kind: str) -> None
                      "suffix": (t.layers[0], t.layers[1], h, q, cache.k[0], cache.v[0], mask, cos, sin)}
             for name, args in calls.items():
                 got = t.pieces.run(lambda name=name, args=args: pieces[name](*args), lambda: None)
+                # exact: aot_eager runs the traced graph's own ATen ops, eagerly, on the same data
                 torch.testing.assert_close(got, getattr(t.layer_pieces, name)(*args), rtol=0, atol=0)
     assert graphs == {"inputs": 1, "after": 1, "fresh": 1, "suffix": 1}
     assert len(compilation_time_metrics.get("compile_attempt_1", [])) == retraced
