@@ -23,6 +23,22 @@ from data_prep.loss_mask import render_with_mask
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
 
 AUX = [2, 15, 27]
+# Batched with right padding vs alone, or on another CPU (SIMD width, threads): the same fp32 sums in another
+# order. Reordering a sum of n terms moves it by about eps * sqrt(n) of its terms' size (a random walk of
+# roundings); SmolLM2's longest sums are the MLP's 1536 terms, and each of its 30 layers adds its own such error
+# to the residual stream, so a token's states agree to eps * sqrt(1536) * sqrt(30) = 2.6e-5 of that token's
+# largest state (measured: at most 2.4e-6 of it, on AVX-512, AVX2 and no SIMD, 1 and 2 threads). Relative to the
+# token's largest state, not each element: one dimension of the residual stream reaches 2.5e4 while most stay
+# under 100, and the small ones carry the large one's rounding.
+ROW_TOL = torch.finfo(torch.float32).eps * (1536 * 30) ** 0.5
+
+
+def assert_close_per_token(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Every element within ROW_TOL of its token's (row's) largest ``want``; returns the rows' tolerances."""
+    tol = ROW_TOL * want.abs().amax(-1, keepdim=True)
+    worst = ((got - want).abs() / tol).max()
+    assert worst <= 1, f"off by {float(worst):.2f}x the tolerance (ROW_TOL of each token's largest state)"
+    return tol
 
 
 def _convs(n: int) -> list[dict]:
@@ -79,12 +95,16 @@ def test_stored_states_equal_direct_forward(smollm2, tmp_path):
         assert item["input_ids"].tolist() == r.input_ids and item["loss_mask"].tolist() == r.loss_mask
         assert (2 in item["input_ids"][item["loss_mask"].bool()].tolist()) == (i % 2 == 0)  # <|im_end|>
         ref = smollm2.forward(torch.tensor([r.input_ids]), AUX)
-        # batched with right padding vs alone: equal up to fp32 summation order (aux entries reach ~100)
-        torch.testing.assert_close(item["aux"], ref.aux[0], rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(item["last_hidden"], ref.last_hidden[0], rtol=1e-5, atol=1e-5)
-        logits = item["last_hidden"] @ head["lm_head.weight"].T
-        assert (logits - ref.logits[0]).abs().max() <= 1e-4
-        assert torch.equal(item["target_argmax"].long(), ref.logits[0].argmax(-1))
+        for j in range(len(AUX)):  # each aux layer's states against their own scale
+            assert_close_per_token(item["aux"][:, j * 576:(j + 1) * 576], ref.aux[0][:, j * 576:(j + 1) * 576])
+        assert_close_per_token(item["last_hidden"], ref.last_hidden[0])
+        tol = assert_close_per_token(item["last_hidden"] @ head["lm_head.weight"].T, ref.logits[0])
+        # the stored greedy token is the direct forward's, but where its top two logits are closer than the
+        # rounding (a near-tie) either may win
+        top2 = ref.logits[0].topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > 2 * tol[:, 0]
+        same = item["target_argmax"].long() == ref.logits[0].argmax(-1)
+        assert bool((same | ~decided).all()) and int(decided.sum()) >= 0.9 * len(decided)
     counts = token_counts(cfg.store_dir, smollm2.vocab_size)
     assert counts.sum() == summary.loss_tokens == sum(int(ds[i]["loss_mask"].sum()) for i in range(len(ds)))
 
@@ -112,8 +132,16 @@ def test_topk_teacher_matches_full_distribution(smollm2, tmp_path):
     item = ShardDataset(cfg.store_dir)[0]
     assert item["aux"].dtype == torch.bfloat16 and "last_hidden" not in item
     ref = smollm2.forward(item["input_ids"].long()[None], AUX)
-    top = torch.log_softmax(ref.logits[0], -1).topk(8, dim=-1)
-    assert torch.equal(item["topk_ids"].long(), top.indices)
+    logp = torch.log_softmax(ref.logits[0], -1)
+    top = logp.topk(8, dim=-1)
+    # the stored ids are the direct forward's top 8, in order, up to near-ties (see ROW_TOL): their log-probs
+    # there are its top 8 values, and the ids match wherever their neighbours' values are further apart
+    tol = ROW_TOL * ref.logits[0].abs().amax(-1, keepdim=True)
+    ids = item["topk_ids"].long()
+    torch.testing.assert_close(logp.gather(-1, ids), top.values, rtol=0, atol=float(2 * tol.max()))
+    gaps = top.values[:, :-1] - top.values[:, 1:]
+    apart = torch.cat([gaps[:, :1], torch.minimum(gaps[:, 1:], gaps[:, :-1]), gaps[:, -1:]], -1) > 2 * tol
+    assert bool(((ids == top.indices) | ~apart).all())
     torch.testing.assert_close(item["topk_logprobs"].float(), top.values, rtol=2**-8, atol=1e-3)  # bf16 storage
 
 

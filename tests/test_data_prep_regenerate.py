@@ -467,11 +467,12 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     """Greedy SmolLM2 loops on most MT-Bench writing prompts. At max_new_tokens=512 without stop_loops
     these run to the cap with a loop at the end; with it they end as "loop" after a few hundred tokens, and what
     is kept is the start of the answer generated without it, token for token. A prompt answered without a loop
-    is the same answer either way. The hf backend gives the same answers and counts."""
+    is the same answer either way. The cut answers are the hf backend's (its engine's, seen through ``Stream.poll``):
+    its text and loop counts are those tokens'."""
     from common.config import DatasetConfig
     from data_prep.loss_mask import prompt_text
+    from engine import continuous_batching as cb
     from engine.batched import BatchedTarget
-    from engine.continuous_batching import LoopStop, generate
     from engine.loops import loop_start
     from eval.prompts import load_eval_prompts
     from target_model import hf_model
@@ -483,9 +484,21 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     cfg = make_cfg(tmp_path, max_new_tokens=512, batch_size=4)
     r = cfg.regenerate
     assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
-    engine, stops = BatchedTarget(smollm2.model), hf_model.stop_token_ids(tok)
-    plain = generate(engine, ids, 512, stops, cpu_slots=4)
-    cut = generate(engine, ids, 512, stops, cpu_slots=4, loops=LoopStop(r.loop_min_repeat_tokens, r.loop_max_period))
+    plain = cb.generate(BatchedTarget(smollm2.model), ids, 512, hf_model.stop_token_ids(tok), cpu_slots=4)
+
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
+    seen: dict[int, cb.Generated] = {}
+    poll = cb.Stream.poll
+
+    def spy(stream: cb.Stream) -> list:
+        assert stream.loops and (stream.loops.min_repeat_tokens, stream.loops.max_period) == (64, 256)
+        done = poll(stream)
+        seen.update(done)
+        return done
+
+    monkeypatch.setattr(cb.Stream, "poll", spy)
+    answers = HFChatBackend(cfg.target, r).complete(chats)
+    cut = [seen[i] for i in range(len(chats))]
     looped = 0
     for p, o in zip(plain, cut, strict=True):
         if o.finish_reason == "loop":
@@ -496,9 +509,6 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
         else:
             assert (o.tokens, o.finish_reason) == (p.tokens, p.finish_reason)
     assert looped >= 2 and cut[3].finish_reason == "stop"
-
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
-    answers = HFChatBackend(cfg.target, r).complete(chats)
     for a, o in zip(answers, cut, strict=True):
         assert a.finish_reason == o.finish_reason and a.text == tok.decode(o.tokens, skip_special_tokens=True)
         assert a.loop_tokens == ((o.generated, len(o.tokens)) if o.finish_reason == "loop" else None)

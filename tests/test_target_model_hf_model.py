@@ -41,6 +41,7 @@ def test_aux_are_layer_outputs(tiny_target: TargetModel) -> None:
     ref = tiny_target.model(ids, output_hidden_states=True)
     h = tiny_target.hidden_size
     assert out.aux.shape == (2, 7, 3 * h)
+    # exact: the same kernels on the same data (the hooks take the tensors HF's own forward returns)
     for j, i in enumerate(TINY_IDS):
         assert torch.equal(out.aux[..., j * h:(j + 1) * h], ref.hidden_states[i + 1]), i
     assert torch.equal(out.last_hidden, ref.hidden_states[-1])
@@ -141,6 +142,7 @@ def test_right_padded_batches_keep_sdpa_off_cudnn(tiny_target: TargetModel) -> N
     finally:
         hook.remove()
     assert seen == [False, torch.backends.cuda.cudnn_sdp_enabled()]
+    # exact: on a CPU the right-padded forward runs the same kernels on the same data
     torch.testing.assert_close(out.aux, tiny_target.forward(ids, TINY_IDS).aux, rtol=0, atol=0)
 
 
@@ -255,7 +257,7 @@ def test_smollm2_aux_logits_and_tokenizer(smollm2: TargetModel) -> None:
     ids = tok(text, return_tensors="pt").input_ids
     out = smollm2.forward(ids, (2, 15, 27))
     ref = smollm2.model(ids, output_hidden_states=True)
-    for j, i in enumerate((2, 15, 27)):
+    for j, i in enumerate((2, 15, 27)):  # exact: the same kernels on the same data, as above
         assert torch.equal(out.aux[..., j * 576:(j + 1) * 576], ref.hidden_states[i + 1]), i
     teacher = F.linear(out.last_hidden, smollm2.lm_head_weight())
     assert (teacher - ref.logits).abs().max().item() <= 1e-4

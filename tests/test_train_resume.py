@@ -57,7 +57,7 @@ def test_kill9_then_resume_matches_uninterrupted(tmp_path, aux_scale: str):
     assert "drafter: resume from" in out and "step-0000" in out, out  # it continued, not restarted
     assert ("fc reads the aux states scaled by" in out) is (aux_scale == "per_state"), out
     got = _losses(b)
-    assert got == want  # exact float equality, step by step
+    assert got == want  # exact float equality, step by step: the same kernels on the same data, on one CPU
 
 
 def test_sigterm_saves_the_step_it_ends_and_the_resume_matches_uninterrupted(tmp_path):

@@ -229,7 +229,7 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def test_compiled_flex_serves_every_batch_shape_with_a_few_graphs():
+def test_compiled_flex_serves_every_batch_shape_with_a_few_graphs(cpu_flex):
     """Compiled statically, flex attention recompiled for every (rows, length) of a token-budget batch until
     torch's recompile limit, then ran unfused (seen on the H200). Compiled with dynamic shapes (what
     ``train.attention._flex`` returns; forward only and without the log-sum-exp here: CPU flex has neither),
