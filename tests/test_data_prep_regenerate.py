@@ -610,7 +610,7 @@ def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit
 
 
 @pytest.mark.real
-def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path: Path) -> None:
+def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path: Path, smollm2, monkeypatch) -> None:
     """The stream writes a conversation the moment its last turn is answered. A subprocess regenerating 10
     conversations of 1-4 turns through 2 rows is killed with SIGKILL once the first is on disk: every line
     there is a whole conversation, each of its turns answered; the rerun skips those and finishes the rest; and
@@ -634,6 +634,9 @@ def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path:
     finally:
         if proc.poll() is None:
             proc.kill()
+    from target_model import hf_model
+
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)  # loaded once
     before = cfg.conversations_path.read_bytes()
     whole = before[: before.rfind(b"\n") + 1]
     done_before = whole.count(b"\n")
@@ -956,7 +959,10 @@ def test_part_files_merge_once_after_a_kill(tmp_path: Path) -> None:
 
 
 @pytest.mark.real
-def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path) -> None:
+def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path, smollm2, monkeypatch) -> None:
+    from target_model import hf_model
+
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)  # one device's
     chats = [[user(f"Give one word that rhymes with {w}.")] for w in ("cat", "dog", "sun", "tree", "blue")]
     one = make_cfg(tmp_path / "one", max_new_tokens=8, batch_size=8)
     two = make_cfg(tmp_path / "two", max_new_tokens=8, batch_size=8, devices=["cpu", "cpu"])

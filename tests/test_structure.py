@@ -181,11 +181,13 @@ def test_function_level_imports_are_listed_with_a_reason():
 
 # Run in a fresh interpreter: third-party libraries are imported once, then each project module is imported in a
 # forked child that has no project module loaded yet, so an import that works only after another module's fails.
+# torch._dynamo among them: the modules that use torch.compile would each spend 1.6 s importing it (and sympy).
 CHILD = textwrap.dedent("""
     import importlib, os, sys, traceback
     root, packages, names = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
     sys.path.insert(0, root)
-    for lib in ("torch", "numpy", "safetensors", "accelerate", "transformers", "pydantic", "yaml", "tqdm"):
+    for lib in ("torch", "torch._dynamo", "numpy", "safetensors", "accelerate", "transformers", "pydantic", "yaml",
+                "tqdm"):
         importlib.import_module(lib)
     failed = 0
     for name in names:
