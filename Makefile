@@ -19,6 +19,10 @@ LLAMA_CPP := llama-cpp-python==0.3.36
 CPU_HAS_AVX2 := $(shell grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo && echo yes)
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF $(if $(CPU_HAS_AVX2),,-DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF -DGGML_F16C=OFF -DGGML_BMI2=OFF)
 WHEELHOUSE ?= $(HOME)/.cache/eagle3-pipeline/wheels/$(subst ==,-,$(LLAMA_CPP))-portable-$(if $(CPU_HAS_AVX2),avx2,baseline)
+# The tests run in TEST_WORKERS processes (pytest-xdist), each with one torch thread (tests/conftest.py), so two
+# cores run two tests at once; idle workers take tests from a busy one's queue. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 .PHONY: setup test test-fast demo lint clean-runs
 
@@ -43,10 +47,10 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: setup lint
-	$(BIN)/python -m pytest -q -rs
+	$(PYTEST) -rs
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not real and not server"
+	$(PYTEST) -m "not real and not server"
 
 demo: setup
 	$(BIN)/python -m pipeline --config $(CONFIG)

@@ -14,7 +14,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One intra-op thread: on the shared 2-core machine two threads spin against each other and every
 # small op gets ~100x slower (measured: SmolLM2 64-token forward 0.6 s with 1 thread, 4-15 s with 2).
-torch.set_num_threads(int(os.environ.get("EAGLE3_TEST_THREADS", "1")))
+# The processes a test starts too (OMP_NUM_THREADS): beside a second test worker, a child's two threads spin.
+THREADS = os.environ.get("EAGLE3_TEST_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", THREADS)
+torch.set_num_threads(int(THREADS))
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from common.config import load_config
@@ -76,7 +77,11 @@ def test_online_and_store_training_give_the_same_losses(smollm2, tmp_path: Path)
     assert (tmp_path / "online" / ".lock").is_file()  # it trained under the run dir's lock, as the store path does
     offline, online = step_losses(tmp_path / "store"), step_losses(tmp_path / "online")
     assert sorted(offline) == sorted(online) == list(range(1, 7))
-    assert max(abs(offline[s] - online[s]) for s in offline) <= 1e-5, (offline, online)
+    # Online, the target's states come from the training batches' forward, not capture's: the same sums in another
+    # order, equal to eps * sqrt(1536 terms * 30 layers) = 2.6e-5 of their scale (tests/test_data_prep_capture.py),
+    # and the loss, a smooth function of them, to that share of itself (seen: 7e-7 of it, 2 threads on AVX-512).
+    rel = torch.finfo(torch.float32).eps * (1536 * 30) ** 0.5
+    assert all(abs(offline[s] - online[s]) <= rel * abs(offline[s]) for s in offline), (offline, online)
     # the log splits each step: online, the target's forward is real time; from the store, there is none to run
     stored, live = step_fields(tmp_path / "store", "target_ms"), step_fields(tmp_path / "online", "target_ms")
     assert len(stored) == len(live) == 6 and min(live) > max(stored)
@@ -85,7 +90,7 @@ def test_online_and_store_training_give_the_same_losses(smollm2, tmp_path: Path)
     assert len(a) == len(b) == 2
     for x, y in zip(a, b, strict=True):
         assert x["holdout/acc_0"] == pytest.approx(y["holdout/acc_0"], abs=1e-6)
-        assert x["holdout/loss_0"] == pytest.approx(y["holdout/loss_0"], abs=1e-5)
+        assert x["holdout/loss_0"] == pytest.approx(y["holdout/loss_0"], rel=rel)
 
 
 @pytest.mark.real
