@@ -398,7 +398,9 @@ def test_a_profiled_step_samples_its_host_and_the_command_does_not(tmp_path: Pat
         backend.close()
     got = summary.engine["host_samples"]
     assert got["samples"] >= 1 and got["interval_s"] > 0 and profile.sampler is not None
-    assert profile.sampler.inclusive["data_prep/regenerate.py _rounds"] > 0, got
+    # the samples are of the regenerate call's main thread (a quick run may hold one sample, in any of its phases)
+    assert any(where.startswith("data_prep/regenerate.py ") and credit > 0
+               for where, credit in profile.sampler.inclusive.items()), got
     cfg.conversations_path.unlink()
     r = _regenerate_cli(tree, tmp_path)
     assert r.returncode == 0, r.stderr
