@@ -22,6 +22,7 @@ The trained draft model's state dict has SGLang's names, as ours does: it is sav
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Iterator
@@ -115,8 +116,6 @@ def train_batch(batch: dict[str, torch.Tensor], attention_mask: torch.Tensor, al
 def target_head(lm_head: torch.Tensor, device: torch.device, config_dir: Path) -> nn.Module:
     """SpecForge's frozen ``TargetHead`` over the target's lm_head (it reads only hidden and vocab sizes from the
     config file it is given)."""
-    import json
-
     from specforge.modeling.target.target_head import TargetHead
 
     config_dir.mkdir(parents=True, exist_ok=True)
