@@ -109,6 +109,15 @@ class FakeChat(BaseHTTPRequestHandler):
 
 
 @pytest.fixture
+def regenerate_loads_the_session_smollm2(smollm2: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hf backend, asked to load the target, gets the session's SmolLM2: loading it again costs seconds per test
+    and tests nothing new (subprocesses a test starts still load their own)."""
+    from target_model import hf_model
+
+    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
+
+
+@pytest.fixture
 def fake() -> Iterator[Any]:
     srv: Any = ThreadingHTTPServer(("127.0.0.1", 0), FakeChat)
     srv.requests, srv.seen, srv.lock = [], Counter(), threading.Lock()
@@ -464,6 +473,7 @@ def test_hf_backend_batching_and_finish_reasons(tmp_path: Path) -> None:
     assert sum(built["target_s_by_part"].values()) == pytest.approx(built["target_s"], abs=0.06)
 
 
+@pytest.mark.usefixtures("regenerate_loads_the_session_smollm2")
 @pytest.mark.real
 def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path: Path, smollm2, monkeypatch) -> None:
     """Greedy SmolLM2 loops on most MT-Bench writing prompts. At max_new_tokens=512 without stop_loops
@@ -488,7 +498,6 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
     plain = cb.generate(BatchedTarget(smollm2.model), ids, 512, hf_model.stop_token_ids(tok), cpu_slots=4)
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     seen: dict[int, cb.Generated] = {}
     poll = cb.Stream.poll
 
@@ -537,6 +546,7 @@ def multi_turn_chats() -> list[list[dict[str, str]]]:
     return chats
 
 
+@pytest.mark.usefixtures("regenerate_loads_the_session_smollm2")
 @pytest.mark.real
 def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_alone(tmp_path: Path, smollm2,
                                                                                     monkeypatch) -> None:
@@ -551,7 +561,6 @@ def test_real_smollm2_multi_turn_stream_answers_every_turn_as_greedy_generate_al
     from data_prep.prompt_prefetch import PromptPrefetch
     from target_model import hf_model
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     # chunks of 2 first prompts, fewer than the rows: the stream opens only what the thread has ready
     monkeypatch.setattr(PromptPrefetch, "CHUNK", 2)
     max_new_tokens, max_context = 20, 130
@@ -611,8 +620,9 @@ def _wait_for_lines(path: Path, n: int, proc: subprocess.Popen, log: Path, limit
     pytest.fail(f"no record written to {path} within {limit_s} s")
 
 
+@pytest.mark.usefixtures("regenerate_loads_the_session_smollm2")
 @pytest.mark.real
-def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path: Path, smollm2, monkeypatch) -> None:
+def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path: Path) -> None:
     """The stream writes a conversation the moment its last turn is answered. A subprocess regenerating 10
     conversations of 1-4 turns through 2 rows is killed with SIGKILL once the first is on disk: every line
     there is a whole conversation, each of its turns answered; the rerun skips those and finishes the rest; and
@@ -636,9 +646,7 @@ def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path:
     finally:
         if proc.poll() is None:
             proc.kill()
-    from target_model import hf_model
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)  # loaded once
     before = cfg.conversations_path.read_bytes()
     whole = before[: before.rfind(b"\n") + 1]
     done_before = whole.count(b"\n")
@@ -960,11 +968,10 @@ def test_part_files_merge_once_after_a_kill(tmp_path: Path) -> None:
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["c0", "c1", "c2", "c3"]
 
 
+@pytest.mark.usefixtures("regenerate_loads_the_session_smollm2")
 @pytest.mark.real
-def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path, smollm2, monkeypatch) -> None:
-    from target_model import hf_model
+def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path) -> None:
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)  # one device's
     chats = [[user(f"Give one word that rhymes with {w}.")] for w in ("cat", "dog", "sun", "tree", "blue")]
     one = make_cfg(tmp_path / "one", max_new_tokens=8, batch_size=8)
     two = make_cfg(tmp_path / "two", max_new_tokens=8, batch_size=8, devices=["cpu", "cpu"])
@@ -1086,15 +1093,14 @@ def test_device_workers_die_with_the_regenerating_process(tmp_path: Path) -> Non
         srv.server_close()
 
 
-def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path: Path, smollm2, monkeypatch) -> None:
+@pytest.mark.usefixtures("regenerate_loads_the_session_smollm2")
+def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path: Path) -> None:
     """First turns too long for the context are answered at once, without the engine (``prompt_exceeds_context``),
     in a batch. While the caller handles that batch it opens more conversations, which may be too long as well:
     every prompt is tried, none is lost between the batch and the next."""
     from data_prep.backends import make_chat_backend
     from data_prep.regenerate import load_prompt_records, regenerate
-    from target_model import hf_model
 
-    monkeypatch.setattr(hf_model, "load_target_from_config", lambda target_cfg, seconds=None: smollm2)
     cfg = make_cfg(tmp_path, max_new_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
                    max_consecutive_failures=100)
     write_prompts(cfg, [[user(f"{i} " + "a long question about the weather in every city " * 6)] for i in range(7)])
