@@ -31,9 +31,9 @@
 #                skips the full run)                                -> "regenerate", with 2 GPUs "ddp_scaling",
 #                                                                      with --shares "regenerate_shares"
 #   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when an earlier machine's
-#                conversations are carried (.gpu/conversations/conversations.jsonl.gz, which `out` returns with
-#                OUT_CONVERSATIONS=1 in 15 MB parts, conversations.jsonl.gz.part-*) they are joined and unpacked instead: regeneration at T=0 gave the same answer tokens (3,597,901)
-#                and finish reasons on three machines, so this saves its ~2.5 minutes; delete the folder when the regenerate settings change
+#                conversations are carried (.gpu/conversations/conversations.jsonl.gz.part-*, the parts `out` returns
+#                with OUT_CONVERSATIONS=1) they are joined and unpacked instead: regeneration at T=0 is reproducible
+#                across machines, so this saves its minutes; delete the folder when the regenerate settings change
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
@@ -105,8 +105,10 @@ phase() {  # phase NAME CMD...: run, log, time; a failure is recorded, not fatal
   fi
 }
 
-unpack() {  # unpack SRC.gz DST, atomically: a cut call leaves no half file that a rerun would take as done
-  gunzip -c "$1" > "$2.part" && mv "$2.part" "$2"
+unpack() {  # unpack SRC.gz [MORE.gz.part ...] DST: the parts joined in order, atomically (a cut call leaves no half
+  # file that a rerun would take as done)
+  local dst=${!#}
+  mkdir -p "$(dirname "$dst")" && cat "${@:1:$#-1}" | gunzip > "$dst.part" && mv "$dst.part" "$dst"
 }
 export -f unpack
 
@@ -130,10 +132,10 @@ for p in "$@"; do
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
         python3 -c 'from target_model.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
-      phase prompts bash -c "for pair in prompts:$FIRST_TURNS prompts-mt:$MULTI_TURN; do \
-          src=.gpu/\${pair%%:*}/prompts.jsonl.gz dst=\${pair#*:}/prompts.jsonl; \
-          if [ -f \$src ] && [ ! -f \$dst ]; then mkdir -p \$(dirname \$dst) && unpack \$src \$dst; fi; \
-        done; wc -l runs/*/prompts.jsonl" ;;
+      phase prompts bash -c "if [ -f .gpu/prompts/prompts.jsonl.gz ] && [ ! -f $FIRST_TURNS/prompts.jsonl ]; then \
+          unpack .gpu/prompts/prompts.jsonl.gz $FIRST_TURNS/prompts.jsonl; fi; \
+        if [ -f .gpu/prompts-mt/prompts.jsonl.gz ] && [ ! -f $MULTI_TURN/prompts.jsonl ]; then \
+          unpack .gpu/prompts-mt/prompts.jsonl.gz $MULTI_TURN/prompts.jsonl; fi; wc -l runs/smollm2-h200*/prompts.jsonl" ;;
     derive)
       phase derive python3 -c "import sys, yaml; from common.config import load_config, dump_config
 cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
@@ -148,8 +150,7 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
       carried=(.gpu/conversations/conversations.jsonl.gz.part-*)
       if [ ! -f $RUN/.regenerated ] && [ -f "${carried[0]}" ]; then
-        phase regenerate bash -c "cat ${carried[*]} > $RUN/carried.jsonl.gz && unpack $RUN/carried.jsonl.gz \
-          $RUN/conversations.jsonl && rm $RUN/carried.jsonl.gz && wc -l $RUN/conversations.jsonl" \
+        phase regenerate bash -c "unpack ${carried[*]} $RUN/conversations.jsonl && wc -l $RUN/conversations.jsonl" \
           && touch $RUN/.regenerated
       fi
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
