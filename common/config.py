@@ -408,6 +408,10 @@ class SGLangEvalConfig(Section):
                                   "at other --speculative-num-steps/-eagle-topk/-num-draft-tokens.")
     concurrency: list[PositiveInt] = Field(default_factory=lambda: [1], min_length=1,
                                            description="Requests in flight per measurement; one gate check each.")
+    context_prompts: NonNegativeInt = Field(
+        40, description="Held-out turns per history-length bucket (run_dir/conversations.jsonl, the training "
+        "holdout) sent to the candidate and incumbent servers at the highest concurrency: tau by context length "
+        "beside the gate's figures, not in its decision; 0: none.")
     api_key_env: str | None = Field(None, description="Env var holding the servers' --api-key.")
     timeout_s: PositiveFloat = Field(1800.0, description="Seconds one request may take.")
 

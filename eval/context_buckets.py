@@ -10,11 +10,14 @@ one conversation are not independent, so a bucket's interval resamples conversat
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from data_prep.capture import read_conversations
 from data_prep.dataset import in_holdout
 from data_prep.loss_mask import prompt_text
+from eval.intervals import Bootstrap, ratio_estimate
 
 BUCKETS = (("<1k", 0, 1024), ("1-2k", 1024, 2048), ("2-4k", 2048, 4096))  # (name, from, to) tokens of history
 
@@ -67,3 +70,55 @@ def by_conversation(prompts: Sequence[TurnPrompt], tokens: Sequence[int], cycles
         s[0] += t
         s[1] += c
     return [s[0] for s in sums.values()], [s[1] for s in sums.values()]
+
+
+@dataclass(frozen=True)
+class HeldOutBuckets:
+    """The held-out turns of a run, bucketed, ready to measure; or why there are none (``skipped``)."""
+
+    source: str
+    holdout_fraction: float
+    per_bucket: int | None
+    holdout_conversations: int = 0
+    prompts: dict[str, list[TurnPrompt]] = field(default_factory=dict)
+    left: dict[str, int] = field(default_factory=lambda: {"beyond": 0, "capped": 0})
+    skipped: str | None = None
+
+    def ids(self) -> dict[str, list[list[int]]]:
+        """Bucket -> its prompts' ids, the empty buckets left out: what a drafter is measured on."""
+        return {name: [p.ids for p in ps] for name, ps in self.prompts.items() if ps}
+
+    def figures(self, measured: Mapping[str, tuple[Sequence[int], Sequence[int]]], boot: Bootstrap) -> dict:
+        """Per bucket, from its (tokens, cycles) per prompt in ``ids`` order: tau with its interval (resampling
+        conversations), prompts, conversations and the history lengths; an unmeasured bucket's tau is NaN."""
+        out = {}
+        for name, ps in self.prompts.items():
+            per_conv = by_conversation(ps, *measured[name]) if name in measured else ([], [])
+            iv = ratio_estimate(*per_conv, boot).interval(boot.level)
+            out[name] = {"tau": iv.point, "ci": [iv.low, iv.high], "prompts": len(ps),
+                         "conversations": len(per_conv[0]),
+                         "history_tokens": [min(len(p.ids) for p in ps), max(len(p.ids) for p in ps)] if ps else None}
+        return out
+
+    def header(self) -> dict:
+        """Where the buckets came from and what they left out (or the reason there are none)."""
+        if self.skipped:
+            return {"skipped": self.skipped}
+        return {"source": self.source, "holdout_fraction": self.holdout_fraction,
+                "holdout_conversations": self.holdout_conversations, "beyond_last_bucket": self.left["beyond"],
+                "over_per_bucket": self.left["capped"], "per_bucket": self.per_bucket}
+
+
+def holdout_buckets(path: Path, fraction: float, per_bucket: int | None, load_tokenizer: Any,
+                    template_kwargs: dict[str, Any] | None = None) -> HeldOutBuckets:
+    """The run's held-out turns (``path``: its conversations.jsonl) bucketed, at most ``per_bucket`` each (0: none
+    asked for). ``load_tokenizer()`` is called only when there is something to render."""
+    held = HeldOutBuckets(str(path), fraction, per_bucket)
+    if per_bucket == 0:
+        return replace(held, skipped="not asked for (0 prompts per bucket)")
+    if not path.is_file():
+        return replace(held, skipped=f"{path}: not found; the buckets come from the run's held-out conversations "
+                                     "(run `python -m data_prep regenerate` first)")
+    turns, n = holdout_turns(read_conversations(path), fraction, load_tokenizer(), template_kwargs)
+    prompts, left = bucketed(turns, per_bucket)
+    return HeldOutBuckets(str(path), fraction, per_bucket, n, prompts, left)

@@ -15,6 +15,10 @@ every eval prompt goes to each server with that many requests in flight; per req
                 first_token_latency); without a baseline server, eval.timings (decode_ms, cycle_ms[k]) instead
     tau*      = t_cycle / t_decode, per concurrency
 
+With the run's regenerated conversations at hand, the held-out turns (``eval.context_buckets``: histories the
+drafter never trained on, rendered as the server renders them) go to the candidate's and incumbent's servers too:
+tau by history length (< 1k, 1-2k, 2-4k tokens), reported beside the gate's figures.
+
 The decision is ``eval.gate.decide`` once per concurrency (tau >= tau* (1 + margin), tau >= incumbent + min_delta
 on every gate dataset, each read through its bootstrap interval over the requests); the candidate ships only if it
 passes at every concurrency. The servers' own settings
@@ -38,6 +42,7 @@ from typing import Any
 from common.config import ConfigError, GateConfig, RunConfig
 from common.files import json_safe, json_text, write_text_atomic
 from eval import breakeven, metrics
+from eval.context_buckets import HeldOutBuckets, holdout_buckets
 from eval.gate import decide
 from eval.gate_flow import Measured, gate_datasets, run_gate
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, timed_tau_star
@@ -199,9 +204,10 @@ def check_servers(servers: Mapping[str, dict], urls: Mapping[str, str], checkpoi
 
 # ---------------------------------------------------------------- measure, decide
 def measure_live(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]],
-                 checkpoints: Mapping[str, str]) -> dict:
+                 checkpoints: Mapping[str, str], context: HeldOutBuckets | None = None) -> dict:
     """The live report: settings of every server and, per concurrency, t_decode, t_cycle, tau* and each
-    drafter's tau/alpha per dataset. ``checkpoints``: role -> local dir the server of that role must serve."""
+    drafter's tau/alpha per dataset; with ``context``, tau by history length (``live_tau_by_context``).
+    ``checkpoints``: role -> local dir the server of that role must serve."""
     live = cfg.eval.sglang
     if live is None:
         raise ConfigError("eval.sglang: missing; --live needs at least eval.sglang.server_url")
@@ -256,7 +262,33 @@ def measure_live(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]],
             d["tokens_per_s_per_request"] = 1000 * tau / cycle_ms if math.isfinite(tau) else float("nan")
             d["speedup"] = tau / row["breakeven"]["tau_star"]
         report["by_concurrency"][str(c)] = row
+    if context is not None:
+        report["tau_by_context"] = live_tau_by_context(cfg, context, urls, headers)
     return report
+
+
+def live_tau_by_context(cfg: RunConfig, context: HeldOutBuckets, urls: Mapping[str, str],
+                        headers: Mapping[str, str]) -> dict:
+    """tau per history-length bucket on the held-out turns, from the candidate's and the incumbent's servers at
+    the highest concurrency (tau hardly moves with it; the long prompts go fastest there), each bucket's interval
+    resampling conversations. A report figure: the gate decides on its datasets alone."""
+    prompts = context.ids()
+    if context.skipped:
+        return context.header()
+    if not prompts:
+        return {**context.header(), "skipped": "no held-out turn fits a bucket"}
+    live, boot = cfg.eval.sglang, bootstrap(cfg.gate)
+    c = max(live.concurrency)
+    drafters = {}
+    for role in ("candidate", "incumbent"):
+        if role not in urls:
+            continue
+        measured = {name: per_prompt(spec_summary(run_prompts(urls[role], ps, c, cfg.eval.temperature,
+                                                              cfg.eval.max_new_tokens, live.timeout_s, headers,
+                                                              speculative=True)))
+                    for name, ps in prompts.items()}
+        drafters[role] = context.figures(measured, boot)
+    return {**context.header(), "concurrency": c, "drafters": drafters}
 
 
 def decide_live(report: dict, gate_datasets: Sequence[str], gate: GateConfig) -> tuple[str, list[str], dict, dict]:
@@ -308,11 +340,32 @@ def markdown(r: dict) -> str:
                    for role, d in row["drafters"].items() for ds, st in d["datasets"].items()
                    if st.get("requests_without_cycles")]
         lines += ["", *skipped] if skipped else []
+    lines += context_markdown(r.get("tau_by_context"))
     lines += ["", "Lossless: not checked on live servers (compare outputs with `eval gate` on the HF target)."]
     if "gate" in r:
         g = r["gate"]
         lines += ["", f"## Gate: **{g['decision'].upper()}**", "", *[f"- {x}" for x in g["reasons"]]]
     return "\n".join(lines) + "\n"
+
+
+def context_markdown(ctx: dict | None) -> list[str]:
+    """The report's tau-by-history-length table (or the reason there is none)."""
+    if not ctx:
+        return []
+    if "skipped" in ctx:
+        return ["", f"tau by history length: not measured ({ctx['skipped']})."]
+    roles = list(ctx["drafters"])
+    lines = ["", f"## tau by history length (held-out turns, concurrency {ctx['concurrency']})", "",
+             f"{ctx['holdout_conversations']} held-out conversations of `{ctx['source']}`; intervals resample "
+             "conversations. Not part of the decision.", "",
+             "| history tokens | prompts | conversations | " + " | ".join(f"{r} tau" for r in roles) + " |",
+             "|" + "---|" * (3 + len(roles))]
+    for name in ctx["drafters"][roles[0]] if roles else []:
+        b = {r: ctx["drafters"][r][name] for r in roles}
+        first = b[roles[0]]
+        lines.append(f"| {name} | {first['prompts']} | {first['conversations']} | " + " | ".join(
+            f"{decimals(x['tau'])} [{decimals(x['ci'][0])}, {decimals(x['ci'][1])}]" for x in b.values()) + " |")
+    return lines
 
 
 def write_live_report(cfg: RunConfig, report: dict) -> Path:
@@ -326,16 +379,27 @@ def write_live_report(cfg: RunConfig, report: dict) -> Path:
     return out
 
 
+def live_tokenizer(cfg: RunConfig) -> Any:
+    """The target's tokenizer: the gate renders prompts as the server renders them."""
+    return load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
+
+
 def live_prompts(cfg: RunConfig) -> dict[str, list[list[int]]]:
     """The eval prompts rendered with the target's tokenizer and chat_template_kwargs, as the server renders."""
-    tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
-    return rendered_datasets(tok, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
+    return rendered_datasets(live_tokenizer(cfg), cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
+
+
+def live_context(cfg: RunConfig) -> HeldOutBuckets:
+    """The run's held-out turns by history length, eval.sglang.context_prompts per bucket."""
+    return holdout_buckets(cfg.conversations_path, cfg.train.holdout_fraction, cfg.eval.sglang.context_prompts,
+                           lambda: live_tokenizer(cfg), cfg.target.chat_template_kwargs)
 
 
 def run_live(cfg: RunConfig, checkpoint: str | None, name: str,
              prompts: Mapping[str, Sequence[Sequence[int]]] | None = None) -> dict:
     """``eval run --live``: the report only."""
-    report = measure_live(cfg, prompts or live_prompts(cfg), {"candidate": checkpoint} if checkpoint else {})
+    report = measure_live(cfg, prompts or live_prompts(cfg), {"candidate": checkpoint} if checkpoint else {},
+                          live_context(cfg))
     report["name"] = name
     write_live_report(cfg, report)
     return report
@@ -348,7 +412,7 @@ def live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote
     promotion)."""
     def measure(_serving: dict | None) -> Measured:
         checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
-        report = measure_live(cfg, prompts or live_prompts(cfg), checkpoints)
+        report = measure_live(cfg, prompts or live_prompts(cfg), checkpoints, live_context(cfg))
         report["name"] = name
         gate_ds = gate_datasets(cfg)
         verdict, reasons, taus, intervals = decide_live(report, gate_ds, cfg.gate)

@@ -22,15 +22,14 @@ from pathlib import Path
 import torch
 
 from common.config import RunConfig, load_config
-from data_prep.capture import read_conversations
 from drafter.factory import load_for_target
 from drafter.model import Eagle3Drafter
 from eval import breakeven
 from eval.batched_eval import acceptance, greedy_references
-from eval.context_buckets import bucketed, by_conversation, holdout_turns
+from eval.context_buckets import holdout_buckets
 from eval.gate import decide
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, tau_ci, timed_tau_star
-from eval.intervals import Bootstrap, Estimate, ratio_estimate
+from eval.intervals import Bootstrap, Estimate
 from eval.measure import Settings, measure
 from eval.speculative import Eagle3Proposer, Engine
 from eval.turns import eval_prompts
@@ -124,28 +123,17 @@ def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, 
                    temperature: float, per_bucket: int | None, boot: Bootstrap) -> dict:
     """tau per history-length bucket (``eval.context_buckets``) on the run's held-out conversations, at one setting;
     each bucket's interval resamples conversations. Without conversations.jsonl, the reason instead."""
-    path = cfg.conversations_path
-    if per_bucket == 0:
-        return {"skipped": "not asked for (--context-prompts 0)"}
-    if not path.is_file():
-        return {"skipped": f"{path}: not found; the buckets come from the run's held-out conversations (run "
-                           "`python -m data_prep regenerate` first)"}
-    turns, held = holdout_turns(read_conversations(path), cfg.train.holdout_fraction, target.tokenizer,
-                                cfg.target.chat_template_kwargs)
-    buckets, left = bucketed(turns, per_bucket)
-    prompts = {name: [p.ids for p in ps] for name, ps in buckets.items() if ps}
+    held = holdout_buckets(cfg.conversations_path, cfg.train.holdout_fraction, per_bucket, lambda: target.tokenizer,
+                           cfg.target.chat_template_kwargs)
+    if held.skipped:
+        return held.header()
+    prompts = held.ids()
     stats = acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens,
                        rule=cfg.eval.acceptance) if prompts else {}
-    out = {}
-    for name, ps in buckets.items():
-        st = stats.get(name)
-        per_conv = by_conversation(ps, *per_prompt(st)) if st else ([], [])
-        iv = ratio_estimate(*per_conv, boot).interval(boot.level)
-        out[name] = {"tau": iv.point, "ci": [iv.low, iv.high], "prompts": len(ps), "conversations": len(per_conv[0]),
-                     "history_tokens": [min(len(p.ids) for p in ps), max(len(p.ids) for p in ps)] if ps else None}
-    return {"source": str(path), "holdout_fraction": cfg.train.holdout_fraction, "holdout_conversations": held,
-            "k": k, "temperature": temperature, "buckets": out, "beyond_last_bucket": left["beyond"],
-            "over_per_bucket": left["capped"], "per_bucket": per_bucket}
+    head = held.header()
+    return {**{key: head.pop(key) for key in ("source", "holdout_fraction", "holdout_conversations")},
+            "k": k, "temperature": temperature,
+            "buckets": held.figures({name: per_prompt(st) for name, st in stats.items()}, boot), **head}
 
 
 @torch.no_grad()

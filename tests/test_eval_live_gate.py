@@ -19,11 +19,12 @@ import yaml
 
 from common.config import ConfigError, GateConfig, parse_config
 from common.locking import LockBusy, run_lock
+from data_prep.dataset import in_holdout
 from drafter.sglang_checkpoint import fingerprint, save_checkpoint
 from eval import gate as gate_module
 from eval.commands import gate_command, sweep_command
 from eval.gate import promotions_dir, read_history
-from eval.live_gate import decide_live, live_gate, measure_live
+from eval.live_gate import decide_live, live_gate, live_tokenizer, measure_live
 from eval.serving_sweep import Cost, ServingSetting, chain_tau, recommend
 from eval.sglang_client import ServerError
 
@@ -74,10 +75,11 @@ def generate_body(hist: list[int] | None, metrics: bool, old_names: bool = False
 
 class FakeSGLang(ThreadingHTTPServer):
     def __init__(self, server_info: dict, hist: list[int] | None, metrics: bool = True, old_names: bool = False,
-                 first_token_only: frozenset[int] = frozenset()):
+                 first_token_only: frozenset[int] = frozenset(), long_hist: list[int] | None = None):
         super().__init__(("127.0.0.1", 0), Handler)
         self.info, self.hist, self.metrics, self.old_names = server_info, hist, metrics, old_names
         self.first_token_only = first_token_only  # prompts (by their first id) answered by the prefill token alone
+        self.long_hist = long_hist  # the histogram of a prompt of 1,024 tokens or more (else ``hist``)
         self.lock, self.in_flight, self.max_in_flight, self.requests = threading.Lock(), 0, 0, []
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -109,7 +111,9 @@ class Handler(BaseHTTPRequestHandler):
         time.sleep(0.05)
         with srv.lock:
             srv.in_flight -= 1
-        hist = [] if body["input_ids"][0] in srv.first_token_only else srv.hist
+        ids = body["input_ids"]
+        hist = ([] if ids[0] in srv.first_token_only else
+                srv.long_hist if srv.long_hist is not None and len(ids) >= 1024 else srv.hist)
         self._send(200, generate_body(hist, srv.metrics, srv.old_names))
 
     def log_message(self, *args):
@@ -275,6 +279,46 @@ def test_requests_without_a_verify_cycle_are_counted_not_fatal(tmp_path, serve, 
         assert mt["tau"] == pytest.approx(3.0) and mt["cycle_ms"] == pytest.approx(CYCLE_MS)
         assert mt["spec_verify_ct"] == 2 * sum(CAND_GOOD) and cand_row["all"]["requests_without_cycles"] == 1
     assert "1 of 3 requests ended at their first token" in (out / "report.md").read_text()
+
+
+def test_live_gate_reports_tau_by_history_length_on_held_out_turns(tmp_path, serve, ckpts):
+    """With the run's conversations at hand, every assistant turn of the held-out ones (never the training split)
+    goes to the candidate's and the incumbent's servers as the server renders it (the real SmolLM2 chat template),
+    once, at the highest concurrency, bucketed by its history's tokens; the gate still decides on its datasets."""
+    urls = three_servers(serve, ckpts, CAND_GOOD, INC_K2)
+    cand, inc, base = urls.pop("_servers")
+    cand.long_hist, inc.long_hist = [4, 0, 0, 0], [2, 2, 0, 0]  # tau 1.0 and 1.5 on histories of 1k tokens or more
+    cfg = parse_config(cfg_tree(tmp_path, urls) | {"train": {"holdout_fraction": 0.5}})
+    held = [c for c in (f"c{i}" for i in range(40)) if in_holdout(c, 0.5)]
+    trained = next(c for c in (f"c{i}" for i in range(40)) if not in_holdout(c, 0.5))
+
+    def chat(cid: str, *turns: str) -> dict:
+        return {"id": cid, "messages": [{"role": ("user", "assistant")[i % 2], "content": t}
+                                        for i, t in enumerate(turns)]}
+
+    convs = [chat(held[0], "Hi", "Hello!", "Summarise:" + " word" * 1500, "A summary."),
+             chat(held[1], "What is 2+2?", "4."), chat(trained, "Trained on", "so never measured")]
+    cfg.conversations_path.parent.mkdir(parents=True)
+    cfg.conversations_path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    assert live_gate(cfg, str(ckpts["Kimi-K25-eagle3"]), str(ckpts["Kimi-K2-Instruct-eagle3"]), True, "k25",
+                     prompts=PROMPTS) == "promoted"  # the long histories' lower tau is not in the decision
+    out = tmp_path / "run" / "eval" / "k25"
+    ctx = json.loads((out / "report.json").read_text())["tau_by_context"]
+    assert (ctx["holdout_conversations"], ctx["concurrency"], ctx["beyond_last_bucket"]) == (2, 3, 0)
+    short, mid, long = (ctx["drafters"]["candidate"][b] for b in ("<1k", "1-2k", "2-4k"))
+    assert (short["prompts"], short["conversations"], mid["prompts"], long["prompts"]) == (2, 2, 1, 0)
+    assert short["tau"] == pytest.approx(3.0) and mid["tau"] == pytest.approx(1.0) and long["tau"] is None  # NaN
+    assert 1500 < mid["history_tokens"][0] < 2048
+    assert ctx["drafters"]["incumbent"]["1-2k"]["tau"] == pytest.approx(1.5)
+    # 5 eval prompts at each of 2 concurrencies, then the 3 held-out turns once; the baseline gets no history
+    assert len(cand.requests) == len(inc.requests) == 2 * 5 + 3 and len(base.requests) == 2 * 5
+    tok = live_tokenizer(cfg)  # each history rendered as the server renders it, ready for the answer
+    rendered = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert {"input_ids": tok(rendered, add_special_tokens=False).input_ids,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 24}} in cand.requests[-3:]
+    text = (out / "report.md").read_text()
+    assert "| 1-2k | 1 | 1 | 1.000 [1.000, 1.000] | 1.500 [1.500, 1.500] |" in text
 
 
 def test_no_request_with_a_verify_cycle_is_an_error(tmp_path, serve, ckpts):
