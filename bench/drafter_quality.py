@@ -1,6 +1,6 @@
 """How good a SmolLM2 drafter is: tau on all of MT-Bench and HumanEval, and the learning curve.
 
-    python bench/drafter_quality.py eval --config configs/smollm2-135m-h200.yaml --checkpoint DIR
+    python bench/drafter_quality.py eval --config configs/smollm2-135m-h200.yaml --checkpoint DIR [--set KEY=VALUE]
     python bench/drafter_quality.py curve --config configs/smollm2-135m-h200.yaml --run-dir runs/smollm2-h200
 
 eval: ``python -m eval quality`` (``eval.quality``: every prompt of the config's eval datasets at each --settings
@@ -37,7 +37,7 @@ from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints,
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    cfg, target, prompts = setup(args.config, args.limit)
+    cfg, target, prompts = setup(args.config, args.limit, overrides=args.set)
     figures = quality(cfg, target, prompts, args.checkpoint, parse_settings(args.settings), args.timing_prompts,
                       args.limit or args.context_prompts)
     figures["goal_tau_mtbench"] = 3.0
@@ -47,7 +47,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_curve(args: argparse.Namespace) -> int:
-    cfg, target, prompts = setup(args.config, args.limit)
+    cfg, target, prompts = setup(args.config, args.limit, overrides=args.set)
     run_dir = Path(args.run_dir)
     ckpts = complete_checkpoints(run_dir / "checkpoints")
     if not ckpts:
@@ -130,6 +130,7 @@ def main() -> int:
     c.add_argument("--config", required=True)
     c.add_argument("--run-dir", required=True)
     for p in (e, c):
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
         p.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; figures are for all)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
