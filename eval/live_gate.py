@@ -32,6 +32,7 @@ to its immutable copy), then the report is saved and the decision printed.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -272,9 +273,9 @@ def live_tau_by_context(cfg: RunConfig, context: HeldOutBuckets, urls: Mapping[s
     """tau per history-length bucket on the held-out turns, from the candidate's and the incumbent's servers at
     the highest concurrency (tau hardly moves with it; the long prompts go fastest there), each bucket's interval
     resampling conversations. A report figure: the gate decides on its datasets alone."""
-    prompts = context.ids()
     if context.skipped:
         return context.header()
+    prompts = context.ids()
     if not prompts:
         return {**context.header(), "skipped": "no held-out turn fits a bucket"}
     live, boot = cfg.eval.sglang, bootstrap(cfg.gate)
@@ -360,7 +361,7 @@ def context_markdown(ctx: dict | None) -> list[str]:
              "conversations. Not part of the decision.", "",
              "| history tokens | prompts | conversations | " + " | ".join(f"{r} tau" for r in roles) + " |",
              "|" + "---|" * (3 + len(roles))]
-    for name in ctx["drafters"][roles[0]] if roles else []:
+    for name in ctx["drafters"][roles[0]]:  # the candidate's server is always measured
         b = {r: ctx["drafters"][r][name] for r in roles}
         first = b[roles[0]]
         lines.append(f"| {name} | {first['prompts']} | {first['conversations']} | " + " | ".join(
@@ -384,22 +385,28 @@ def live_tokenizer(cfg: RunConfig) -> Any:
     return load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
 
 
-def live_prompts(cfg: RunConfig) -> dict[str, list[list[int]]]:
-    """The eval prompts rendered with the target's tokenizer and chat_template_kwargs, as the server renders."""
-    return rendered_datasets(live_tokenizer(cfg), cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
+def live_prompts(cfg: RunConfig, tokenizer: Any = None) -> dict[str, list[list[int]]]:
+    """The eval prompts rendered with the target's tokenizer (loaded unless given) and chat_template_kwargs, as the
+    server renders."""
+    return rendered_datasets(tokenizer or live_tokenizer(cfg), cfg.eval.datasets,
+                             template_kwargs=cfg.target.chat_template_kwargs)
 
 
-def live_context(cfg: RunConfig) -> HeldOutBuckets:
-    """The run's held-out turns by history length, eval.sglang.context_prompts per bucket."""
-    return holdout_buckets(cfg.conversations_path, cfg.train.holdout_fraction, cfg.eval.sglang.context_prompts,
-                           lambda: live_tokenizer(cfg), cfg.target.chat_template_kwargs)
+def live_inputs(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]] | None
+                ) -> tuple[Mapping[str, Sequence[Sequence[int]]], HeldOutBuckets]:
+    """The eval prompts (rendered unless given) and the run's held-out turns by history length
+    (eval.sglang.context_prompts per bucket), the target's tokenizer loaded at most once, only when needed."""
+    tokenizer = functools.cache(lambda: live_tokenizer(cfg))
+    context = holdout_buckets(cfg.conversations_path, cfg.train.holdout_fraction, cfg.eval.sglang.context_prompts,
+                              tokenizer, cfg.target.chat_template_kwargs)
+    return prompts or live_prompts(cfg, tokenizer()), context
 
 
 def run_live(cfg: RunConfig, checkpoint: str | None, name: str,
              prompts: Mapping[str, Sequence[Sequence[int]]] | None = None) -> dict:
     """``eval run --live``: the report only."""
-    report = measure_live(cfg, prompts or live_prompts(cfg), {"candidate": checkpoint} if checkpoint else {},
-                          live_context(cfg))
+    eval_prompts, context = live_inputs(cfg, prompts)
+    report = measure_live(cfg, eval_prompts, {"candidate": checkpoint} if checkpoint else {}, context)
     report["name"] = name
     write_live_report(cfg, report)
     return report
@@ -412,7 +419,8 @@ def live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote
     promotion)."""
     def measure(_serving: dict | None) -> Measured:
         checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
-        report = measure_live(cfg, prompts or live_prompts(cfg), checkpoints, live_context(cfg))
+        eval_prompts, context = live_inputs(cfg, prompts)
+        report = measure_live(cfg, eval_prompts, checkpoints, context)
         report["name"] = name
         gate_ds = gate_datasets(cfg)
         verdict, reasons, taus, intervals = decide_live(report, gate_ds, cfg.gate)

@@ -130,10 +130,8 @@ def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, 
     prompts = held.ids()
     stats = acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens,
                        rule=cfg.eval.acceptance) if prompts else {}
-    head = held.header()
-    return {**{key: head.pop(key) for key in ("source", "holdout_fraction", "holdout_conversations")},
-            "k": k, "temperature": temperature,
-            "buckets": held.figures({name: per_prompt(st) for name, st in stats.items()}, boot), **head}
+    return {**held.header(), "k": k, "temperature": temperature,
+            "buckets": held.figures({name: per_prompt(st) for name, st in stats.items()}, boot)}
 
 
 @torch.no_grad()
