@@ -116,7 +116,7 @@ def plot(points: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("eval")
@@ -132,7 +132,11 @@ def main() -> int:
     for p in (e, c):
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
         p.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; figures are for all)")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     torch.set_grad_enabled(False)
     return cmd_eval(args) if args.cmd == "eval" else cmd_curve(args)
 

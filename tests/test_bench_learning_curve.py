@@ -3,7 +3,6 @@ keeps its points, and the rerun measures only the checkpoints it had not reached
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -55,7 +54,7 @@ def test_a_rerun_measures_only_new_or_retrained_checkpoints(bench_results, tmp_p
         return real(*a, **kw)
 
     monkeypatch.setattr(drafter_quality, "acceptance", counting)
-    args = argparse.Namespace(config=str(cfg), run_dir=str(run), limit=1)
+    args = drafter_quality.parser().parse_args(["curve", "--config", str(cfg), "--run-dir", str(run), "--limit", "1"])
 
     assert drafter_quality.cmd_curve(args) == 0 and len(measured) == 2
     first = json.loads(bench_results.read_text())["learning_curve"]
