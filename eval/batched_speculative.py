@@ -12,7 +12,7 @@ Timings, which do depend on the batch, still come from the batch-1 engine.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from drafter.model import Eagle3Drafter, StepOutput
-from engine.batched import BatchedTarget, position_mask, position_masked_attention
+from engine.batched import BatchedTarget, KVCache, position_mask, position_masked_attention
 from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
 
 # Padded prompt tokens per prefill call, on any device. Smaller than generate's
@@ -99,54 +99,15 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter | None, prom
                 done[i] = True
                 return
 
-    # -- prefill: the target over each prompt, then the drafter over the same positions -------------
-    last = torch.zeros(n, 1, d.shape.hidden_size, dtype=d.fc.weight.dtype, device=dev) if d is not None else None
-    for a, b in _groups([len(p) for p in prompts], SPECULATIVE_PREFILL_TOKENS):
-        width = max(len(p) for p in prompts[a:b])
-        ids = torch.zeros(b - a, width, dtype=torch.long, device=dev)
-        for j, p in enumerate(prompts[a:b]):
-            ids[j, : len(p)] = torch.tensor(p, device=dev)
-        pos = torch.arange(width, device=dev)[None].expand(b - a, width)
-        out = target.forward(cache, torch.arange(a, b, device=dev), ids, pos, fresh=True,
-                             logits_at=lens[a:b] - 1, aux=d is not None)
-        first = [pick(out.logits[j], temperature, gens[a + j] if gens else None) for j in range(b - a)]
-        for j, tok in enumerate(first):
-            emit(a + j, [tok])
-        if d is None:
-            continue
-        # drafter position t reads aux(t) and token t+1: the prompt shifted by one, then the first answer token
-        nxt = torch.cat([ids[:, 1:], torch.zeros(b - a, 1, dtype=torch.long, device=dev)], 1)
-        nxt[torch.arange(b - a, device=dev), lens[a:b] - 1] = torch.tensor(first, device=dev)
-        hid = d.project_aux(out.aux.to(d.fc.weight.dtype))
-        step = dr.step(slice(a, b), nxt, hid, pos)
-        last[a:b] = step.prenorm[torch.arange(b - a, device=dev), lens[a:b] - 1][:, None]
+    last = _prefill(target, cache, d, dr, prompts, lens, temperature, gens, emit)
     committed = lens.clone()  # target positions with a cached key and known aux: all but the newest token
     newest = torch.tensor([r.tokens[-1] for r in results], device=dev)
 
     bar = tqdm(total=n, initial=sum(done), desc=desc, unit=" seq")
     rows = slice(0, n)
     while not all(done):
-        # -- draft k tokens per row (greedy over the draft vocab; sampled at T > 0) -------------------
-        drafts, probs, hidden = [], [], last
-        for i in range(k):
-            if d is None:  # the oracle: the target's own greedy next token (its keys land where verify writes them)
-                prev = newest if i == 0 else drafts[-1]
-                out = target.forward(cache, rows, prev[:, None], (committed + i)[:, None], fresh=False,
-                                     all_logits=True)
-                drafts.append(out.logits[:, -1].argmax(-1))
-                continue
-            if i:
-                out = dr.step(rows, drafts[-1][:, None], hidden, (committed - 1 + i)[:, None])
-                hidden = out.prenorm
-            logits = d.logits(hidden)[:, -1].float()
-            if sample_drafts:
-                q = torch.softmax(logits / temperature, -1)
-                choice = torch.stack([torch.multinomial(q[j].cpu(), 1, generator=gens[j]) for j in range(n)])
-                probs.append(q)
-                drafts.append(draft_targets[choice.squeeze(-1).to(dev)])
-            else:
-                drafts.append(draft_targets[logits.argmax(-1)])
-        draft_ids = torch.stack(drafts, 1)  # (B, k) target ids
+        draft_ids, probs = _draft(target, cache, d, dr, k, newest, committed, last, temperature, sample_drafts,
+                                  draft_targets, gens)
         # -- verify [newest, d1..dk] at positions committed..committed+k -------------------------------
         ids = torch.cat([newest[:, None], draft_ids], 1)
         pos = committed[:, None] + torch.arange(k + 1, device=dev)[None]
@@ -172,6 +133,62 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter | None, prom
         newest = torch.where(live, nxt_t, newest)
     bar.close()
     return results
+
+
+def _prefill(target: BatchedTarget, cache: KVCache, d: Eagle3Drafter | None, dr: BatchedDrafter | None,
+             prompts: Sequence[Sequence[int]], lens: Tensor, temperature: float,
+             gens: list[torch.Generator] | None, emit: Callable[[int, Sequence[int]], None]) -> Tensor | None:
+    """The target over each prompt (its first answer token emitted), then the drafter over the same positions;
+    returns the drafter's pre-norm hidden state at each prompt's last position (None for the oracle)."""
+    dev, n = target.device, len(prompts)
+    last = torch.zeros(n, 1, d.shape.hidden_size, dtype=d.fc.weight.dtype, device=dev) if d is not None else None
+    for a, b in _groups([len(p) for p in prompts], SPECULATIVE_PREFILL_TOKENS):
+        width = max(len(p) for p in prompts[a:b])
+        ids = torch.zeros(b - a, width, dtype=torch.long, device=dev)
+        for j, p in enumerate(prompts[a:b]):
+            ids[j, : len(p)] = torch.tensor(p, device=dev)
+        pos = torch.arange(width, device=dev)[None].expand(b - a, width)
+        out = target.forward(cache, torch.arange(a, b, device=dev), ids, pos, fresh=True,
+                             logits_at=lens[a:b] - 1, aux=d is not None)
+        first = [pick(out.logits[j], temperature, gens[a + j] if gens else None) for j in range(b - a)]
+        for j, tok in enumerate(first):
+            emit(a + j, [tok])
+        if d is None:
+            continue
+        # drafter position t reads aux(t) and token t+1: the prompt shifted by one, then the first answer token
+        nxt = torch.cat([ids[:, 1:], torch.zeros(b - a, 1, dtype=torch.long, device=dev)], 1)
+        nxt[torch.arange(b - a, device=dev), lens[a:b] - 1] = torch.tensor(first, device=dev)
+        hid = d.project_aux(out.aux.to(d.fc.weight.dtype))
+        step = dr.step(slice(a, b), nxt, hid, pos)
+        last[a:b] = step.prenorm[torch.arange(b - a, device=dev), lens[a:b] - 1][:, None]
+    return last
+
+
+def _draft(target: BatchedTarget, cache: KVCache, d: Eagle3Drafter | None, dr: BatchedDrafter | None, k: int,
+           newest: Tensor, committed: Tensor, last: Tensor | None, temperature: float, sample_drafts: bool,
+           draft_targets: Tensor | None, gens: list[torch.Generator] | None) -> tuple[Tensor, list[Tensor]]:
+    """``k`` drafts per row as target ids (B, k), greedy over the draft vocab (sampled from q when the rule
+    samples its drafts, with q per step returned); the oracle runs the target itself ``k`` steps ahead."""
+    n, rows = newest.shape[0], slice(0, newest.shape[0])
+    drafts, probs, hidden = [], [], last
+    for i in range(k):
+        if d is None:  # the oracle: the target's own greedy next token (its keys land where verify writes them)
+            prev = newest if i == 0 else drafts[-1]
+            out = target.forward(cache, rows, prev[:, None], (committed + i)[:, None], fresh=False, all_logits=True)
+            drafts.append(out.logits[:, -1].argmax(-1))
+            continue
+        if i:
+            out = dr.step(rows, drafts[-1][:, None], hidden, (committed - 1 + i)[:, None])
+            hidden = out.prenorm
+        logits = d.logits(hidden)[:, -1].float()
+        if sample_drafts:
+            q = torch.softmax(logits / temperature, -1)
+            choice = torch.stack([torch.multinomial(q[j].cpu(), 1, generator=gens[j]) for j in range(n)])
+            probs.append(q)
+            drafts.append(draft_targets[choice.squeeze(-1).to(newest.device)])
+        else:
+            drafts.append(draft_targets[logits.argmax(-1)])
+    return torch.stack(drafts, 1), probs
 
 
 def _groups(lengths: Sequence[int], budget: int) -> list[tuple[int, int]]:
