@@ -26,7 +26,12 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
   its argmax, the token greedy verification accepts;
 - aux_late: the top aux id moved to N-2, the latest layer whose output SGLang can capture (its residual stream
   is closest to the target's own next-token prediction; the config's is N-3);
-- lk_alpha, lk_lambda: the LK losses on the expected acceptance instead of the KL to the teacher (train.loss).
+- lk_alpha, lk_lambda: the LK losses on the expected acceptance instead of the KL to the teacher (train.loss);
+- answers_sampled: the same conversations with the answers the target sampled at the serving temperature
+  (--sampled-conversations: the same prompts regenerated with regenerate.temperature > 0 and a seed): whether
+  data drawn the way users are served lifts tau at that temperature.
+--temperatures 0 1 measures every row at each temperature (T > 0: SGLang's acceptance rule, eval.acceptance, with
+the oracle's tau beside it, a drafter proposing the target's own greedy token); the keep decision reads T = 0.
 Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trains each of its rows with the
 user's own command (``python -m train``, a process of its own: <row>/train.out) and then measures it. Each row
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
@@ -62,7 +67,7 @@ from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
 from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
-DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only")
+DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only", "answers_sampled")
 
 
 def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) -> dict[str, list[str]]:
@@ -75,7 +80,7 @@ def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) 
             "first_turn_short_answers": [], "first_turns_only": [], "aux_scaled": ["drafter.aux_scale=per_state"],
             "sharp_teacher": ["train.teacher_temperature=0.5"],
             "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"],
-            "lk_alpha": ["train.loss=lk_alpha"], "lk_lambda": ["train.loss=lk_lambda"]}
+            "lk_alpha": ["train.loss=lk_alpha"], "lk_lambda": ["train.loss=lk_lambda"], "answers_sampled": []}
 
 
 def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:
@@ -117,15 +122,47 @@ def loop_copies_dropped(recs: list[dict[str, Any]], tokenizer: Any, copies: int)
     return out
 
 
+def same_conversations(recs: list[dict], sampled: list[dict], path: Path) -> list[dict]:
+    """The records of ``sampled`` (the same prompts regenerated at another temperature) for the conversations of
+    ``recs``, in their order: the row must differ in its answers alone. A conversation it lacks is an error."""
+    by_id = {r["id"]: r for r in sampled}
+    if missing := [r["id"] for r in recs if r["id"] not in by_id]:
+        raise ValueError(f"{path}: {len(missing)} of the {len(recs)} conversations are missing (first: "
+                         f"{missing[0]}); regenerate the same prompts file")
+    return [by_id[r["id"]] for r in recs]
+
+
+def measure(target: Any, drafter: Any, aux_ids: list[int], prompts: dict, cfg: RunConfig, temperature: float,
+            refs: dict | None) -> dict[str, Any]:
+    """tau and alpha_k per dataset at k = 3 and ``temperature`` (T = 0 also the lossless mismatches);
+    ``drafter`` None: the oracle."""
+    from eval.batched_eval import acceptance
+
+    stats = acceptance(target, drafter, aux_ids, prompts, 3, temperature, cfg.eval.max_new_tokens,
+                       refs if temperature == 0 else None, seed=cfg.eval.seed, rule=cfg.eval.acceptance,
+                       tie_epsilon=cfg.eval.tie_epsilon)
+    out = {"tau": {n: s["tau"] for n, s in stats.items()},
+           "alpha": {n: [round(a, 4) if a == a else None for a in s["alpha_conditional"]]  # NaN: never reached
+                     for n, s in stats.items()}}
+    if temperature == 0 and refs is not None:
+        out["lossless_mismatches"] = {n: len(s["lossless_mismatches"]) for n, s in stats.items()}
+    return out
+
+
 def worker(args: argparse.Namespace) -> int:
     """Train and measure the given rows in this process (on the GPU it was given); rows go to
     <out>/row-<name>.json."""
     from common.config import load_config
-    from eval.batched_eval import acceptance, greedy_references
+    from eval.batched_eval import greedy_references
     from eval.quality import load_drafter, setup
 
     cfg, target, prompts = setup(args.config, args.limit)
     refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
+    any_aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, target.num_layers)  # the oracle reads none
+    for t in args.temperatures:
+        oracle = args.out / f"oracle-T{t:g}.json"
+        if t > 0 and not oracle.is_file():  # the ceiling at this temperature, whatever the row
+            write_json_atomic(oracle, measure(target, None, any_aux, prompts, cfg, t, None)["tau"])
     schedule = [f"train.epochs={args.epochs}"] if args.steps is None else [f"train.max_steps={args.steps}"]
     for name in args.rows.split(","):
         overrides = json.loads(args.overrides)[name]
@@ -149,17 +186,15 @@ def worker(args: argparse.Namespace) -> int:
         trained = time.time() - start
         # the row's own config: its aux ids may differ from the base config's (aux_late)
         drafter, aux_ids = load_drafter(target, load_config(config), run_dir / "checkpoints" / "best")
-        stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs,
-                           tie_epsilon=cfg.eval.tie_epsilon)
+        at_zero = measure(target, drafter, aux_ids, prompts, cfg, 0.0, refs)
+        hotter = {f"{t:g}": measure(target, drafter, aux_ids, prompts, cfg, t, None)
+                  for t in args.temperatures if t > 0}
         log = read_log(run_dir)
         last = max(r["step"] for r in log if "loss" in r)
         row = {"name": name, "overrides": overrides, "command": f"python -m train --config {config}",
                "steps": last, "tokens_seen": max((r.get("tokens_seen", 0) for r in log), default=0),
                "train_seconds": round(trained, 1),
-               "tau": {n: s["tau"] for n, s in stats.items()},
-               "alpha": {n: [round(a, 4) if a == a else None for a in s["alpha_conditional"]]  # NaN: never reached
-                         for n, s in stats.items()},
-               "lossless_mismatches": {n: len(s["lossless_mismatches"]) for n, s in stats.items()},
+               **at_zero, **({"at_temperature": hotter} if hotter else {}),
                "holdout": {k.split("/")[1]: v for k, v in holdout_at(run_dir, last).items() if "/" in k},
                "checkpoint": str(run_dir / "checkpoints" / "best")}
         write_json_atomic(args.out / f"row-{name}.json", row)
@@ -169,21 +204,29 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def mean_tau(tau: dict[str, float]) -> float:
+    return sum(tau.values()) / len(tau)
+
+
 def summarize(out: Path, names: list[str], margin: float, figures: dict[str, Any]) -> list[str]:
     """Record the rows finished so far (each with its tau gain over the baseline) and write keep.json."""
     rows = [json.loads((out / f"row-{n}.json").read_text()) for n in names if (out / f"row-{n}.json").is_file()]
     base = next((r for r in rows if r["name"] == "baseline"), None)
     keep: list[str] = []
     if base is not None:
-        mean = lambda r: sum(r["tau"].values()) / len(r["tau"])  # noqa: E731
         for r in rows:
-            r["delta_mean_tau"] = round(mean(r) - mean(base), 4)
+            r["delta_mean_tau"] = round(mean_tau(r["tau"]) - mean_tau(base["tau"]), 4)
+            for t, at in r.get("at_temperature", {}).items():
+                if t in base.get("at_temperature", {}):
+                    at["delta_mean_tau"] = round(mean_tau(at["tau"]) - mean_tau(base["at_temperature"][t]["tau"]), 4)
             if r["name"] != "baseline" and r["overrides"] and r["delta_mean_tau"] > margin:
                 keep += r["overrides"]
     (out / "keep.json").write_text(json.dumps(keep))
     missing = [n for n in names if n not in {r["name"] for r in rows}]
     failed = {n: json.loads((out / f"failed-{n}.json").read_text())["reason"] for n in missing
               if (out / f"failed-{n}.json").is_file()}
+    oracle = {p.stem.removeprefix("oracle-T"): json.loads(p.read_text()) for p in sorted(out.glob("oracle-T*.json"))}
+    figures = figures | ({"oracle_tau": oracle} if oracle else {})
     record("ablations", figures | {"rows": rows, "rows_missing": missing, "rows_failed": failed,
                                    "kept_overrides": keep, "keep_margin": margin})
     return keep
@@ -204,9 +247,15 @@ def main() -> int:
     ap.add_argument("--stall-seconds", type=float, default=240.0,
                     help="a row's training that prints nothing for this long is killed and reported as failed")
     ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0],
+                    help="measure every row at each (0 first: the keep decision reads it)")
+    ap.add_argument("--sampled-conversations", type=Path,
+                    help="the same prompts regenerated at regenerate.temperature > 0: the answers_sampled row")
     ap.add_argument("--worker-rows", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.temperatures[0] != 0 or any(t < 0 for t in args.temperatures):
+        ap.error(f"--temperatures {args.temperatures}: the first must be 0 (the keep decision reads T = 0), none below")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.worker_rows:
         args.rows = args.worker_rows
@@ -225,12 +274,23 @@ def main() -> int:
     if "init_from_target" in names and cfg.drafter.init == "target":
         print("init_from_target: left out, the config's drafter already starts from the target", file=sys.stderr)
         names.remove("init_from_target")
+    if "answers_sampled" in names and args.sampled_conversations is None:
+        if args.rows != "all":
+            ap.error("--rows answers_sampled needs --sampled-conversations")
+        print("answers_sampled: left out, no --sampled-conversations", file=sys.stderr)
+        names.remove("answers_sampled")
     copies = cfg.regenerate.loop_keep_tokens
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
         names.remove("loop_copies_dropped")
-    recs = read_conversations(args.conversations)  # validated: a bad line is a one-line error naming it
-    recs = recs[:args.samples] if args.samples > 0 else recs
+    try:  # validated: a bad line, or a sampled file that lacks a conversation, is one line naming it
+        recs = read_conversations(args.conversations)
+        recs = recs[:args.samples] if args.samples > 0 else recs
+        sampled = (same_conversations(recs, read_conversations(args.sampled_conversations),
+                                      args.sampled_conversations) if "answers_sampled" in names else None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     write_jsonl_atomic(args.out / "data-subset.jsonl", recs)
     if "first_turn_short_answers" in names:
         write_jsonl_atomic(args.out / "data-first_turn_short_answers.jsonl", first_turns(recs, tgt.tokenizer))
@@ -239,15 +299,17 @@ def main() -> int:
     if "loop_copies_dropped" in names:
         write_jsonl_atomic(args.out / "data-loop_copies_dropped.jsonl",
                            loop_copies_dropped(recs, tgt.tokenizer, copies))
+    if sampled is not None:
+        write_jsonl_atomic(args.out / "data-answers_sampled.jsonl", sampled)
     todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
-    figures = {"conversations": len(recs), "k": 3, "temperature": 0.0,
+    figures = {"conversations": len(recs), "k": 3, "temperatures": args.temperatures,
                **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}
     slots = max(1, torch.cuda.device_count()) * args.procs_per_gpu
     procs = []
     for s in range(min(slots, len(todo))):
         cmd = [sys.executable, __file__, "--config", args.config, "--conversations", str(args.conversations),
                "--out", str(args.out), "--worker-rows", ",".join(todo[s::slots]), "--overrides", json.dumps(rows),
-               "--stall-seconds", str(args.stall_seconds),
+               "--stall-seconds", str(args.stall_seconds), "--temperatures", *map(str, args.temperatures),
                *(["--steps", str(args.steps)] if args.steps is not None else ["--epochs", str(args.epochs)])]
         cmd += ["--limit", str(args.limit)] if args.limit else []
         gpu = s % max(1, torch.cuda.device_count())

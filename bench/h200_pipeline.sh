@@ -34,6 +34,9 @@
 #                conversations are carried (.gpu/conversations/conversations.jsonl.gz.part-*, the parts `out` returns
 #                with OUT_CONVERSATIONS=1) they are joined and unpacked instead: regeneration at T=0 is reproducible
 #                across machines, so this saves its minutes; delete the folder when the regenerate settings change
+#   regenerate-sampled  the multi-turn prompts answered at SAMPLED_T (default 1, seed 0) into
+#                runs/smollm2-h200-mt-sampled: bench/ablations.py's answers_sampled row (ABLATION_ARGS with
+#                --sampled-conversations runs/smollm2-h200-mt-sampled/conversations.jsonl --temperatures 0 1)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
@@ -73,7 +76,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
-FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=runs/smollm2-h200-mt
+FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=runs/smollm2-h200-mt SAMPLED=runs/smollm2-h200-mt-sampled
 RUN=${RUN:-$FIRST_TURNS}
 LOGS=$RUN/logs
 SITE=$PWD/.gpu/site
@@ -112,6 +115,13 @@ unpack() {  # unpack SRC.gz [MORE.gz.part ...] DST: the parts joined in order, a
 }
 export -f unpack
 
+derive_config() {  # derive_config SRC DST KEY=VALUE...: SRC with the overrides applied, written to DST
+  python3 -c "import sys, yaml; from common.config import load_config, dump_config
+cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+print(sys.argv[2], sys.argv[3:])" "$@"
+}
+export -f derive_config
+
 kept_overrides() {
   python3 - <<'EOF'
 import json, pathlib
@@ -137,9 +147,8 @@ for p in "$@"; do
         if [ -f .gpu/prompts-mt/prompts.jsonl.gz ] && [ ! -f $MULTI_TURN/prompts.jsonl ]; then \
           unpack .gpu/prompts-mt/prompts.jsonl.gz $MULTI_TURN/prompts.jsonl; fi; wc -l runs/smollm2-h200*/prompts.jsonl" ;;
     derive)
-      phase derive python3 -c "import sys, yaml; from common.config import load_config, dump_config
-cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
-print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
+      # shellcheck disable=SC2086
+      phase derive derive_config "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     data-quality)
       phase data-quality python3 bench/data_quality.py --config "$CONFIG" --regenerate 1200 --first-turns --keep $RUN/dq ;;
     regen-bench)  # the regenerate command end to end on REGEN_CONVERSATIONS conversations, on 1 GPU (and 2 when there are)
@@ -155,6 +164,15 @@ print(sys.argv[2], sys.argv[3:])" "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
       fi
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
         phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;
+    regenerate-sampled)  # every turn's prompts answered at the serving temperature (SAMPLED_T, default 1, seed 0),
+      # into $SAMPLED: the ablations' answers_sampled row (--sampled-conversations $SAMPLED/conversations.jsonl);
+      # resumable, and never taken from carried conversations (those are T = 0)
+      if [ -f $SAMPLED/.regenerated ]; then echo "=== regenerate-sampled: done before"; else
+        phase regenerate-sampled bash -c "set -e; mkdir -p $SAMPLED; \
+          ln -sfn ../$(basename $MULTI_TURN)/prompts.jsonl $SAMPLED/prompts.jsonl; \
+          derive_config '$CONFIG' $SAMPLED/config.yaml run_dir=$SAMPLED regenerate.temperature=${SAMPLED_T:-1} \
+            regenerate.seed=0; python3 -m data_prep regenerate --config $SAMPLED/config.yaml" \
+          && touch $SAMPLED/.regenerated; fi ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --samples 3000 --steps 30 --precision no ;;

@@ -3,7 +3,14 @@ conversations."""
 
 from __future__ import annotations
 
-from bench.ablations import DATA_ROWS, first_turns, row_overrides
+import json
+
+import pytest
+import torch
+import yaml
+
+from bench.ablations import DATA_ROWS, first_turns, measure, row_overrides, same_conversations, summarize
+from eval.batched_eval import greedy_references
 
 
 class WordTokenizer:
@@ -39,3 +46,63 @@ def test_data_rows_change_the_data_not_the_config() -> None:
     rows = row_overrides(Cfg, 1536, 30)
     assert all(rows[name] == [] for name in DATA_ROWS)
     assert rows["lk_alpha"] == ["train.loss=lk_alpha"] and rows["lr_x3"] == ["train.lr=0.003"]
+
+
+def test_sampled_answers_are_the_same_conversations_in_order_and_a_missing_one_is_named(tmp_path) -> None:
+    recs = [{"id": "a"}, {"id": "b"}]
+    sampled = [{"id": "b", "t": 1}, {"id": "c", "t": 1}, {"id": "a", "t": 1}]
+    assert [r["id"] for r in same_conversations(recs, sampled, tmp_path / "s.jsonl")] == ["a", "b"]
+    with pytest.raises(ValueError, match=r"s\.jsonl: 1 of the 2 conversations are missing \(first: b\)"):
+        same_conversations(recs, sampled[2:], tmp_path / "s.jsonl")
+
+
+def test_each_temperature_is_read_against_the_baseline_with_the_oracle_beside(bench_results, tmp_path) -> None:
+    def row(name: str, overrides: list[str], tau0: float, tau1: float) -> None:
+        rec = {"name": name, "overrides": overrides, "tau": {"mtbench": tau0, "humaneval": tau0},
+               "at_temperature": {"1": {"tau": {"mtbench": tau1, "humaneval": tau1}}}}
+        (tmp_path / f"row-{name}.json").write_text(json.dumps(rec))
+
+    row("baseline", [], 2.0, 1.3)
+    row("lk_alpha", ["train.loss=lk_alpha"], 2.1, 1.2)
+    row("answers_sampled", [], 1.9, 1.5)
+    (tmp_path / "oracle-T1.json").write_text(json.dumps({"mtbench": 1.7, "humaneval": 2.0}))
+
+    keep = summarize(tmp_path, ["baseline", "lk_alpha", "answers_sampled", "draft_vocab_32k"], 0.02,
+                     {"temperatures": [0.0, 1.0]})
+
+    assert keep == ["train.loss=lk_alpha"]  # the decision reads T = 0; a data row is reported, never kept
+    got = json.loads(bench_results.read_text())["ablations"]
+    rows = {r["name"]: r for r in got["rows"]}
+    assert rows["lk_alpha"]["delta_mean_tau"] == pytest.approx(0.1)
+    assert rows["lk_alpha"]["at_temperature"]["1"]["delta_mean_tau"] == pytest.approx(-0.1)
+    assert rows["answers_sampled"]["at_temperature"]["1"]["delta_mean_tau"] == pytest.approx(0.2)
+    assert got["oracle_tau"] == {"1": {"mtbench": 1.7, "humaneval": 2.0}}
+    assert got["rows_missing"] == ["draft_vocab_32k"]
+
+
+@pytest.mark.real
+def test_a_row_is_measured_at_zero_and_at_one_and_the_oracle_needs_no_drafter(tmp_path, smollm2) -> None:
+    from drafter.factory import fresh_drafter, shape_for_target
+    from drafter.vocab_map import build_vocab_map
+    from eval.quality import setup
+
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"),
+        "target": {"name": "smollm2-135m-instruct", "device": "cpu", "aux_layer_ids": [2, 15, 27]},
+        "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
+        "eval": {"num_steps": 3, "max_new_tokens": 8,
+                 "datasets": [{"name": "mtbench", "kind": "mtbench", "path": "builtin"}]}}))
+    cfg, target, prompts = setup(cfg_path, limit=2)
+    d2t, t2d = build_vocab_map(torch.zeros(target.vocab_size), 512)
+    drafter = fresh_drafter(shape_for_target(target.hf_config, 512, (2, 15, 27)), target.embed_weight().detach(),
+                            d2t, t2d)
+    refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
+
+    cold = measure(target, drafter, [2, 15, 27], prompts, cfg, 0.0, refs)
+    hot = measure(target, drafter, [2, 15, 27], prompts, cfg, 1.0, None)
+    oracle = measure(target, None, [2, 15, 27], prompts, cfg, 1.0, None)
+
+    assert cold["lossless_mismatches"] == {"mtbench": 0} and set(cold["tau"]) == {"mtbench"}
+    assert "lossless_mismatches" not in hot and len(hot["alpha"]["mtbench"]) == 3
+    assert 1.0 <= hot["tau"]["mtbench"] <= oracle["tau"]["mtbench"] <= 4.0  # an untrained drafter: at most the ceiling
