@@ -204,6 +204,20 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_data(out: Path, names: list[str], recs: list[dict], sampled: list[dict] | None, tokenizer: Any,
+               copies: int) -> None:
+    """What the rows train on: <out>/data-subset.jsonl, and each data row's own file."""
+    write_jsonl_atomic(out / "data-subset.jsonl", recs)
+    if "first_turn_short_answers" in names:
+        write_jsonl_atomic(out / "data-first_turn_short_answers.jsonl", first_turns(recs, tokenizer))
+    if "first_turns_only" in names:
+        write_jsonl_atomic(out / "data-first_turns_only.jsonl", first_turns(recs, tokenizer, keep=None))
+    if "loop_copies_dropped" in names:
+        write_jsonl_atomic(out / "data-loop_copies_dropped.jsonl", loop_copies_dropped(recs, tokenizer, copies))
+    if sampled is not None:
+        write_jsonl_atomic(out / "data-answers_sampled.jsonl", sampled)
+
+
 def mean_tau(tau: dict[str, float]) -> float:
     return sum(tau.values()) / len(tau)
 
@@ -291,16 +305,7 @@ def main() -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_jsonl_atomic(args.out / "data-subset.jsonl", recs)
-    if "first_turn_short_answers" in names:
-        write_jsonl_atomic(args.out / "data-first_turn_short_answers.jsonl", first_turns(recs, tgt.tokenizer))
-    if "first_turns_only" in names:
-        write_jsonl_atomic(args.out / "data-first_turns_only.jsonl", first_turns(recs, tgt.tokenizer, keep=None))
-    if "loop_copies_dropped" in names:
-        write_jsonl_atomic(args.out / "data-loop_copies_dropped.jsonl",
-                           loop_copies_dropped(recs, tgt.tokenizer, copies))
-    if sampled is not None:
-        write_jsonl_atomic(args.out / "data-answers_sampled.jsonl", sampled)
+    write_data(args.out, names, recs, sampled, tgt.tokenizer, copies)
     todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
     figures = {"conversations": len(recs), "k": 3, "temperatures": args.temperatures,
                **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}

@@ -4,6 +4,7 @@ conversations."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -106,3 +107,32 @@ def test_a_row_is_measured_at_zero_and_at_one_and_the_oracle_needs_no_drafter(tm
     assert cold["lossless_mismatches"] == {"mtbench": 0} and set(cold["tau"]) == {"mtbench"}
     assert "lossless_mismatches" not in hot and len(hot["alpha"]["mtbench"]) == 3
     assert 1.0 <= hot["tau"]["mtbench"] <= oracle["tau"]["mtbench"] <= 4.0  # an untrained drafter: at most the ceiling
+
+
+@pytest.mark.real
+def test_a_sampled_file_that_lacks_a_conversation_is_one_line_before_any_row_runs(tmp_path, monkeypatch, capsys,
+                                                                                  bench_results) -> None:
+    from bench import ablations
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
+        "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
+        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench", "path": "builtin"}]}}))
+    conv, sampled = tmp_path / "conversations.jsonl", tmp_path / "sampled.jsonl"
+    conv.write_text("".join(json.dumps(dict(REC, id=i)) + "\n" for i in ("a", "b")))
+    sampled.write_text(json.dumps(dict(REC, id="a")) + "\n")
+    argv = ["ablations.py", "--config", str(cfg), "--conversations", str(conv), "--out", str(tmp_path / "out"),
+            "--rows", "baseline,answers_sampled", "--steps", "1"]
+
+    monkeypatch.setattr(sys, "argv", [*argv, "--sampled-conversations", str(sampled)])
+    assert ablations.main() == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last == f"error: {sampled}: 1 of the 2 conversations are missing (first: b); regenerate the same prompts" \
+        " file"
+    assert not (tmp_path / "out" / "data-subset.jsonl").exists() and not bench_results.exists()
+
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stop:
+        ablations.main()
+    assert stop.value.code == 2 and "--rows answers_sampled needs --sampled-conversations" in capsys.readouterr().err
