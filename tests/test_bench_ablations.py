@@ -127,9 +127,8 @@ def test_a_sampled_file_that_lacks_a_conversation_is_one_line_before_any_row_run
 
     monkeypatch.setattr(sys, "argv", [*argv, "--sampled-conversations", str(sampled)])
     assert ablations.main() == 2
-    last = capsys.readouterr().err.splitlines()[-1]
-    assert last == f"error: {sampled}: 1 of the 2 conversations are missing (first: b); regenerate the same prompts" \
-        " file"
+    want = f"error: {sampled}: 1 of the 2 conversations are missing (first: b); regenerate the same prompts file"
+    assert capsys.readouterr().err.splitlines()[-1] == want
     assert not (tmp_path / "out" / "data-subset.jsonl").exists() and not bench_results.exists()
 
     monkeypatch.setattr(sys, "argv", argv)
