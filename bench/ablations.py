@@ -159,9 +159,9 @@ def worker(args: argparse.Namespace) -> int:
     cfg, target, prompts = setup(args.config, args.limit)
     refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
     any_aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, target.num_layers)  # the oracle reads none
-    for t in args.temperatures:
+    for t in args.temperatures if args.oracle else ():  # the ceiling at each T > 0, whatever the row: one worker
         oracle = args.out / f"oracle-T{t:g}.json"
-        if t > 0 and not oracle.is_file():  # the ceiling at this temperature, whatever the row
+        if t > 0 and not oracle.is_file():
             write_json_atomic(oracle, measure(target, None, any_aux, prompts, cfg, t, None)["tau"])
     schedule = [f"train.epochs={args.epochs}"] if args.steps is None else [f"train.max_steps={args.steps}"]
     for name in args.rows.split(","):
@@ -267,6 +267,7 @@ def main() -> int:
                     help="the same prompts regenerated at regenerate.temperature > 0: the answers_sampled row")
     ap.add_argument("--worker-rows", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
+    ap.add_argument("--oracle", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.temperatures[0] != 0 or any(t < 0 for t in args.temperatures):
         ap.error(f"--temperatures {args.temperatures}: the first must be 0 (the keep decision reads T = 0), none below")
@@ -317,6 +318,7 @@ def main() -> int:
                "--stall-seconds", str(args.stall_seconds), "--temperatures", *map(str, args.temperatures),
                *(["--steps", str(args.steps)] if args.steps is not None else ["--epochs", str(args.epochs)])]
         cmd += ["--limit", str(args.limit)] if args.limit else []
+        cmd += ["--oracle"] if s == 0 else []  # the first worker measures the oracle, once for all rows
         gpu = s % max(1, torch.cuda.device_count())
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)} if torch.cuda.is_available() else dict(os.environ)
         # rows side by side share the cores: each trainer's compiler gets its share of worker processes
