@@ -148,7 +148,7 @@ for p in "$@"; do
           unpack .gpu/prompts-mt/prompts.jsonl.gz $MULTI_TURN/prompts.jsonl; fi; wc -l runs/smollm2-h200*/prompts.jsonl" ;;
     derive)
       # shellcheck disable=SC2086
-      phase derive derive_config "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
+      phase derive bash -c 'derive_config "$@"' derive "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
     data-quality)
       phase data-quality python3 bench/data_quality.py --config "$CONFIG" --regenerate 1200 --first-turns --keep $RUN/dq ;;
     regen-bench)  # the regenerate command end to end on REGEN_CONVERSATIONS conversations, on 1 GPU (and 2 when there are)
