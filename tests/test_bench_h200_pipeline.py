@@ -12,7 +12,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_phases(tmp_path: Path, *phases: str, **env: str) -> subprocess.CompletedProcess:
+def run_phases(*phases: str, **env: str) -> subprocess.CompletedProcess:
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # the script calls python3
     return subprocess.run(["bash", "bench/h200_pipeline.sh", *phases], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PATH": path, "DEADLINE": "200", **env}, timeout=120)
@@ -20,7 +20,7 @@ def run_phases(tmp_path: Path, *phases: str, **env: str) -> subprocess.Completed
 
 def test_derive_writes_the_config_with_the_overrides(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = run_phases(tmp_path, "derive", CONFIG="configs/smollm2-135m-h200.yaml", RUN=str(run),
+    out = run_phases("derive", CONFIG="configs/smollm2-135m-h200.yaml", RUN=str(run),
                      OVERRIDES=f"run_dir={run} train.max_steps=3500 drafter.init_from=drafters/smollm2-135m-eagle3")
     assert out.returncode == 0, out.stdout + out.stderr
     cfg = yaml.safe_load((run / "config.yaml").read_text())
@@ -32,7 +32,7 @@ def test_derive_writes_the_config_with_the_overrides(tmp_path: Path) -> None:
 
 def test_derive_reports_a_bad_override_as_a_failed_phase(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = run_phases(tmp_path, "derive", CONFIG="configs/smollm2-135m-h200.yaml", RUN=str(run),
+    out = run_phases("derive", CONFIG="configs/smollm2-135m-h200.yaml", RUN=str(run),
                      OVERRIDES="train.no_such_key=1")
     assert out.returncode != 0
     assert "=== derive FAILED" in out.stdout
