@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import record  # noqa: E402
+from bench.results import measured_here, record  # noqa: E402
 from bench.runs import REPO, holdout_at, make_run, read_log, run, train_command  # noqa: E402
 from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
@@ -191,7 +191,7 @@ def worker(args: argparse.Namespace) -> int:
                   for t in args.temperatures if t > 0}
         log = read_log(run_dir)
         last = max(r["step"] for r in log if "loss" in r)
-        row = {"name": name, "overrides": overrides, "command": f"python -m train --config {config}",
+        row = {"name": name, "overrides": overrides, "command": f"python -m train --config {config}", **measured_here(),
                "steps": last, "tokens_seen": max((r.get("tokens_seen", 0) for r in log), default=0),
                "train_seconds": round(trained, 1),
                **at_zero, **({"at_temperature": hotter} if hotter else {}),

@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import command_line, device_name, record, recorded  # noqa: E402
+from bench.results import command_line, measured_here, record, recorded  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
 from data_prep.regenerate import answer_text, load_prompt_records, regenerate  # noqa: E402
 from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
@@ -168,7 +168,7 @@ def regenerate_and_measure(cfg: RunConfig, prompts: list[dict[str, Any]], backen
 def save(measured: dict[str, dict[str, Any]]) -> None:
     """Write the measured labels into "data_quality", keeping the labels this run did not measure."""
     old = recorded(NAME)
-    stamp = {"command": command_line(), "device": device_name(), "date": time.strftime("%Y-%m-%d")}
+    stamp = {"command": command_line(), **measured_here()}
     labels = {k: v for k, v in old.items() if k in LABELS}
     labels |= {label: stamp | figures for label, figures in measured.items()}
     record(NAME, labels)

@@ -64,7 +64,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.results import command_line, device_name, record, recorded, results_path  # noqa: E402
+from bench.results import command_line, device_name, measured_here, record, recorded, results_path  # noqa: E402
 from bench.runs import run  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
@@ -330,7 +330,7 @@ def record_shares(args: argparse.Namespace, full: dict[str, Any] | None, name: s
         run_ = end_to_end(args.config, args.set, args.prompts_file, args.conversations, 1, args.out,
                           share=(rank, args.shares), kept_caches=args.kept_caches)
         figures = {k: run_[k] for k in SHARE_FIELDS} | {
-            "engine_seconds": run_["engine"]["seconds"], "command": command_line(), "date": time.strftime("%Y-%m-%d")}
+            "engine_seconds": run_["engine"]["seconds"], "command": command_line(), **measured_here()}
         record(name, shares_figures(recorded(name), key, {str(rank): figures}, whole))
         whole = None  # recorded: the next rank's merge keeps it
 

@@ -51,12 +51,17 @@ def recorded(name: str) -> dict[str, Any]:
     return json.loads(path.read_text()).get(name, {}) if path.is_file() else {}
 
 
+def measured_here() -> dict[str, str]:
+    """``device`` and ``date`` of a measurement made now: an object's, or a part of one measured on another day
+    or machine than the rest (an ablation row), which the results table then shows as its own."""
+    return {"device": device_name(), "date": time.strftime("%Y-%m-%d")}
+
+
 def record(name: str, figures: dict[str, Any], command: str | None = None, merge: bool = False) -> None:
     """Replace ``name``'s object in the results file with these figures; ``merge``: keep the object's other
     fields (the figures and the command, device and date replace theirs)."""
     path = results_path()
-    entry = {"command": command or command_line(), "device": device_name(), "date": time.strftime("%Y-%m-%d"),
-             **figures}
+    entry = {"command": command or command_line(), **measured_here(), **figures}
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(path.read_text()) if path.is_file() else {}
