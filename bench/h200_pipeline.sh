@@ -65,9 +65,10 @@
 #   quality      bench/drafter_quality.py eval                      -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),
-#                logs.tar.gz (the logs' tails, the ablation rows; a stalled row's stacks; the regenerate log's
-#                errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's conversations.jsonl.gz in 15 MB parts
-#                (a returned file holds at most 16 MiB) for the next machine to carry, into $OUT
+#                logs.tar.gz (the logs' tails, the run's train_log.jsonl, the ablation rows; a stalled row's stacks;
+#                the regenerate log's errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's
+#                conversations.jsonl.gz in 15 MB parts (a returned file holds at most 16 MiB) for the next machine
+#                to carry, into $OUT
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -274,6 +275,7 @@ print(best['checkpoint'] if best else '')")
             > "$logs/train-$(basename "$(dirname "$(dirname "$t")")")-$(basename "$(dirname "$t")").txt"
         done
         cp runs/bench-ablations/row-*.json runs/bench-ablations/failed-*.json "$logs/" 2>/dev/null
+        cp $RUN/train_log.jsonl "$logs/" 2>/dev/null  # the run's held-out curve, step by step
         for r in runs/bench-peer/row-*.json; do [ -f "$r" ] && cp "$r" "$logs/peer-$(basename "$r")"; done
         tar -czf "$OUT/logs.tar.gz" -C "$logs" .
         if [ -n "${OUT_CONVERSATIONS:-}" ] && [ -f $RUN/conversations.jsonl ]; then
