@@ -59,12 +59,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import measured_here, record  # noqa: E402
-from bench.runs import REPO, holdout_at, make_run, read_log, run, train_command  # noqa: E402
+from bench.runs import REPO, holdout_at, make_run, run, train_command  # noqa: E402
 from common import parent_death  # noqa: E402
 from common.cli import exit_reason  # noqa: E402
 from common.config import RunConfig  # noqa: E402
 from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
 from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
+from train.holdout_curve import read_train_log  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
 DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only", "answers_sampled")
@@ -189,7 +190,7 @@ def worker(args: argparse.Namespace) -> int:
         at_zero = measure(target, drafter, aux_ids, prompts, cfg, 0.0, refs)
         hotter = {f"{t:g}": measure(target, drafter, aux_ids, prompts, cfg, t, None)
                   for t in args.temperatures if t > 0}
-        log = read_log(run_dir)
+        log = read_train_log(run_dir)
         last = max(r["step"] for r in log if "loss" in r)
         row = {"name": name, "overrides": overrides, "command": f"python -m train --config {config}", **measured_here(),
                "steps": last, "tokens_seen": max((r.get("tokens_seen", 0) for r in log), default=0),

@@ -30,8 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
-from bench.runs import make_run, read_log, run, train_command  # noqa: E402
+from bench.runs import make_run, run, train_command  # noqa: E402
 from common.files import write_json_atomic  # noqa: E402
+from train.holdout_curve import read_train_log  # noqa: E402
 
 ROWS = ("ours", "specforge", "specforge_shipped")
 RECIPE_OF = {"specforge": "ours", "specforge_shipped": "shipped"}
@@ -81,7 +82,7 @@ def ours_trained(row_dir: Path) -> dict[str, Any]:
     if ckpt is None:
         raise RuntimeError(f"{row_dir / 'checkpoints'}: no complete checkpoint (see {row_dir / 'train.out'})")
     position = read_trainer_state(ckpt)["position"]
-    losses = [r["loss"] for r in read_log(row_dir) if r.get("loss") is not None]
+    losses = [r["loss"] for r in read_train_log(row_dir) if r.get("loss") is not None]
     return {"checkpoint": str(ckpt), "steps": position["step"], "tokens_seen": position["tokens_seen"],
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 

@@ -3,7 +3,6 @@ command that trains it (one GPU, or several through ``accelerate launch``), and 
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -19,6 +18,7 @@ import yaml
 from common import parent_death
 from common.cli import exit_reason
 from common.config import dump_config, load_config
+from train.holdout_curve import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,12 +102,10 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
         raise RuntimeError(f"{exit_reason(proc.returncode)}: {' '.join(cmd)}\n{tail}")
 
 
-def read_log(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines() if line.strip()]
 
 
 def step_records(run_dir: Path) -> list[dict[str, Any]]:
-    return [r for r in read_log(run_dir) if "tokens_per_s" in r]
+    return [r for r in read_train_log(run_dir) if "tokens_per_s" in r]
 
 
 def median_tokens_per_s(run_dir: Path, skip: int = 5) -> float:
@@ -117,4 +115,4 @@ def median_tokens_per_s(run_dir: Path, skip: int = 5) -> float:
 
 
 def holdout_at(run_dir: Path, step: int) -> dict[str, float]:
-    return next((r for r in read_log(run_dir) if r.get("step") == step and "holdout/acc_0" in r), {})
+    return next((r for r in read_train_log(run_dir) if r.get("step") == step and "holdout/acc_0" in r), {})

@@ -88,6 +88,8 @@ def test_online_and_store_training_give_the_same_losses(smollm2, tmp_path: Path)
     assert min(step_fields(tmp_path / "online", "drafter_ms")) > 0
     a, b = holdout(tmp_path / "store"), holdout(tmp_path / "online")
     assert len(a) == len(b) == 2
+    # the finished run drew its held-out curve
+    assert (tmp_path / "online" / "holdout_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for x, y in zip(a, b, strict=True):
         assert x["holdout/acc_0"] == pytest.approx(y["holdout/acc_0"], abs=1e-6)
         assert x["holdout/loss_0"] == pytest.approx(y["holdout/loss_0"], rel=rel)

@@ -37,6 +37,7 @@ from data_prep.dataset import TokenBudgetSampler
 from train import run_checkpoints
 from train.build import build_drafter, scale_aux_inputs, teacher_rows
 from train.data import TrainingData, to_device, training_data
+from train.holdout_curve import LOG_NAME, plot_holdout_curve
 from train.module import TTTModel
 from train.optim import clip_into_step, make_optimizer, make_scheduler, trainable
 from train.target_ahead import TargetAhead
@@ -133,8 +134,19 @@ def train(cfg: RunConfig, resume: str) -> int:
         return EXIT_STOPPED
     run.accelerator.print(f"done: {run.state['step']} steps, {run.state['nonfinite_total']} skipped as non-finite; "
                           f"checkpoints in {run.ckpt_root} (best: {run.ckpt_root / 'best'})")
+    if run.accelerator.is_main_process:
+        run.accelerator.print(held_out_curve(cfg.root))
     run.accelerator.end_training()
     return 0
+
+
+def held_out_curve(run_dir: Path) -> str:
+    """Draw the run's held-out curve; a run without one (no held-out eval) says so instead of failing, its
+    checkpoints being what it was for."""
+    try:
+        return f"held-out curve: {plot_holdout_curve(run_dir)}"
+    except ValueError as e:
+        return f"no held-out curve: {e}"
 
 
 @dataclass
@@ -226,7 +238,7 @@ def setup(cfg: RunConfig, resume: str) -> Run:
         run_checkpoints.verify_state(resume_from)
         accelerator.load_state(str(resume_from / run_checkpoints.STATE_DIR))
         state.update(run_checkpoints.read_trainer_state(resume_from)["position"])
-    log = JsonlLog(cfg.root / "train_log.jsonl", accelerator.is_main_process, state["step"])
+    log = JsonlLog(cfg.root / LOG_NAME, accelerator.is_main_process, state["step"])
     run_config = dump_config(cfg)
     serve_dtype = "bfloat16" if compute_dtype == torch.bfloat16 else "float32"
     return Run(accelerator, data, sampler, holdout_sampler, windows_per_epoch, total_steps, milestones, model,
