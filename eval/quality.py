@@ -31,6 +31,7 @@ from eval.gate import decide
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, tau_ci, timed_tau_star
 from eval.intervals import Bootstrap, Estimate
 from eval.measure import Settings, measure
+from eval.oracle_cache import oracle_acceptance
 from eval.speculative import Eagle3Proposer, Engine
 from eval.turns import eval_prompts
 from target_model.hf_model import TargetModel, load_target_from_config, stop_token_ids
@@ -140,7 +141,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``
     (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
-    tau and alpha beside the drafter's (``add_oracle``), and the gate's decision at the first setting
+    tau and alpha beside the drafter's (``add_oracle``; measured once per target, prompts and setting:
+    ``eval.oracle_cache``), and the gate's decision at the first setting
     against break-even, read through the intervals."""
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     boot = bootstrap(cfg.gate)
@@ -152,8 +154,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     results = {name: summary(st, k, t, boot) for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
     for (k, t), per_dataset in zip(settings, results.values(), strict=True):
         if t > 0:
-            add_oracle(per_dataset, acceptance(target, None, aux_ids, prompts, k, t, max_new,
-                                               rule=cfg.eval.acceptance), boot)
+            add_oracle(per_dataset, oracle_acceptance(target, aux_ids, prompts, k, t, max_new, cfg.eval.acceptance),
+                       boot)
     first, first_stats = next(iter(results.values())), next(iter(stats.values()))
     first_name = list(prompts)[0]
     times, tau_stars = timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts],
