@@ -1,5 +1,6 @@
-"""The user documentation: every relative link in it points to a file (and heading) that exists, and README.md and
-ARCHITECTURE.md stay user documentation (their size bounds; no session numbers, issue numbers or dates)."""
+"""The user documentation, the shipped drafters' READMEs included: every relative link in it points to a file (and
+heading) that exists, and README.md and ARCHITECTURE.md stay user documentation (their size bounds; no session numbers,
+issue numbers or dates)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "engine" / "README.md",
-                ROOT / "bench" / "RESULTS.md", *(ROOT / "docs").glob("*.md")])
+                ROOT / "bench" / "RESULTS.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "drafters").glob("*/README.md")])
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
