@@ -62,7 +62,9 @@
 #                SIGTERM ends it after its current step, which it saves: a cut call loses no steps)
 #   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
 #                (each point kept as it lands: a cut call's rerun measures only the checkpoints left)
-#   quality      bench/drafter_quality.py eval                      -> "quality"
+#   quality      bench/drafter_quality.py eval of $RUN's best, or QUALITY_CHECKPOINT (the drafter to ship, copied into
+#                drafters/ first, so that the record names what ships); QUALITY_SETTINGS, default 3:0 3:1 5:0
+#                                                                   -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),
 #                logs.tar.gz (the logs' tails, the run's train_log.jsonl, the ablation rows; a stalled row's stacks;
@@ -231,8 +233,10 @@ for p in "$@"; do
     curve)
       phase curve python3 bench/drafter_quality.py curve --config "$CONFIG" --run-dir $RUN ;;
     quality)
-      phase quality python3 bench/drafter_quality.py eval --config "$CONFIG" --checkpoint $RUN/checkpoints/best \
-        --settings ${QUALITY_SETTINGS:-3:0 3:1 5:0} --timing-prompts 4 ;;
+      # shellcheck disable=SC2086
+      phase quality python3 bench/drafter_quality.py eval --config "$CONFIG" \
+        --checkpoint "${QUALITY_CHECKPOINT:-$RUN/checkpoints/best}" --settings ${QUALITY_SETTINGS:-3:0 3:1 5:0} \
+        --timing-prompts 4 ;;
     decode-gap)
       phase decode-gap bash -c "python3 bench/decode_gap.py --config '$CONFIG' --checkpoint $RUN/checkpoints/best \
           --holdout-samples 300 --loopy-conversations $RUN/dq/before.jsonl && \
