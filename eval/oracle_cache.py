@@ -45,7 +45,10 @@ def read_entry(path: Path) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError) as e:
         print(f"oracle cache: {path} unreadable ({e}); measuring it again", flush=True)
         return None
-    return stats if isinstance(stats, dict) and "per_prompt" in stats else None
+    if not isinstance(stats, dict) or "per_prompt" not in stats:
+        print(f"oracle cache: {path} holds no per-prompt figures; measuring it again", flush=True)
+        return None
+    return stats
 
 
 def oracle_acceptance(target: TargetModel, aux_ids: Sequence[int], prompts: Mapping[str, Sequence[Sequence[int]]],
