@@ -31,7 +31,11 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
   (--sampled-conversations: the same prompts regenerated with regenerate.temperature > 0 and a seed): whether
   data drawn the way users are served lifts tau at that temperature.
 --temperatures 0 1 measures every row at each temperature (T > 0: SGLang's acceptance rule, eval.acceptance, with
-the oracle's tau beside it, a drafter proposing the target's own greedy token); the keep decision reads T = 0.
+the oracle's tau beside it, a drafter proposing the target's own greedy token, read from ``eval.oracle_cache`` when
+an eval measured it before); the keep decision reads T = 0. A sampled regeneration cut short still makes a fair
+answers_sampled row with --sampled-subset: every row then trains on the conversations the sampled file holds (the
+others are counted, ``conversations_not_sampled``), and --record-as keeps that run's object apart from the
+full-data one.
 Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trains each of its rows with the
 user's own command (``python -m train``, a process of its own: <row>/train.out) and then measures it. Each row
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
@@ -39,8 +43,9 @@ rows it finished; a rerun skips them (a row cut mid-training resumes from its ch
 A row whose training prints nothing for --stall-seconds is killed and listed under "rows_failed" with the reason
 (side by side on one GPU, trainers have stopped right after loading the target; a rerun retries the row).
 
-<out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin, for the
-final run to use ("keep what helps"; data rows are reported, not kept: they change regeneration).
+<out>/keep.json: the config overrides whose rows beat the baseline's mean tau by more than --margin with a drafter
+of at most --max-drafter-mb (what may ship; a larger one is listed under ``not_kept_too_large``), for the final run
+to use ("keep what helps"; data rows are reported, not kept: they change regeneration).
 """
 
 from __future__ import annotations
@@ -133,10 +138,16 @@ def same_conversations(recs: list[dict], sampled: list[dict], path: Path) -> lis
     return [by_id[r["id"]] for r in recs]
 
 
+def sampled_subset(recs: list[dict], sampled: list[dict]) -> list[dict]:
+    """The conversations of ``recs`` that ``sampled`` holds too, in ``recs``' order: what every row trains on when
+    the sampled regeneration was cut short, so the answers_sampled row still differs in its answers alone."""
+    have = {r["id"] for r in sampled}
+    return [r for r in recs if r["id"] in have]
+
+
 def measure(target: Any, drafter: Any, aux_ids: list[int], prompts: dict, cfg: RunConfig, temperature: float,
             refs: dict | None) -> dict[str, Any]:
-    """tau and alpha_k per dataset at k = 3 and ``temperature`` (T = 0 also the lossless mismatches);
-    ``drafter`` None: the oracle."""
+    """tau and alpha_k per dataset at k = 3 and ``temperature`` (T = 0 also the lossless mismatches)."""
     from eval.batched_eval import acceptance
 
     stats = acceptance(target, drafter, aux_ids, prompts, 3, temperature, cfg.eval.max_new_tokens,
@@ -155,6 +166,7 @@ def worker(args: argparse.Namespace) -> int:
     <out>/row-<name>.json."""
     from common.config import load_config
     from eval.batched_eval import greedy_references
+    from eval.oracle_cache import oracle_acceptance
     from eval.quality import load_drafter, setup
 
     cfg, target, prompts = setup(args.config, args.limit)
@@ -163,7 +175,9 @@ def worker(args: argparse.Namespace) -> int:
     for t in args.temperatures if args.oracle else ():  # the ceiling at each T > 0, whatever the row: one worker
         oracle = args.out / f"oracle-T{t:g}.json"
         if t > 0 and not oracle.is_file():
-            write_json_atomic(oracle, measure(target, None, any_aux, prompts, cfg, t, None)["tau"])
+            stats = oracle_acceptance(target, any_aux, prompts, 3, t, cfg.eval.max_new_tokens, cfg.eval.acceptance,
+                                      cfg.eval.seed)
+            write_json_atomic(oracle, {name: s["tau"] for name, s in stats.items()})
     schedule = [f"train.epochs={args.epochs}"] if args.steps is None else [f"train.max_steps={args.steps}"]
     for name in args.rows.split(","):
         overrides = json.loads(args.overrides)[name]
@@ -197,7 +211,8 @@ def worker(args: argparse.Namespace) -> int:
                "train_seconds": round(trained, 1),
                **at_zero, **({"at_temperature": hotter} if hotter else {}),
                "holdout": {k.split("/")[1]: v for k, v in holdout_at(run_dir, last).items() if "/" in k},
-               "checkpoint": str(run_dir / "checkpoints" / "best")}
+               "checkpoint": str(run_dir / "checkpoints" / "best"),
+               "drafter_mb": round((run_dir / "checkpoints" / "best" / "model.safetensors").stat().st_size / 1e6, 1)}
         write_json_atomic(args.out / f"row-{name}.json", row)
         print(json.dumps(row), flush=True)
         del drafter
@@ -223,11 +238,15 @@ def mean_tau(tau: dict[str, float]) -> float:
     return sum(tau.values()) / len(tau)
 
 
-def summarize(out: Path, names: list[str], margin: float, figures: dict[str, Any]) -> list[str]:
-    """Record the rows finished so far (each with its tau gain over the baseline) and write keep.json."""
+def summarize(out: Path, names: list[str], margin: float, figures: dict[str, Any], name: str = "ablations",
+              max_drafter_mb: float = 32.0) -> list[str]:
+    """Record the rows finished so far (each with its tau gain over the baseline) as ``name`` in the results file,
+    and write keep.json: the overrides of rows that gain more than ``margin`` and whose drafter stays within
+    ``max_drafter_mb`` (a lever that buys tau with a drafter too large to ship is reported, not kept)."""
     rows = [json.loads((out / f"row-{n}.json").read_text()) for n in names if (out / f"row-{n}.json").is_file()]
     base = next((r for r in rows if r["name"] == "baseline"), None)
     keep: list[str] = []
+    too_large: dict[str, str] = {}
     if base is not None:
         for r in rows:
             r["delta_mean_tau"] = round(mean_tau(r["tau"]) - mean_tau(base["tau"]), 4)
@@ -235,15 +254,19 @@ def summarize(out: Path, names: list[str], margin: float, figures: dict[str, Any
                 if t in base.get("at_temperature", {}):
                     at["delta_mean_tau"] = round(mean_tau(at["tau"]) - mean_tau(base["at_temperature"][t]["tau"]), 4)
             if r["name"] != "baseline" and r["overrides"] and r["delta_mean_tau"] > margin:
-                keep += r["overrides"]
+                if r.get("drafter_mb", 0.0) > max_drafter_mb:
+                    too_large[r["name"]] = f"{r['drafter_mb']} MB drafter > {max_drafter_mb:g} MB"
+                else:
+                    keep += r["overrides"]
     (out / "keep.json").write_text(json.dumps(keep))
     missing = [n for n in names if n not in {r["name"] for r in rows}]
     failed = {n: json.loads((out / f"failed-{n}.json").read_text())["reason"] for n in missing
               if (out / f"failed-{n}.json").is_file()}
     oracle = {p.stem.removeprefix("oracle-T"): json.loads(p.read_text()) for p in sorted(out.glob("oracle-T*.json"))}
     figures = figures | ({"oracle_tau": oracle} if oracle else {})
-    record("ablations", figures | {"rows": rows, "rows_missing": missing, "rows_failed": failed,
-                                   "kept_overrides": keep, "keep_margin": margin})
+    record(name, figures | {"rows": rows, "rows_missing": missing, "rows_failed": failed, "kept_overrides": keep,
+                            "keep_margin": margin, "max_drafter_mb": max_drafter_mb,
+                            "not_kept_too_large": too_large})
     return keep
 
 
@@ -259,6 +282,8 @@ def main() -> int:
     ap.add_argument("--rows", default="all", help="comma-separated row names (default: all)")
     ap.add_argument("--procs-per-gpu", type=int, default=1)
     ap.add_argument("--margin", type=float, default=0.02)
+    ap.add_argument("--max-drafter-mb", type=float, default=32.0,
+                    help="a lever whose drafter is larger than this is reported, never kept (what may ship)")
     ap.add_argument("--stall-seconds", type=float, default=240.0,
                     help="a row's training that prints nothing for this long is killed and reported as failed")
     ap.add_argument("--limit", type=int, help="eval prompts per dataset (smoke runs; figures are for all)")
@@ -266,6 +291,9 @@ def main() -> int:
                     help="measure every row at each (0 first: the keep decision reads it)")
     ap.add_argument("--sampled-conversations", type=Path,
                     help="the same prompts regenerated at regenerate.temperature > 0: the answers_sampled row")
+    ap.add_argument("--sampled-subset", action="store_true",
+                    help="every row trains on the conversations the sampled file holds (a regeneration cut short)")
+    ap.add_argument("--record-as", default="ablations", help="the object's name in the results file")
     ap.add_argument("--worker-rows", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
     ap.add_argument("--oracle", action="store_true", help=argparse.SUPPRESS)
@@ -290,6 +318,8 @@ def main() -> int:
     if "init_from_target" in names and cfg.drafter.init == "target":
         print("init_from_target: left out, the config's drafter already starts from the target", file=sys.stderr)
         names.remove("init_from_target")
+    if args.sampled_subset and args.sampled_conversations is None:
+        ap.error("--sampled-subset needs --sampled-conversations")
     if "answers_sampled" in names and args.sampled_conversations is None:
         if args.rows != "all":
             ap.error("--rows answers_sampled needs --sampled-conversations")
@@ -299,17 +329,26 @@ def main() -> int:
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
         names.remove("loop_copies_dropped")
+    not_sampled: dict[str, int] = {}
     try:  # validated: a bad line, or a sampled file that lacks a conversation, is one line naming it
         recs = read_conversations(args.conversations)
+        sampled_all = (read_conversations(args.sampled_conversations) if args.sampled_conversations is not None
+                       and ("answers_sampled" in names or args.sampled_subset) else None)
+        if args.sampled_subset and sampled_all is not None:
+            kept = sampled_subset(recs, sampled_all)
+            not_sampled = {"conversations_not_sampled": len(recs) - len(kept)}
+            print(f"{args.sampled_conversations}: {len(kept):,} of the {len(recs):,} conversations were sampled; "
+                  f"every row trains on those ({len(recs) - len(kept):,} left out)", file=sys.stderr)
+            recs = kept
         recs = recs[:args.samples] if args.samples > 0 else recs
-        sampled = (same_conversations(recs, read_conversations(args.sampled_conversations),
-                                      args.sampled_conversations) if "answers_sampled" in names else None)
+        sampled = (same_conversations(recs, sampled_all, args.sampled_conversations)
+                   if "answers_sampled" in names else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     write_data(args.out, names, recs, sampled, tgt.tokenizer, copies)
     todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
-    figures = {"conversations": len(recs), "k": 3, "temperatures": args.temperatures,
+    figures = {"conversations": len(recs), **not_sampled, "k": 3, "temperatures": args.temperatures,
                **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}
     slots = max(1, torch.cuda.device_count()) * args.procs_per_gpu
     procs = []
@@ -332,7 +371,7 @@ def main() -> int:
         done = {n for n in names if (args.out / f"row-{n}.json").is_file()}
         if done != seen or not any(running):
             seen = done
-            keep = summarize(args.out, names, args.margin, figures)
+            keep = summarize(args.out, names, args.margin, figures, args.record_as, args.max_drafter_mb)
         if not any(running):
             break
         time.sleep(5)

@@ -36,7 +36,11 @@
 #                across machines, so this saves its minutes; delete the folder when the regenerate settings change
 #   regenerate-sampled  the multi-turn prompts answered at SAMPLED_T (default 1, seed 0) into
 #                runs/smollm2-h200-mt-sampled: bench/ablations.py's answers_sampled row (ABLATION_ARGS with
-#                --sampled-conversations runs/smollm2-h200-mt-sampled/conversations.jsonl --temperatures 0 1)
+#                --sampled-conversations runs/smollm2-h200-mt-sampled/conversations.jsonl --temperatures 0 1); it
+#                goes on from an earlier machine's sampled conversations (.gpu/sampled/conversations.jsonl.gz.part-*,
+#                returned by `RUN=runs/smollm2-h200-mt-sampled OUT_CONVERSATIONS=1 ... out`); cut by the deadline,
+#                what it wrote makes the row with --sampled-subset (every row on those conversations) and
+#                --out runs/bench-ablations-sampled --record-as ablations_sampled (apart from the full-data rows)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
@@ -125,6 +129,11 @@ print(sys.argv[2], sys.argv[3:])" "$@"
 }
 export -f derive_config
 
+cut_torn_tail() {  # cut_torn_tail FILE: what a deadline's kill left mid-line goes, so readers see whole records
+  python3 -c 'import sys; from pathlib import Path; from common.files import cut_torn_tail
+print(sys.argv[1] + ":", cut_torn_tail(Path(sys.argv[1])), "bytes of a torn last line cut")' "$1"
+}
+
 kept_overrides() {
   python3 - <<'EOF'
 import json, pathlib
@@ -169,13 +178,22 @@ for p in "$@"; do
         phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;
     regenerate-sampled)  # every turn's prompts answered at the serving temperature (SAMPLED_T, default 1, seed 0),
       # into $SAMPLED: the ablations' answers_sampled row (--sampled-conversations $SAMPLED/conversations.jsonl);
-      # resumable, and never taken from carried conversations (those are T = 0)
+      # resumable across machines: an earlier machine's sampled conversations (.gpu/sampled/*.gz.part-*, what `out`
+      # returns with RUN=$SAMPLED OUT_CONVERSATIONS=1) are unpacked first and regeneration goes on from them; a
+      # deadline's cut leaves whole lines (the torn last one is cut), so --sampled-subset can use what is there
+      carried=(.gpu/sampled/conversations.jsonl.gz.part-*)
+      if [ ! -f $SAMPLED/conversations.jsonl ] && [ -f "${carried[0]}" ]; then
+        phase regenerate-sampled-carried bash -c "unpack ${carried[*]} $SAMPLED/conversations.jsonl && \
+          wc -l $SAMPLED/conversations.jsonl"
+      fi
       if [ -f $SAMPLED/.regenerated ]; then echo "=== regenerate-sampled: done before"; else
         phase regenerate-sampled bash -c "set -e; mkdir -p $SAMPLED; \
           ln -sfn ../$(basename $MULTI_TURN)/prompts.jsonl $SAMPLED/prompts.jsonl; \
           derive_config '$CONFIG' $SAMPLED/config.yaml run_dir=$SAMPLED regenerate.temperature=${SAMPLED_T:-1} \
             regenerate.seed=0; python3 -m data_prep regenerate --config $SAMPLED/config.yaml" \
-          && touch $SAMPLED/.regenerated; fi ;;
+          && touch $SAMPLED/.regenerated
+        cut_torn_tail $SAMPLED/conversations.jsonl
+      fi ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --samples 3000 --steps 30 --precision no ;;

@@ -10,7 +10,15 @@ import pytest
 import torch
 import yaml
 
-from bench.ablations import DATA_ROWS, first_turns, measure, row_overrides, same_conversations, summarize
+from bench.ablations import (
+    DATA_ROWS,
+    first_turns,
+    measure,
+    row_overrides,
+    same_conversations,
+    sampled_subset,
+    summarize,
+)
 from eval.batched_eval import greedy_references
 
 
@@ -57,34 +65,43 @@ def test_sampled_answers_are_the_same_conversations_in_order_and_a_missing_one_i
         same_conversations(recs, sampled[2:], tmp_path / "s.jsonl")
 
 
+def test_a_cut_sampled_regeneration_leaves_every_row_the_conversations_it_holds_in_order() -> None:
+    recs = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    assert sampled_subset(recs, [{"id": "c"}, {"id": "a"}, {"id": "z"}]) == [{"id": "a"}, {"id": "c"}]
+
+
 def test_each_temperature_is_read_against_the_baseline_with_the_oracle_beside(bench_results, tmp_path) -> None:
-    def row(name: str, overrides: list[str], tau0: float, tau1: float) -> None:
+    def row(name: str, overrides: list[str], tau0: float, tau1: float, mb: float = 29.2) -> None:
         rec = {"name": name, "overrides": overrides, "tau": {"mtbench": tau0, "humaneval": tau0},
-               "at_temperature": {"1": {"tau": {"mtbench": tau1, "humaneval": tau1}}}}
+               "at_temperature": {"1": {"tau": {"mtbench": tau1, "humaneval": tau1}}}, "drafter_mb": mb}
         (tmp_path / f"row-{name}.json").write_text(json.dumps(rec))
 
     row("baseline", [], 2.0, 1.3)
     row("lk_alpha", ["train.loss=lk_alpha"], 2.1, 1.2)
     row("answers_sampled", [], 1.9, 1.5)
+    row("draft_vocab_32k", ["drafter.draft_vocab_size=32000"], 2.1, 1.3, mb=48.1)
     (tmp_path / "oracle-T1.json").write_text(json.dumps({"mtbench": 1.7, "humaneval": 2.0}))
 
-    keep = summarize(tmp_path, ["baseline", "lk_alpha", "answers_sampled", "draft_vocab_32k"], 0.02,
-                     {"temperatures": [0.0, 1.0]})
+    keep = summarize(tmp_path, ["baseline", "lk_alpha", "answers_sampled", "draft_vocab_32k", "ttt_3"], 0.02,
+                     {"temperatures": [0.0, 1.0]}, name="ablations_sampled")
 
-    assert keep == ["train.loss=lk_alpha"]  # the decision reads T = 0; a data row is reported, never kept
-    got = json.loads(bench_results.read_text())["ablations"]
+    # the decision reads T = 0; a data row is reported, never kept; nor is a lever whose drafter may not ship
+    assert keep == ["train.loss=lk_alpha"]
+    got = json.loads(bench_results.read_text())["ablations_sampled"]
+    assert got["not_kept_too_large"] == {"draft_vocab_32k": "48.1 MB drafter > 32 MB"}
     rows = {r["name"]: r for r in got["rows"]}
     assert rows["lk_alpha"]["delta_mean_tau"] == pytest.approx(0.1)
     assert rows["lk_alpha"]["at_temperature"]["1"]["delta_mean_tau"] == pytest.approx(-0.1)
     assert rows["answers_sampled"]["at_temperature"]["1"]["delta_mean_tau"] == pytest.approx(0.2)
     assert got["oracle_tau"] == {"1": {"mtbench": 1.7, "humaneval": 2.0}}
-    assert got["rows_missing"] == ["draft_vocab_32k"]
+    assert got["rows_missing"] == ["ttt_3"]
 
 
 @pytest.mark.real
-def test_a_row_is_measured_at_zero_and_at_one_and_the_oracle_needs_no_drafter(tmp_path, smollm2) -> None:
+def test_a_row_is_measured_at_zero_and_at_one_below_the_oracle_the_worker_records(tmp_path, smollm2) -> None:
     from drafter.factory import fresh_drafter, shape_for_target
     from drafter.vocab_map import build_vocab_map
+    from eval.oracle_cache import oracle_acceptance
     from eval.quality import setup
 
     cfg_path = tmp_path / "cfg.yaml"
@@ -102,11 +119,12 @@ def test_a_row_is_measured_at_zero_and_at_one_and_the_oracle_needs_no_drafter(tm
 
     cold = measure(target, drafter, [2, 15, 27], prompts, cfg, 0.0, refs)
     hot = measure(target, drafter, [2, 15, 27], prompts, cfg, 1.0, None)
-    oracle = measure(target, None, [2, 15, 27], prompts, cfg, 1.0, None)
+    oracle = oracle_acceptance(target, [2, 15, 27], prompts, 3, 1.0, cfg.eval.max_new_tokens, cfg.eval.acceptance,
+                               cfg.eval.seed, cache_dir=tmp_path / "oracle")
 
     assert cold["lossless_mismatches"] == {"mtbench": 0} and set(cold["tau"]) == {"mtbench"}
     assert "lossless_mismatches" not in hot and len(hot["alpha"]["mtbench"]) == 3
-    assert 1.0 <= hot["tau"]["mtbench"] <= oracle["tau"]["mtbench"] <= 4.0  # an untrained drafter: at most the ceiling
+    assert 1.0 <= hot["tau"]["mtbench"] <= oracle["mtbench"]["tau"] <= 4.0  # an untrained drafter: at most the ceiling
 
 
 @pytest.mark.real
@@ -135,3 +153,8 @@ def test_a_sampled_file_that_lacks_a_conversation_is_one_line_before_any_row_run
     with pytest.raises(SystemExit) as stop:
         ablations.main()
     assert stop.value.code == 2 and "--rows answers_sampled needs --sampled-conversations" in capsys.readouterr().err
+
+    monkeypatch.setattr(sys, "argv", [*argv[:-4], "--rows", "baseline", "--sampled-subset"])
+    with pytest.raises(SystemExit) as stop:
+        ablations.main()
+    assert stop.value.code == 2 and "--sampled-subset needs --sampled-conversations" in capsys.readouterr().err
