@@ -60,3 +60,16 @@ def test_the_cli_draws_where_it_is_told(tmp_path: Path, capsys: pytest.CaptureFi
     out = tmp_path / "plots" / "curve.png"
     assert main([str(run), "--out", str(out)]) == 0
     assert capsys.readouterr().out.strip() == str(out) and out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_resumed_log_drops_the_steps_past_the_checkpoint_and_a_torn_last_line(tmp_path: Path) -> None:
+    from train.loop import JsonlLog
+
+    run = tmp_path / "run"
+    write_log(run, [step(1, 10), step(2, 20), step(3, 30)])
+    with open(run / "train_log.jsonl", "a") as f:
+        f.write('{"step": 4, "lo')  # a kill in the middle of an append
+
+    JsonlLog(run / "train_log.jsonl", enabled=True, resume_step=2).write({"step": 3, "loss": 0.5})
+
+    assert [(r["step"], r["loss"]) for r in read_train_log(run)] == [(1, 1.0), (2, 1.0), (3, 0.5)]

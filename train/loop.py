@@ -9,7 +9,6 @@ eval, save) then end_training.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from common.cli import StopRequest, one_line_errors, stop_on_sigterm
 from common.config import RunConfig, TrainConfig, dump_config, load_config
-from common.files import json_text, named_errors, remove_temps, write_text_atomic
+from common.files import cut_torn_tail, json_text, named_errors, remove_temps, write_text_atomic
 from common.locking import run_lock
 from common.queued_copy import queued_to_device, queued_to_host
 from common.step_clock import StepClock
@@ -37,7 +36,7 @@ from data_prep.dataset import TokenBudgetSampler
 from train import run_checkpoints
 from train.build import build_drafter, scale_aux_inputs, teacher_rows
 from train.data import TrainingData, to_device, training_data
-from train.holdout_curve import LOG_NAME, plot_holdout_curve
+from train.holdout_curve import LOG_NAME, plot_holdout_curve, read_train_log
 from train.module import TTTModel
 from train.optim import clip_into_step, make_optimizer, make_scheduler, trainable
 from train.target_ahead import TargetAhead
@@ -69,14 +68,14 @@ def configure_deepspeed(accelerator: Accelerator, train_cfg: TrainConfig) -> Non
 
 class JsonlLog:
     """Per-step records for machines (run_dir/train_log.jsonl). On resume, records past the resumed
-    step are dropped so that the file reads as one uninterrupted run."""
+    step are dropped so that the file reads as one uninterrupted run, and so is the half line a kill can leave."""
 
     def __init__(self, path: Path, enabled: bool, resume_step: int):
         self.path, self.enabled = path, enabled
         if enabled and path.is_file():
-            keep = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            write_text_atomic(path, "".join(line + "\n" for line in keep))
+            cut_torn_tail(path)
+            keep = [rec for rec in read_train_log(path.parent) if rec.get("step", 0) <= resume_step]
+            write_text_atomic(path, "".join(json_text(rec) + "\n" for rec in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
