@@ -14,7 +14,8 @@ then this process loads the target once and measures each drafter. A trained row
 measured one too (<out>/row-<name>.json): a rerun after a kill redoes only what was cut (our trainer resumes
 from its last checkpoint; a SpecForge row cut mid-training starts over). The eval data wheels and specforge are
 what the GPU machine lacks (bench/device_assets.sh carries them). "peer_quality" in the results file is
-rewritten as each row is measured.
+rewritten as each row is measured; ``ours_minus.<row>.<dataset>`` is our tau minus that row's with its paired
+interval (the same prompts resampled for both, from the per-prompt columns each row's file keeps).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import record  # noqa: E402
 from bench.runs import make_run, run, train_command  # noqa: E402
 from common.files import write_json_atomic  # noqa: E402
+from eval.intervals import Bootstrap, paired_difference  # noqa: E402
 from train.holdout_curve import read_train_log  # noqa: E402
 
 ROWS = ("ours", "specforge", "specforge_shipped")
@@ -87,18 +89,49 @@ def ours_trained(row_dir: Path) -> dict[str, Any]:
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 
 
-def summary(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """The results object: each measured row, and whether every row saw the same tokens."""
+def ours_minus(rows: dict[str, dict[str, Any]], boot: Bootstrap) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per peer row and dataset: ours' tau minus the row's, with its paired interval (both drafters on the same
+    prompts, resampled together: prompt difficulty cancels), for the rows that kept their per-prompt columns."""
+    ours = rows.get("ours", {})
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, row in rows.items():
+        if name == "ours":
+            continue
+        diffs = {}
+        for ds, fig in row.items():
+            mine = ours.get(ds)
+            if isinstance(fig, dict) and "per_prompt" in fig and isinstance(mine, dict) and "per_prompt" in mine:
+                cols = [(f["per_prompt"]["tokens"], f["per_prompt"]["cycles"]) for f in (mine, fig)]
+                diffs[ds] = paired_difference(*cols, boot).interval(boot.level).to_dict()
+        if diffs:
+            out[name] = diffs
+    return out
+
+
+def without_columns(row: dict[str, Any]) -> dict[str, Any]:
+    """A row as the results file shows it: the per-prompt columns stay in the row's own file."""
+    return {k: ({f: v for f, v in fig.items() if f != "per_prompt"} if isinstance(fig, dict) else fig)
+            for k, fig in row.items()}
+
+
+def summary(rows: dict[str, dict[str, Any]], args: argparse.Namespace, boot: Bootstrap) -> dict[str, Any]:
+    """The results object: each measured row, ours' tau minus each peer row's with its paired interval, and
+    whether every row saw the same tokens."""
     seen = {r["training"]["tokens_seen"] for r in rows.values()}
+    diffs = ours_minus(rows, boot)
     return {"config": str(args.config), "conversations": str(args.conversations), "epochs": args.epochs,
-            "steps": args.steps, "k": 3, "temperature": 0.0, **rows, "tokens_seen": sorted(seen),
+            "steps": args.steps, "k": 3, "temperature": 0.0, **{n: without_columns(r) for n, r in rows.items()},
+            **({"ours_minus": diffs, "confidence": boot.level} if diffs else {}), "tokens_seen": sorted(seen),
             "tokens_seen_equal": len(seen) == 1, "rows_pending": [n for n in args.rows if n not in rows]}
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each trained row measured by ``eval quality``'s function (k=3, T=0, every prompt, fp32 target)."""
+    from common.config import load_config
+    from eval.gate_stats import bootstrap
     from eval.quality import quality, setup
 
+    boot = bootstrap(load_config(args.config).gate)
     cfg = target = prompts = None
     rows: dict[str, dict[str, Any]] = {}
     for name in args.rows:
@@ -110,12 +143,14 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         ckpt = training.pop("checkpoint")
         if target is None:
             cfg, target, prompts = setup(args.config, args.limit)
-        figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts, context_prompts=0)
+        figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts, context_prompts=0,
+                          per_prompt_columns=True)
         rows[name] = {"checkpoint": str(ckpt), "training": training,
-                      **{ds: {key: figures[ds][key] for key in ("tau", "alpha", "prompts", "lossless_mismatches")}
+                      **{ds: {key: figures[ds][key] for key in ("tau", "ci", "alpha", "prompts", "lossless_mismatches",
+                                                                "per_prompt")}
                          for ds in prompts}}
         write_json_atomic(kept, rows[name])
-        record("peer_quality", summary(rows, args))
+        record("peer_quality", summary(rows, args, boot))
     return rows
 
 

@@ -137,13 +137,15 @@ def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, 
 
 @torch.no_grad()
 def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]], checkpoint: str | Path,
-            settings: Sequence[tuple[int, float]], timing_prompts: int = 8, context_prompts: int | None = 80) -> dict:
+            settings: Sequence[tuple[int, float]], timing_prompts: int = 8, context_prompts: int | None = 80,
+            per_prompt_columns: bool = False) -> dict:
     """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``
     (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
     tau and alpha beside the drafter's (``add_oracle``; measured once per target, prompts and setting:
     ``eval.oracle_cache``), and the gate's decision at the first setting
-    against break-even, read through the intervals."""
+    against break-even, read through the intervals. ``per_prompt_columns``: the first setting's datasets keep
+    their (tokens, cycles) per prompt too, for a paired comparison with another drafter on the same prompts."""
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     boot = bootstrap(cfg.gate)
     max_new = cfg.eval.max_new_tokens
@@ -157,6 +159,9 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
             add_oracle(per_dataset, oracle_acceptance(target, aux_ids, prompts, k, t, max_new, cfg.eval.acceptance),
                        boot)
     first, first_stats = next(iter(results.values())), next(iter(stats.values()))
+    if per_prompt_columns:
+        for name, s in first_stats.items():
+            first[name]["per_prompt"] = dict(zip(("tokens", "cycles"), per_prompt(s), strict=True))
     first_name = list(prompts)[0]
     times, tau_stars = timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts],
                                sorted({k for k, _ in settings}), max_new, boot)

@@ -77,3 +77,24 @@ def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys
     assert figures["gate"]["intervals"]["mtbench"]["tau"]["prompts"] == 2
     assert "conversations.jsonl: not found" in figures["tau_by_context"]["skipped"]  # this run has none
     assert "quality: " in capsys.readouterr().out
+
+
+def test_per_prompt_columns_add_up_to_tau_for_a_paired_comparison(tmp_path, smollm2):
+    from drafter.factory import fresh_drafter, shape_for_target
+    from drafter.vocab_map import build_vocab_map
+    from eval.quality import quality, quality_config
+
+    d2t, t2d = build_vocab_map(torch.zeros(smollm2.vocab_size), 1024)
+    drafter = fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)), smollm2.embed_weight().detach(),
+                            d2t, t2d)
+    ckpt = save_checkpoint(drafter, tmp_path / "step-1", dtype="float32")
+    cfg = quality_config(write_config(tmp_path))
+    prompts = {"mtbench": [smollm2.tokenizer("Name three colours.")["input_ids"],
+                           smollm2.tokenizer("Count to five.")["input_ids"]]}
+
+    figures = quality(cfg, smollm2, prompts, ckpt, [(3, 0.0)], timing_prompts=1, context_prompts=0,
+                      per_prompt_columns=True)
+
+    cols = figures["mtbench"]["per_prompt"]
+    assert len(cols["tokens"]) == len(cols["cycles"]) == 2
+    assert sum(cols["tokens"]) / sum(cols["cycles"]) == pytest.approx(figures["mtbench"]["tau"])
