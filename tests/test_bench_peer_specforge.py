@@ -113,3 +113,22 @@ def test_specforge_trains_on_our_batches_and_saves_a_servable_drafter(tmp_path: 
         start = initial.state_dict()[name].to(torch.bfloat16)
         assert not torch.equal(saved[name], start), name
         assert not torch.equal(saved[name], ours_last[name]), name
+
+
+@pytest.mark.real
+def test_specforge_as_it_ships_trains_from_its_own_init_at_its_own_lr(tmp_path: Path, eager: None) -> None:
+    config = write_run(tmp_path / "run", "online")
+    cfg = load_config(config)
+    out = tmp_path / "shipped" / "drafter"
+
+    done = peer_specforge.train(cfg, peer_specforge.RECIPES["shipped"], out, torch.device("cpu"))
+
+    total, _ = peer_specforge.our_batches(cfg, training_data(cfg, torch.device("cpu")), torch.device("cpu"))
+    assert done["steps"] == total and done["lr"] == 1e-4 and done["warmup_ratio"] == 0.015
+    assert done["mask"] == "SpecForge's (unshifted)" and done["initial"].startswith("SpecForge's random init")
+    assert done["last_loss"] == done["last_loss"]  # finite
+    assert check_checkpoint(out) == []
+    initial, _ = build_drafter(cfg, training_data(cfg, torch.device("cpu")))
+    saved = load_tensors(out, ["midlayer.self_attn.q_proj.weight"])["midlayer.self_attn.q_proj.weight"]
+    start = initial.state_dict()["midlayer.self_attn.q_proj.weight"].to(torch.bfloat16)
+    assert not torch.allclose(saved.float(), start.float(), atol=1e-2)  # not our init: SpecForge's random one
