@@ -74,7 +74,8 @@
 #                logs.tar.gz (the logs' tails, the run's train_log.jsonl, the ablation rows; a stalled row's stacks;
 #                the regenerate log's errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's
 #                conversations.jsonl.gz in 15 MB parts (a returned file holds at most 16 MiB) for the next machine
-#                to carry, into $OUT
+#                to carry, into $OUT: bench/device_out.py keeps the call's limits (8 files, 64 MiB), taking results,
+#                logs, conversations, drafter and plots in that order, each whole, and names what stays behind
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -260,22 +261,23 @@ for p in "$@"; do
           --holdout-samples 300 --loopy-conversations $RUN/dq/before.jsonl && \
         python3 bench/decode_gap.py --config '$CONFIG' --checkpoint $RUN/checkpoints/best --holdout-samples 300 \
           --target-dtype bfloat16 --name decode_gap_bf16_target" ;;
-    out)
+    out)  # what the call returns, staged, then chosen under the transfer's limits by bench/device_out.py
       if [ -n "${OUT:-}" ]; then
-        cp "$BENCH_RESULTS" "$OUT/results.json" 2>/dev/null
-        cp runs/learning_curve.png runs/regenerate_timeline*.png "$OUT/" 2>/dev/null
+        stage=$(mktemp -d)
+        cp "$BENCH_RESULTS" "$stage/results.json" 2>/dev/null
+        cp runs/learning_curve.png runs/regenerate_timeline*.png "$stage/" 2>/dev/null
         best=$(readlink -f $RUN/checkpoints/best 2>/dev/null)
         if [ -z "$best" ] && [ -f runs/bench-ablations/keep.json ]; then  # the ablations' best row by mean tau
           best=$(python3 -c "import json, glob
 rows = [json.load(open(p)) for p in glob.glob('runs/bench-ablations/row-*.json')]
 best = max(rows, key=lambda r: sum(r['tau'].values()), default=None)
 print(best['checkpoint'] if best else '')")
-          [ -n "$best" ] && best=$(readlink -f "$best") && echo "$best" > "$OUT/best-is.txt"
+          [ -n "$best" ] && best=$(readlink -f "$best") && echo "$best" > "$stage/best-is.txt"
           true
         fi
         if [ -n "$best" ] && [ -f "$best/model.safetensors" ]; then
-          cp "$best/config.json" "$OUT/best-config.json"
-          split -b 15M "$best/model.safetensors" "$OUT/best-model.part-"
+          cp "$best/config.json" "$stage/best-config.json"
+          split -b 15M "$best/model.safetensors" "$stage/best-model.part-"
         fi
         # the logs in one archive (a call returns at most 8 files): the phases' tails, the ablation workers' and
         # rows' own output (progress bars folded), regen-bench's child, the rows' figures
@@ -299,10 +301,16 @@ print(best['checkpoint'] if best else '')")
         cp runs/bench-ablations/row-*.json runs/bench-ablations/failed-*.json "$logs/" 2>/dev/null
         cp $RUN/train_log.jsonl "$logs/" 2>/dev/null  # the run's held-out curve, step by step
         for r in runs/bench-peer/row-*.json; do [ -f "$r" ] && cp "$r" "$logs/peer-$(basename "$r")"; done
-        tar -czf "$OUT/logs.tar.gz" -C "$logs" .
+        tar -czf "$stage/logs.tar.gz" -C "$logs" .
         if [ -n "${OUT_CONVERSATIONS:-}" ] && [ -f $RUN/conversations.jsonl ]; then
-          gzip -c $RUN/conversations.jsonl | split -b 15M - "$OUT/conversations.jsonl.gz.part-"
+          gzip -c $RUN/conversations.jsonl | split -b 15M - "$stage/conversations.jsonl.gz.part-"
         fi
+        # in priority order, each group whole or not at all: the figures, the logs, the conversations asked for,
+        # the drafter, the plots
+        python3 bench/device_out.py --out "$OUT" --group "$stage/results.json" --group "$stage/logs.tar.gz" \
+          --group "$stage"/conversations.jsonl.gz.part-* \
+          --group "$stage/best-config.json" "$stage/best-is.txt" "$stage"/best-model.part-* \
+          $(for png in "$stage"/*.png; do echo --group "$png"; done)
       fi ;;
     *) echo "unknown phase $p"; failed+=("$p") ;;
   esac

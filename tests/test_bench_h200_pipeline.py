@@ -37,3 +37,17 @@ def test_derive_reports_a_bad_override_as_a_failed_phase(tmp_path: Path) -> None
     assert out.returncode != 0
     assert "=== derive FAILED" in out.stdout
     assert not (run / "config.yaml").exists()
+
+
+def test_out_returns_the_logs_and_the_conversations_asked_for_within_the_limits(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    out.mkdir()
+    (run / "conversations.jsonl").write_text('{"id": "a", "messages": []}\n')
+    (run / "train_log.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+
+    done = run_phases("out", RUN=str(run), OUT=str(out), OUT_CONVERSATIONS="1")
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert {"logs.tar.gz", "conversations.jsonl.gz.part-aa"} <= {p.name for p in out.iterdir()}
+    assert "out: returning" in done.stdout
