@@ -34,8 +34,8 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
 the oracle's tau beside it, a drafter proposing the target's own greedy token, read from ``eval.oracle_cache`` when
 an eval measured it before); the keep decision reads T = 0. A sampled regeneration cut short still makes a fair
 answers_sampled row with --sampled-subset: every row then trains on the conversations the sampled file holds (the
-others are counted, ``conversations_not_sampled``), and --record-as keeps that run's object apart from the
-full-data one.
+others are counted, ``conversations_not_sampled``), and --record-as ablations_sampled keeps that run's object (and
+its rows, runs/bench-ablations_sampled/) apart from the full-data one.
 Rows run in --procs-per-gpu worker processes on every visible GPU; a worker trains each of its rows with the
 user's own command (``python -m train``, a process of its own: <row>/train.out) and then measures it. Each row
 is written when it ends (<out>/row-<name>.json and "ablations" in the results file), so a killed run keeps the
@@ -274,7 +274,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--conversations", required=True, type=Path)
-    ap.add_argument("--out", type=Path, default=Path("runs/bench-ablations"))
+    ap.add_argument("--out", type=Path, help="where rows are kept (default: runs/bench-<--record-as>)")
     ap.add_argument("--samples", type=int, default=3000, help="the first N conversations (0: all)")
     schedule = ap.add_mutually_exclusive_group()
     schedule.add_argument("--steps", type=int, help="train each row this many steps")
@@ -298,6 +298,9 @@ def main() -> int:
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
     ap.add_argument("--oracle", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.sampled_subset and args.sampled_conversations is None:
+        ap.error("--sampled-subset needs --sampled-conversations")
+    args.out = args.out or Path(f"runs/bench-{args.record_as}")
     if args.temperatures[0] != 0 or any(t < 0 for t in args.temperatures):
         ap.error(f"--temperatures {args.temperatures}: the first must be 0 (the keep decision reads T = 0), none below")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -318,8 +321,6 @@ def main() -> int:
     if "init_from_target" in names and cfg.drafter.init == "target":
         print("init_from_target: left out, the config's drafter already starts from the target", file=sys.stderr)
         names.remove("init_from_target")
-    if args.sampled_subset and args.sampled_conversations is None:
-        ap.error("--sampled-subset needs --sampled-conversations")
     if "answers_sampled" in names and args.sampled_conversations is None:
         if args.rows != "all":
             ap.error("--rows answers_sampled needs --sampled-conversations")

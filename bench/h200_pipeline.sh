@@ -40,7 +40,7 @@
 #                goes on from an earlier machine's sampled conversations (.gpu/sampled/conversations.jsonl.gz.part-*,
 #                returned by `RUN=runs/smollm2-h200-mt-sampled OUT_CONVERSATIONS=1 ... out`); cut by the deadline,
 #                what it wrote makes the row with --sampled-subset (every row on those conversations) and
-#                --out runs/bench-ablations-sampled --record-as ablations_sampled (apart from the full-data rows)
+#                --record-as ablations_sampled (its object and rows, runs/bench-ablations_sampled/, apart)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
@@ -283,8 +283,9 @@ print(best['checkpoint'] if best else '')")
         # rows' own output (progress bars folded), regen-bench's child, the rows' figures
         logs=$(mktemp -d)
         tail -n 40 "$LOGS"/*.log > "$logs/logs-tail.txt" 2>/dev/null
-        for w in runs/bench-ablations/worker*.log; do
-          [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 > "$logs/$(basename "$w")"
+        for w in runs/bench-ablations*/worker*.log; do  # every ablation run's, named by its folder
+          [ -f "$w" ] && tr '\r' '\n' < "$w" | grep -v -E 'it/s\]|seq/s\]|step/s\]' | tail -n 30 \
+            > "$logs/$(basename "$(dirname "$w")")-$(basename "$w")"
         done
         # the regenerate log's errors, device asserts and recompiles (TORCH_LOGS), then its tail; lines that are only
         # a progress bar are dropped, not those where a message follows one (a device assert prints on the bar's line)
@@ -294,11 +295,13 @@ print(best['checkpoint'] if best else '')")
             | head -n 300; echo "--- the last 20 lines"; tr '\r' '\n' < "$r" | tail -n 20; } \
             > "$logs/regen-bench-$(basename "$(dirname "$r")").txt"
         done
-        for t in runs/bench-ablations/*/train.out runs/bench-peer/*/train.out; do  # a stalled row's stacks fit
+        for t in runs/bench-ablations*/*/train.out runs/bench-peer/*/train.out; do  # a stalled row's stacks fit
           [ -f "$t" ] && tr '\r' '\n' < "$t" | tail -n 400 \
             > "$logs/train-$(basename "$(dirname "$(dirname "$t")")")-$(basename "$(dirname "$t")").txt"
         done
-        cp runs/bench-ablations/row-*.json runs/bench-ablations/failed-*.json "$logs/" 2>/dev/null
+        for r in runs/bench-ablations*/row-*.json runs/bench-ablations*/failed-*.json; do
+          [ -f "$r" ] && cp "$r" "$logs/$(basename "$(dirname "$r")")-$(basename "$r")"
+        done
         cp $RUN/train_log.jsonl "$logs/" 2>/dev/null  # the run's held-out curve, step by step
         for r in runs/bench-peer/row-*.json; do [ -f "$r" ] && cp "$r" "$logs/peer-$(basename "$r")"; done
         tar -czf "$stage/logs.tar.gz" -C "$logs" .
