@@ -165,6 +165,7 @@ def worker(args: argparse.Namespace) -> int:
     """Train and measure the given rows in this process (on the GPU it was given); rows go to
     <out>/row-<name>.json."""
     from common.config import load_config
+    from drafter.sglang_checkpoint import served_bytes
     from eval.batched_eval import greedy_references
     from eval.oracle_cache import oracle_acceptance
     from eval.quality import load_drafter, setup
@@ -212,7 +213,7 @@ def worker(args: argparse.Namespace) -> int:
                **at_zero, **({"at_temperature": hotter} if hotter else {}),
                "holdout": {k.split("/")[1]: v for k, v in holdout_at(run_dir, last).items() if "/" in k},
                "checkpoint": str(run_dir / "checkpoints" / "best"),
-               "drafter_mb": round((run_dir / "checkpoints" / "best" / "model.safetensors").stat().st_size / 1e6, 1)}
+               "drafter_mb": round(served_bytes(run_dir / "checkpoints" / "best") / 1e6, 1)}
         write_json_atomic(args.out / f"row-{name}.json", row)
         print(json.dumps(row), flush=True)
         del drafter

@@ -204,6 +204,22 @@ def tensor_infos(ckpt_dir: str | Path) -> dict[str, TensorInfo]:
     return infos
 
 
+FLOAT_HEADERS = ("BF16", "F16", "F32", "F64")  # safetensors' dtype names of float tensors
+INT_BYTES = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def served_bytes(ckpt_dir: str | Path) -> int:
+    """The weights' size as SGLang is handed them: float tensors in bf16 (a CPU run saves fp32, a GPU run bf16),
+    the vocab map as stored. What a size limit on a drafter to ship is about."""
+    total = 0
+    for info in tensor_infos(ckpt_dir).values():
+        n = 1
+        for d in info.shape:
+            n *= d
+        total += n * (2 if info.dtype in FLOAT_HEADERS else INT_BYTES[info.dtype])
+    return total
+
+
 def load_tensors(ckpt_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     files = weight_files(ckpt_dir)

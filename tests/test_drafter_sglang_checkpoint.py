@@ -26,6 +26,7 @@ from drafter.sglang_checkpoint import (
     hf_config,
     load_checkpoint,
     save_checkpoint,
+    served_bytes,
     shape_from_config,
 )
 from drafter.vocab_map import build_vocab_map
@@ -398,3 +399,15 @@ def test_cli_check_on_a_dir_without_config_json_is_one_line_and_exit_2(saved: Pa
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {bad / 'config.json'}: missing"), r.stderr
     assert "FAIL" not in r.stdout
+
+
+def test_served_size_counts_floats_in_bf16_whatever_dtype_was_saved(tmp_path: Path, tiny_drafter: Eagle3Drafter
+                                                                     ) -> None:
+    m = randomize(tiny_drafter)
+    fp32 = save_checkpoint(m, tmp_path / "fp32", dtype="float32")
+    bf16 = save_checkpoint(m, tmp_path / "bf16", dtype="bfloat16")
+    state = load_file(str(bf16 / "model.safetensors"))
+    want = sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in state.values())
+
+    assert served_bytes(fp32) == served_bytes(bf16) == want
+    assert (fp32 / "model.safetensors").stat().st_size > (bf16 / "model.safetensors").stat().st_size
