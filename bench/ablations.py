@@ -29,7 +29,9 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
 - lk_alpha, lk_lambda: the LK losses on the expected acceptance instead of the KL to the teacher (train.loss);
 - answers_sampled: the same conversations with the answers the target sampled at the serving temperature
   (--sampled-conversations: the same prompts regenerated with regenerate.temperature > 0 and a seed): whether
-  data drawn the way users are served lifts tau at that temperature.
+  data drawn the way users are served lifts tau at that temperature;
+- answers_both: each conversation twice, with its greedy answers and with its sampled ones: whether more answer
+  text for the same prompts (the data's only unbounded source) lifts tau at equal steps.
 --temperatures 0 1 measures every row at each temperature (T > 0: SGLang's acceptance rule, eval.acceptance, with
 the oracle's tau beside it, a drafter proposing the target's own greedy token, read from ``eval.oracle_cache`` when
 an eval measured it before); the keep decision reads T = 0. A sampled regeneration cut short still makes a fair
@@ -73,7 +75,8 @@ from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
 from train.holdout_curve import read_train_log  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
-DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only", "answers_sampled")
+SAMPLED_ROWS = ("answers_sampled", "answers_both")  # the rows that read --sampled-conversations
+DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only", *SAMPLED_ROWS)
 
 
 def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) -> dict[str, list[str]]:
@@ -86,7 +89,8 @@ def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) 
             "first_turn_short_answers": [], "first_turns_only": [], "aux_scaled": ["drafter.aux_scale=per_state"],
             "sharp_teacher": ["train.teacher_temperature=0.5"],
             "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"],
-            "lk_alpha": ["train.loss=lk_alpha"], "lk_lambda": ["train.loss=lk_lambda"], "answers_sampled": []}
+            "lk_alpha": ["train.loss=lk_alpha"], "lk_lambda": ["train.loss=lk_lambda"], "answers_sampled": [],
+            "answers_both": []}
 
 
 def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:
@@ -143,6 +147,13 @@ def sampled_subset(recs: list[dict], sampled: list[dict]) -> list[dict]:
     the sampled regeneration was cut short, so the answers_sampled row still differs in its answers alone."""
     have = {r["id"] for r in sampled}
     return [r for r in recs if r["id"] in have]
+
+
+def both_answers(recs: list[dict], sampled: list[dict]) -> list[dict]:
+    """Each conversation with its greedy answers, then each with its sampled ones under the id ``<id>@sampled``
+    (ids stay unique: resume reads them). The held-out split hashes ids, so a held-out conversation's sampled twin
+    may train: this row's held-out figures flatter it; its tau, on the eval sets, does not."""
+    return [*recs, *({**r, "id": f"{r['id']}@sampled"} for r in sampled)]
 
 
 def measure(target: Any, drafter: Any, aux_ids: list[int], prompts: dict, cfg: RunConfig, temperature: float,
@@ -233,6 +244,8 @@ def write_data(out: Path, names: list[str], recs: list[dict], sampled: list[dict
         write_jsonl_atomic(out / "data-loop_copies_dropped.jsonl", loop_copies_dropped(recs, tokenizer, copies))
     if sampled is not None:
         write_jsonl_atomic(out / "data-answers_sampled.jsonl", sampled)
+        if "answers_both" in names:
+            write_jsonl_atomic(out / "data-answers_both.jsonl", both_answers(recs, sampled))
 
 
 def mean_tau(tau: dict[str, float]) -> float:
@@ -322,11 +335,11 @@ def main() -> int:
     if "init_from_target" in names and cfg.drafter.init == "target":
         print("init_from_target: left out, the config's drafter already starts from the target", file=sys.stderr)
         names.remove("init_from_target")
-    if "answers_sampled" in names and args.sampled_conversations is None:
+    if (wanted := [n for n in SAMPLED_ROWS if n in names]) and args.sampled_conversations is None:
         if args.rows != "all":
-            ap.error("--rows answers_sampled needs --sampled-conversations")
-        print("answers_sampled: left out, no --sampled-conversations", file=sys.stderr)
-        names.remove("answers_sampled")
+            ap.error(f"--rows {','.join(wanted)} needs --sampled-conversations")
+        print(f"{', '.join(wanted)}: left out, no --sampled-conversations", file=sys.stderr)
+        names = [n for n in names if n not in wanted]
     copies = cfg.regenerate.loop_keep_tokens
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
@@ -335,7 +348,7 @@ def main() -> int:
     try:  # validated: a bad line, or a sampled file that lacks a conversation, is one line naming it
         recs = read_conversations(args.conversations)
         sampled_all = (read_conversations(args.sampled_conversations) if args.sampled_conversations is not None
-                       and ("answers_sampled" in names or args.sampled_subset) else None)
+                       and (any(n in names for n in SAMPLED_ROWS) or args.sampled_subset) else None)
         if args.sampled_subset and sampled_all is not None:
             kept = sampled_subset(recs, sampled_all)
             not_sampled = {"conversations_not_sampled": len(recs) - len(kept)}
@@ -344,7 +357,7 @@ def main() -> int:
             recs = kept
         recs = recs[:args.samples] if args.samples > 0 else recs
         sampled = (same_conversations(recs, sampled_all, args.sampled_conversations)
-                   if "answers_sampled" in names else None)
+                   if any(n in names for n in SAMPLED_ROWS) else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ import yaml
 
 from bench.ablations import (
     DATA_ROWS,
+    both_answers,
     first_turns,
     measure,
     row_overrides,
@@ -63,6 +64,11 @@ def test_sampled_answers_are_the_same_conversations_in_order_and_a_missing_one_i
     assert [r["id"] for r in same_conversations(recs, sampled, tmp_path / "s.jsonl")] == ["a", "b"]
     with pytest.raises(ValueError, match=r"s\.jsonl: 1 of the 2 conversations are missing \(first: b\)"):
         same_conversations(recs, sampled[2:], tmp_path / "s.jsonl")
+
+
+def test_both_answers_keep_each_conversation_twice_under_unique_ids() -> None:
+    both = both_answers([{"id": "a", "t": 0}, {"id": "b", "t": 0}], [{"id": "a", "t": 1}, {"id": "b", "t": 1}])
+    assert [(r["id"], r["t"]) for r in both] == [("a", 0), ("b", 0), ("a@sampled", 1), ("b@sampled", 1)]
 
 
 def test_a_cut_sampled_regeneration_leaves_every_row_the_conversations_it_holds_in_order() -> None:
