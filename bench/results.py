@@ -67,4 +67,4 @@ def record(name: str, figures: dict[str, Any], command: str | None = None, merge
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[name] = (data.get(name, {}) | entry) if merge else entry
         write_text_atomic(path, json_text(data, indent=2, sort_keys=True) + "\n")
-    print(f"{path}: {name} = {json.dumps(figures)}")
+    print(f"{path}: {name} = {json_text(figures)}")
