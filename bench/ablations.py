@@ -344,11 +344,12 @@ def main() -> int:
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
         names.remove("loop_copies_dropped")
+    sampled_rows = [n for n in SAMPLED_ROWS if n in names]
     not_sampled: dict[str, int] = {}
     try:  # validated: a bad line, or a sampled file that lacks a conversation, is one line naming it
         recs = read_conversations(args.conversations)
         sampled_all = (read_conversations(args.sampled_conversations) if args.sampled_conversations is not None
-                       and (any(n in names for n in SAMPLED_ROWS) or args.sampled_subset) else None)
+                       and (sampled_rows or args.sampled_subset) else None)
         if args.sampled_subset and sampled_all is not None:
             kept = sampled_subset(recs, sampled_all)
             not_sampled = {"conversations_not_sampled": len(recs) - len(kept)}
@@ -357,7 +358,7 @@ def main() -> int:
             recs = kept
         recs = recs[:args.samples] if args.samples > 0 else recs
         sampled = (same_conversations(recs, sampled_all, args.sampled_conversations)
-                   if any(n in names for n in SAMPLED_ROWS) else None)
+                   if sampled_rows else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -34,8 +34,11 @@ def categories() -> list[str]:
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
-            rec = json.loads(line)
-            if not isinstance(rec.get("category"), str):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("category"), str):
                 raise ValueError(f"{path}:{n}: no 'category' string")
             out.append(rec["category"])
     return out
@@ -64,7 +67,11 @@ def main() -> int:
         return 2
     cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"datasets": mtbench[:1]})})
     target, prompts = target_and_prompts(cfg)
-    cats = categories()
+    try:
+        cats = categories()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     name = mtbench[0].name
     if len(cats) != len(prompts[name]):
         print(f"error: {len(cats)} categories for {len(prompts[name])} prompts", file=sys.stderr)

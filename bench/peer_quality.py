@@ -127,11 +127,9 @@ def summary(rows: dict[str, dict[str, Any]], args: argparse.Namespace, boot: Boo
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """Each trained row measured by ``eval quality``'s function (k=3, T=0, every prompt, fp32 target)."""
-    from common.config import load_config
     from eval.gate_stats import bootstrap
     from eval.quality import quality, setup
 
-    boot = bootstrap(load_config(args.config).gate)
     cfg = target = prompts = None
     rows: dict[str, dict[str, Any]] = {}
     for name in args.rows:
@@ -150,7 +148,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                                                                 "per_prompt")}
                          for ds in prompts}}
         write_json_atomic(kept, rows[name])
-        record("peer_quality", summary(rows, args, boot))
+        record("peer_quality", summary(rows, args, bootstrap(cfg.gate)))
     return rows
 
 

@@ -102,8 +102,6 @@ def run(cmd: list[str], env: dict[str, str] | None = None, log: Path | None = No
         raise RuntimeError(f"{exit_reason(proc.returncode)}: {' '.join(cmd)}\n{tail}")
 
 
-
-
 def step_records(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_train_log(run_dir) if "tokens_per_s" in r]
 

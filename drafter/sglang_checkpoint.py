@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -211,13 +212,8 @@ INT_BYTES = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 def served_bytes(ckpt_dir: str | Path) -> int:
     """The weights' size as SGLang is handed them: float tensors in bf16 (a CPU run saves fp32, a GPU run bf16),
     the vocab map as stored. What a size limit on a drafter to ship is about."""
-    total = 0
-    for info in tensor_infos(ckpt_dir).values():
-        n = 1
-        for d in info.shape:
-            n *= d
-        total += n * (2 if info.dtype in FLOAT_HEADERS else INT_BYTES[info.dtype])
-    return total
+    return sum(math.prod(info.shape) * (2 if info.dtype in FLOAT_HEADERS else INT_BYTES[info.dtype])
+               for info in tensor_infos(ckpt_dir).values())
 
 
 def load_tensors(ckpt_dir: str | Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -384,5 +380,5 @@ def check_checkpoint(ckpt_dir: str | Path, check_finite: bool = True) -> list[st
 
 def nonfinite_tensors(ckpt_dir: str | Path) -> list[str]:
     """Names of float tensors holding NaN or inf (one tensor in memory at a time)."""
-    floats = [name for name, info in tensor_infos(ckpt_dir).items() if info.dtype in ("F64", "F32", "F16", "BF16")]
+    floats = [name for name, info in tensor_infos(ckpt_dir).items() if info.dtype in FLOAT_HEADERS]
     return [name for name in sorted(floats) if not torch.isfinite(load_tensors(ckpt_dir, [name])[name]).all()]

@@ -8,12 +8,14 @@ trainer draws this when it finishes, and this module draws it for a log from els
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from common.cli import EXIT_OK, one_line_errors
+from common.files import write_bytes_atomic
 
 LOG_NAME = "train_log.jsonl"
 PNG_NAME = "holdout_curve.png"
@@ -74,11 +76,11 @@ def plot_holdout_curve(run_dir: Path, png: Path | None = None) -> Path:
     left.set_title(f"{run_dir.name}: held-out curve ({points[-1]['tokens_seen'] / 1e6:.1f} M tokens seen)")
     left.grid(alpha=0.3)
     fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = png.with_name(png.name + ".part.png")
-    fig.savefig(tmp, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
-    tmp.replace(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(png, buf.getvalue())
     return png
 
 
