@@ -1,7 +1,7 @@
 """What a device call sends back, chosen under the transfer's limits: at most 8 files, 64 MiB together, 16 MiB each.
 
 The GPU machine returns the files a command leaves in $OUT and silently drops what is over a limit, whichever file
-that is (a results.json was once dropped for the file count). Here the files come in groups, in priority order,
+that is, results.json included. Here the files come in groups, in priority order,
 and a group goes back whole or not at all (half a split checkpoint is of no use): each group that still fits is
 moved into $OUT, and each that does not is named on stdout.
 
