@@ -31,7 +31,10 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
   (--sampled-conversations: the same prompts regenerated with regenerate.temperature > 0 and a seed): whether
   data drawn the way users are served lifts tau at that temperature;
 - answers_both: each conversation twice, with its greedy answers and with its sampled ones: whether more answer
-  text for the same prompts (the data's only unbounded source) lifts tau at equal steps.
+  text for the same prompts lifts tau at equal steps;
+- self_prompts: the conversations plus those of prompts the target wrote itself (--self-conversations: data_prep
+  synthesize, ingest and regenerate into another run dir): whether prompts in the target's own domain lift tau
+  at equal steps, when the prompt corpus is used up.
 --temperatures 0 1 measures every row at each temperature (T > 0: SGLang's acceptance rule, eval.acceptance, with
 the oracle's tau beside it, a drafter proposing the target's own greedy token, read from ``eval.oracle_cache`` when
 an eval measured it before); the keep decision reads T = 0. A sampled regeneration cut short still makes a fair
@@ -76,7 +79,7 @@ from train.holdout_curve import read_train_log  # noqa: E402
 
 SHORT_ANSWER_TOKENS = 256
 SAMPLED_ROWS = ("answers_sampled", "answers_both")  # the rows that read --sampled-conversations
-DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only", *SAMPLED_ROWS)
+DATA_ROWS = ("loop_copies_dropped", "first_turn_short_answers", "first_turns_only", *SAMPLED_ROWS, "self_prompts")
 
 
 def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) -> dict[str, list[str]]:
@@ -90,7 +93,7 @@ def row_overrides(cfg: RunConfig, target_intermediate: int, target_layers: int) 
             "sharp_teacher": ["train.teacher_temperature=0.5"],
             "aux_late": [f"target.aux_layer_ids=[{low},{mid},{target_layers - 2}]"],
             "lk_alpha": ["train.loss=lk_alpha"], "lk_lambda": ["train.loss=lk_lambda"], "answers_sampled": [],
-            "answers_both": []}
+            "answers_both": [], "self_prompts": []}
 
 
 def shorten(text: str, tokenizer: Any, keep: int | None = None, drop: int = 0) -> str:
@@ -232,10 +235,15 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_data(out: Path, names: list[str], recs: list[dict], sampled: list[dict] | None, tokenizer: Any,
-               copies: int) -> None:
+def write_data(out: Path, names: list[str], recs: list[dict], sampled: list[dict] | None,
+               own: list[dict] | None, tokenizer: Any, copies: int) -> None:
     """What the rows train on: <out>/data-subset.jsonl, and each data row's own file."""
     write_jsonl_atomic(out / "data-subset.jsonl", recs)
+    if own is not None:
+        if clash := {r["id"] for r in recs} & {r["id"] for r in own}:
+            raise ValueError(f"--self-conversations: {len(clash)} ids are in --conversations too (first: "
+                             f"{min(clash)}); give conversations of the target's own prompts")
+        write_jsonl_atomic(out / "data-self_prompts.jsonl", [*recs, *own])
     if "first_turn_short_answers" in names:
         write_jsonl_atomic(out / "data-first_turn_short_answers.jsonl", first_turns(recs, tokenizer))
     if "first_turns_only" in names:
@@ -307,6 +315,8 @@ def main() -> int:
                     help="the same prompts regenerated at regenerate.temperature > 0: the answers_sampled row")
     ap.add_argument("--sampled-subset", action="store_true",
                     help="every row trains on the conversations the sampled file holds (a regeneration cut short)")
+    ap.add_argument("--self-conversations", type=Path,
+                    help="conversations of prompts the target wrote itself (data_prep synthesize): row self_prompts")
     ap.add_argument("--record-as", default="ablations", help="the object's name in the results file")
     ap.add_argument("--worker-rows", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
@@ -340,6 +350,11 @@ def main() -> int:
             ap.error(f"--rows {','.join(wanted)} needs --sampled-conversations")
         print(f"{', '.join(wanted)}: left out, no --sampled-conversations", file=sys.stderr)
         names = [n for n in names if n not in wanted]
+    if "self_prompts" in names and args.self_conversations is None:
+        if args.rows != "all":
+            ap.error("--rows self_prompts needs --self-conversations")
+        print("self_prompts: left out, no --self-conversations", file=sys.stderr)
+        names.remove("self_prompts")
     copies = cfg.regenerate.loop_keep_tokens
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)
@@ -359,12 +374,14 @@ def main() -> int:
         recs = recs[:args.samples] if args.samples > 0 else recs
         sampled = (same_conversations(recs, sampled_all, args.sampled_conversations)
                    if sampled_rows else None)
+        own = read_conversations(args.self_conversations) if "self_prompts" in names else None
+        write_data(args.out, names, recs, sampled, own, tgt.tokenizer, copies)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    write_data(args.out, names, recs, sampled, tgt.tokenizer, copies)
     todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
-    figures = {"conversations": len(recs), **not_sampled, "k": 3, "temperatures": args.temperatures,
+    figures = {"conversations": len(recs), **not_sampled, **({"self_conversations": len(own)} if own else {}),
+               "k": 3, "temperatures": args.temperatures,
                **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}
     slots = max(1, torch.cuda.device_count()) * args.procs_per_gpu
     procs = []

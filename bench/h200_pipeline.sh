@@ -41,6 +41,9 @@
 #                returned by `RUN=runs/smollm2-h200-mt-sampled OUT_CONVERSATIONS=1 ... out`); cut by the deadline,
 #                what it wrote makes the row with --sampled-subset (every row on those conversations) and
 #                --record-as ablations_sampled (its object and rows, runs/bench-ablations_sampled/, apart)
+#   self-prompts SELF_COUNT (default 20,000) prompts the target writes itself (data_prep synthesize, Magpie), ingested
+#                and answered (regenerate) into runs/smollm2-h200-self: bench/ablations.py's self_prompts row
+#                (ABLATION_ARGS with --self-conversations runs/smollm2-h200-self/conversations.jsonl)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
@@ -85,6 +88,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
 FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=runs/smollm2-h200-mt SAMPLED=runs/smollm2-h200-mt-sampled
+SELF=runs/smollm2-h200-self
 RUN=${RUN:-$FIRST_TURNS}
 LOGS=$RUN/logs
 SITE=$PWD/.gpu/site
@@ -195,6 +199,14 @@ for p in "$@"; do
           && touch $SAMPLED/.regenerated
         cut_torn_tail $SAMPLED/conversations.jsonl
       fi ;;
+    self-prompts)  # SELF_COUNT prompts the target writes itself (default 20,000, seed 0), ingested and answered, into
+      # $SELF: the ablations' self_prompts row (ABLATION_ARGS with --self-conversations $SELF/conversations.jsonl);
+      # each step resumes, so a cut call's rerun goes on
+      phase self-prompts bash -c "set -e; mkdir -p $SELF; derive_config '$CONFIG' $SELF/config.yaml run_dir=$SELF \
+          'data.synthesize={count: ${SELF_COUNT:-20000}, seed: 0}' \
+          'data.sources=[{kind: openai, path: $SELF/self_prompts.jsonl}]'; \
+        for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
+        wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl" ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --samples 3000 --steps 30 --precision no ;;

@@ -134,6 +134,24 @@ class PromptSource(Section):
         return self
 
 
+class SynthesizeConfig(Section):
+    """Prompts the target writes itself (`data_prep synthesize`, Magpie): the chat template up to a user turn's
+    text, continued by the target, is a question in the style its own instruction tuning taught it. A source of
+    prompts in the target's domain that runs out only when its distribution does."""
+
+    count: PositiveInt = Field(description="Prompts to keep in run_dir/self_prompts.jsonl (list that file in "
+                               "data.sources, kind openai, to ingest them).")
+    temperature: PositiveFloat = Field(1.0, description="Sampling temperature of the written prompts (greedy "
+                                       "would write one prompt).")
+    top_p: Annotated[float, Field(gt=0.0, le=1.0), NotBool] = Field(1.0, description="Nucleus sampling of the "
+                                                                    "written prompts.")
+    seed: Int = Field(0, description="Each draw samples from its own seed (this one and its index), so a resumed "
+                      "run makes the draws an unbroken one makes.")
+    max_new_tokens: PositiveInt = Field(512, description="A prompt the target has not ended by then is dropped "
+                                        "and counted (unfinished).")
+    min_chars: PositiveInt = Field(16, description="A shorter prompt is dropped and counted (short).")
+
+
 class DataConfig(Section):
     """The prompts `data_prep ingest` reads into run_dir/prompts.jsonl."""
 
@@ -144,6 +162,8 @@ class DataConfig(Section):
     max_turns: PositiveInt = Field(4, description="Keep each record up to its max_turns-th user turn and that "
                                    "turn's answer.")
     seed: Int = Field(0, description="Not read by any stage: ingest keeps the sources' order.")
+    synthesize: SynthesizeConfig | None = Field(None, description="Prompts the target writes itself "
+                                                "(`data_prep synthesize`); default none.")
 
 
 class RegenerateConfig(Section):

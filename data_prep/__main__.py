@@ -1,4 +1,4 @@
-"""``python -m data_prep {ingest,regenerate,capture,all} --config FILE [--set key=value ...]``.
+"""``python -m data_prep {synthesize,ingest,regenerate,capture,all} --config FILE [--set key=value ...]``.
 
 Each step resumes where a killed run stopped; the closing summary is printed and merged into
 ``run_dir/data_prep_summary.json`` (one key per step). The steps run in data_prep/steps.py.
@@ -12,6 +12,8 @@ import sys
 from data_prep.steps import run_steps
 
 STEPS = {
+    "synthesize": "the target writes prompts itself (data.synthesize, Magpie) into run_dir/self_prompts.jsonl "
+                  "(list it in data.sources, kind openai)",
     "ingest": "reads data.sources (ShareGPT / OpenAI messages / MT-Bench / HumanEval / lines: JSON(L), parquet, "
               "arrow, save_to_disk dirs, hub ids); writes run_dir/prompts.jsonl (deduplicated, stable ids)",
     "regenerate": "reads run_dir/prompts.jsonl and the target (regenerate.backend hf|openai); "
@@ -19,7 +21,7 @@ STEPS = {
     "capture": "reads run_dir/conversations.jsonl and the target (capture.backend hf), or SpecForge's hidden-state "
                "files (specforge); writes run_dir/store/ (safetensors shards of input ids, loss mask, aux states, "
                "teacher signal + manifest.json + target_head.safetensors)",
-    "all": "ingest, regenerate, capture in order",
+    "all": "synthesize (when data.synthesize is set), ingest, regenerate, capture in order",
 }
 
 

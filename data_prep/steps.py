@@ -21,13 +21,17 @@ from common.wheels import MissingWheelError
 from data_prep.ingest import run_ingest
 from data_prep.step_failed import StepFailed
 
-ORDER = ("ingest", "regenerate", "capture")
+ORDER = ("synthesize", "ingest", "regenerate", "capture")  # "all" runs synthesize when data.synthesize is set
 
 
 def _runner(step: str) -> Callable[[RunConfig], Any]:
-    # Regenerate and capture are imported when they run: ingest needs neither torch nor the target.
+    # Synthesize, regenerate and capture are imported when they run: ingest needs neither torch nor the target.
     if step == "ingest":
         return run_ingest
+    if step == "synthesize":
+        from data_prep.self_prompts import run_synthesize
+
+        return run_synthesize
     if step == "regenerate":
         from data_prep.regenerate import run_regenerate
 
@@ -47,8 +51,9 @@ def save_summary(cfg: RunConfig, step: str, summary: Any) -> None:
 
 @one_line_errors(MissingWheelError, prefix="data_prep: error")
 def run_steps(step: str, config: str | Path, overrides: Sequence[str] = ()) -> int:
-    """``step`` is one of ORDER or "all". Exit code: 0 done, 2 an error (a bad config, a step that failed,
-    the run dir in use, a crash before the steps start); the message is one line on stderr."""
+    """``step`` is one of ORDER or "all" (synthesize only when the config sets it). Exit code: 0 done, 2 an error
+    (a bad config, a step that failed, the run dir in use, a crash before the steps start); the message is one line
+    on stderr."""
     try:
         cfg = load_config(config, list(overrides))
     except ConfigError as e:
@@ -56,7 +61,8 @@ def run_steps(step: str, config: str | Path, overrides: Sequence[str] = ()) -> i
         return EXIT_ERROR
     redact.register_env(cfg.regenerate.api_key_env)
     with redact.redacting_streams():
-        return _run_steps(cfg, ORDER if step == "all" else (step,))
+        steps = [s for s in ORDER if s != "synthesize" or cfg.data.synthesize is not None] if step == "all" else [step]
+        return _run_steps(cfg, steps)
 
 
 @one_line_errors(MissingWheelError, prefix="data_prep: error")

@@ -164,3 +164,35 @@ def test_a_sampled_file_that_lacks_a_conversation_is_one_line_before_any_row_run
     with pytest.raises(SystemExit) as stop:
         ablations.main()
     assert stop.value.code == 2 and "--sampled-subset needs --sampled-conversations" in capsys.readouterr().err
+
+
+def test_the_self_prompts_row_trains_on_both_sets_and_a_shared_id_is_one_line(tmp_path, monkeypatch, capsys,
+                                                                              bench_results) -> None:
+    from bench import ablations
+
+    recs = [dict(REC, id="sharegpt-a"), dict(REC, id="sharegpt-b")]
+    own = [dict(REC, id="openai-x")]
+    ablations.write_data(tmp_path, ["baseline", "self_prompts"], recs, None, own, WordTokenizer(), 0)
+    rows = [json.loads(x)["id"] for x in (tmp_path / "data-self_prompts.jsonl").read_text().splitlines()]
+    assert rows == ["sharegpt-a", "sharegpt-b", "openai-x"]
+    assert [json.loads(x)["id"] for x in (tmp_path / "data-subset.jsonl").read_text().splitlines()] == rows[:2]
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
+        "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
+        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench", "path": "builtin"}]}}))
+    conv, mine = tmp_path / "conversations.jsonl", tmp_path / "self.jsonl"
+    conv.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    mine.write_text(json.dumps(recs[1]) + "\n")
+    argv = ["ablations.py", "--config", str(cfg), "--conversations", str(conv), "--out", str(tmp_path / "out"),
+            "--rows", "baseline,self_prompts", "--steps", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--self-conversations", str(mine)])
+    assert ablations.main() == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: --self-conversations: 1 ids are in --conversations too (first: sharegpt-b); give conversations of "
+        "the target's own prompts")
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as stop:
+        ablations.main()
+    assert stop.value.code == 2 and "--rows self_prompts needs --self-conversations" in capsys.readouterr().err

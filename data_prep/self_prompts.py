@@ -1,0 +1,223 @@
+"""Synthesize: prompts the target writes itself (Magpie, arXiv 2406.08464).
+
+An instruction-tuned model given its chat template up to the start of a user turn writes a user's message:
+the kind of request its own instruction tuning was made of. Answered by the same target (regenerate), these
+prompts are data in the target's domain that never runs out, where a prompt corpus does (ShareGPT's 16k
+prompts are all used by the shipped config).
+
+Each draw ``i`` samples from its own seed (``data.synthesize.seed`` and the draw's key, the engine's
+``request_seed``), so a resumed run makes the draws an unbroken one makes, up to the rounding another batch
+brings. A draw is kept, or
+dropped under one reason: ``unfinished`` (no end of turn within max_new_tokens), ``loop`` (the engine's loop
+stop), ``short`` (fewer than min_chars characters), ``duplicate`` (the same text as a kept one, whitespace
+aside). Kept prompts go to ``run_dir/self_prompts.jsonl`` (OpenAI messages, one user turn: list it in
+data.sources, kind openai); every dropped draw to ``run_dir/self_prompts.dropped.jsonl`` with its reason, so a
+resumed run knows which draws were made. Both are appended whole line by line; a torn last line is cut on resume.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from common.config import RunConfig, SynthesizeConfig
+from common.files import JsonlAppender, cut_torn_tail, named_errors
+
+KEPT_FILE = "self_prompts.jsonl"
+DROPPED_FILE = "self_prompts.dropped.jsonl"
+REASONS = ("unfinished", "loop", "short", "duplicate")
+SENTINEL = "\u2063SELF-PROMPT\u2063"  # text no template writes: where the user's words would go
+DRAWS_PER_PROMPT = 4  # draws made per prompt still wanted before the step gives up (a target that rarely ends a turn)
+
+
+class SynthesizeError(ValueError):
+    pass
+
+
+def query_prefix(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The chat template's text before a user turn's words (its default system turn included, as it serves)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False, **(template_kwargs or {}))
+    if text.count(SENTINEL) != 1:
+        raise SynthesizeError("target chat template: a user turn's text does not appear once in its rendering; "
+                              "synthesize needs a template that writes the user's words as given")
+    return text.split(SENTINEL)[0]
+
+
+def draw_key(seed: int, index: int) -> str:
+    return f"self-{seed}-{index:08d}"
+
+
+def draw_index(key: str) -> int:
+    return int(key.rsplit("-", 1)[1])
+
+
+def normalised(text: str) -> str:
+    return " ".join(text.split())
+
+
+@dataclass
+class SynthesizeSummary:
+    output: str
+    wanted: int
+    kept: int = 0
+    drawn: int = 0  # by this run
+    kept_before: int = 0  # by earlier runs (resumed)
+    dropped: Counter[str] = field(default_factory=Counter)  # this run's, by reason
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "wanted": self.wanted, "kept": self.kept, "kept_before": self.kept_before,
+                "drawn": self.drawn, "dropped": {r: self.dropped[r] for r in REASONS},
+                "generated_tokens": self.generated_tokens, "seconds": round(self.seconds, 1),
+                "tokens_per_s": round(self.generated_tokens / self.seconds, 1) if self.seconds else None}
+
+    def to_markdown(self) -> str:
+        return "\n".join([
+            f"## Synthesize: {self.kept} of {self.wanted} prompts -> {self.output}", "",
+            "| drawn | kept before | kept | " + " | ".join(REASONS) + " | tokens/s |",
+            "|---" * (4 + len(REASONS)) + "|",
+            f"| {self.drawn} | {self.kept_before} | {self.kept} | " + " | ".join(str(self.dropped[r]) for r in REASONS)
+            + f" | {self.to_dict()['tokens_per_s']} |"])
+
+    __str__ = to_markdown
+
+
+@dataclass
+class Draws:
+    """What earlier runs drew: the kept prompts' texts (for duplicates), the draws' indices, and the next new one."""
+
+    kept: set[str] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+    next_index: int = 0
+
+    def keys(self, seed: int, n: int) -> list[str]:
+        """``n`` draws: first those a killed run left in flight (below next_index, never written), then new ones,
+        so a resumed run draws the keys an unbroken one draws."""
+        left = [i for i in range(self.next_index) if i not in self.done][:n]
+        fresh = list(range(self.next_index, self.next_index + n - len(left)))
+        self.next_index += len(fresh)
+        return [draw_key(seed, i) for i in left + fresh]
+
+
+def read_draws(kept_path: Path, dropped_path: Path) -> Draws:
+    """Both files read after their torn last lines are cut; a whole line that is not a draw is an error naming it."""
+    draws = Draws()
+    for path in (kept_path, dropped_path):
+        if not path.exists():
+            continue
+        cut_torn_tail(path)
+        for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                index = draw_index(rec["id"])
+                if path == kept_path:
+                    draws.kept.add(normalised(rec["messages"][0]["content"]))
+            except (ValueError, KeyError, TypeError, IndexError):
+                raise SynthesizeError(f"{path}:{lineno}: a whole line that is not a synthesized draw; the file is "
+                                      "damaged: move it away and rerun") from None
+            draws.done.add(index)
+            draws.next_index = max(draws.next_index, index + 1)
+    return draws
+
+
+def verdict(text: str, finish_reason: str, s: SynthesizeConfig, kept: set[str]) -> str | None:
+    """Why a draw is dropped (one of REASONS), or None to keep it."""
+    if finish_reason == "length":
+        return "unfinished"
+    if finish_reason == "loop":
+        return "loop"
+    if len(text.strip()) < s.min_chars:
+        return "short"
+    if normalised(text) in kept:
+        return "duplicate"
+    return None
+
+
+class HFDrawer:
+    """The target in-process, loaded once; each round of draws is one engine run over the same prefix."""
+
+    def __init__(self, cfg: RunConfig):
+        from engine.batched import BatchedTarget
+        from target_model.hf_model import load_target_from_config, stop_token_ids
+
+        self.cfg = cfg
+        target = load_target_from_config(cfg.target)
+        self.tok = target.tokenizer
+        self.engine = BatchedTarget(target.model)
+        self.stop_ids = stop_token_ids(self.tok)
+        self.prefix = self.tok(query_prefix(self.tok, cfg.target.chat_template_kwargs),
+                               add_special_tokens=False)["input_ids"]
+
+    def draw(self, keys: list[str]) -> Iterator[tuple[str, str, str, int]]:
+        """(key, text, finish reason, tokens) of each draw, as the engine finishes them."""
+        from engine.continuous_batching import LoopStop, Sampling, Stream
+
+        s, r = self.cfg.data.synthesize, self.cfg.regenerate
+        assert s is not None
+        loops = LoopStop(r.loop_min_repeat_tokens, r.loop_max_period) if r.stop_loops else None
+        stream = Stream(self.engine, self.stop_ids, Sampling(s.temperature, s.top_p, None, s.seed),
+                        max_len=len(self.prefix) + s.max_new_tokens, rows=r.slots, cpu_rows=r.batch_size,
+                        wanted=len(keys), loops=loops)
+        for key in keys:
+            stream.submit(key, self.prefix, s.max_new_tokens)
+        while stream.busy:
+            finished = stream.poll()
+            if finished:
+                texts = self.tok.batch_decode([g.tokens for _, g in finished], skip_special_tokens=True)
+                for (key, g), text in zip(finished, texts, strict=True):
+                    yield key, text, g.finish_reason, len(g.tokens)
+
+
+def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
+    """Draw until data.synthesize.count prompts are kept (at most DRAWS_PER_PROMPT draws per prompt wanted)."""
+    s = cfg.data.synthesize
+    if s is None:
+        raise SynthesizeError("data.synthesize: not set; give its count (and seed) to have the target write prompts")
+    if cfg.regenerate.backend != "hf":
+        raise SynthesizeError("data.synthesize: the target continues its own template in-process (regenerate.backend "
+                              "hf); a chat server answers chats, it does not continue a raw template")
+    cfg.root.mkdir(parents=True, exist_ok=True)
+    kept_path, dropped_path = cfg.root / KEPT_FILE, cfg.root / DROPPED_FILE
+    draws = read_draws(kept_path, dropped_path)
+    summary = SynthesizeSummary(str(kept_path), s.count, kept=len(draws.kept), kept_before=len(draws.kept))
+    if summary.kept >= s.count:
+        return summary
+    start = time.perf_counter()
+    drawer = HFDrawer(cfg)
+    budget = DRAWS_PER_PROMPT * (s.count - summary.kept)
+    with named_errors(kept_path), open(kept_path, "ab") as kf, open(dropped_path, "ab") as df:
+        kept_out, dropped_out = JsonlAppender(kf), JsonlAppender(df)
+        bar = tqdm(total=s.count, initial=summary.kept, desc="synthesize", unit="prompt")
+        while summary.kept < s.count and budget > 0:
+            keys = draws.keys(s.seed, min(budget, s.count - summary.kept))  # never more than wanted: no surplus
+            budget -= len(keys)
+            for key, text, reason, tokens in drawer.draw(keys):
+                summary.drawn += 1
+                summary.generated_tokens += tokens
+                if (why := verdict(text, reason, s, draws.kept)) is None:
+                    draws.kept.add(normalised(text))
+                    kept_out.append({"id": key, "source": "self",
+                                     "messages": [{"role": "user", "content": text.strip()}]})
+                    summary.kept += 1
+                    bar.update(1)
+                else:
+                    summary.dropped[why] += 1
+                    dropped_out.append({"id": key, "reason": why})
+                draws.done.add(draw_index(key))
+        bar.close()
+        kept_out.sync()
+        dropped_out.sync()
+    summary.seconds = time.perf_counter() - start
+    if summary.kept < s.count:
+        raise SynthesizeError(f"data.synthesize: {summary.kept} of {s.count} prompts after {summary.drawn} draws "
+                              f"(dropped: {dict(summary.dropped)}); raise max_new_tokens or lower min_chars")
+    return summary

@@ -1,0 +1,124 @@
+"""Synthesize (Magpie): the template's prefix before a user's words, the draws a resumed run makes, the reasons a
+draw is dropped, and the real SmolLM2 writing prompts that ingest then reads, resumed after a kill."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.config import ConfigError, RunConfig, SynthesizeConfig, parse_config
+from data_prep.self_prompts import (
+    DROPPED_FILE,
+    KEPT_FILE,
+    Draws,
+    SynthesizeError,
+    query_prefix,
+    read_draws,
+    run_synthesize,
+    verdict,
+)
+from data_prep.steps import run_steps
+
+
+def make_cfg(tmp_path: Path, regenerate: dict[str, Any] | None = None) -> RunConfig:
+    run = tmp_path / "run"
+    return parse_config({
+        "run_dir": str(run), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
+        "data": {"sources": [{"kind": "openai", "path": str(run / KEPT_FILE)}],
+                 "synthesize": {"count": 5, "max_new_tokens": 96}},
+        "regenerate": regenerate or {}, "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench"}]}})
+
+
+def test_query_prefix_is_the_template_up_to_the_users_words() -> None:
+    from target_model.hf_model import load_tokenizer, resolve_source
+
+    tok = load_tokenizer(resolve_source("smollm2-135m-instruct", None), False)
+    prefix = query_prefix(tok)
+    assert prefix.endswith("<|im_start|>user\n")
+    assert prefix.startswith("<|im_start|>system\n")  # the template's own default system turn, as it serves
+
+
+class _DroppingTemplate:
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> str:
+        return "<s>user: [redacted]</s>"
+
+
+def test_a_template_that_does_not_write_the_users_words_is_an_error() -> None:
+    with pytest.raises(SynthesizeError, match="does not appear once"):
+        query_prefix(_DroppingTemplate())
+
+
+def test_a_resumed_run_redraws_what_was_in_flight_before_new_draws() -> None:
+    draws = Draws(done={0, 1, 3}, next_index=5)
+    assert draws.keys(7, 4) == ["self-7-00000002", "self-7-00000004", "self-7-00000005", "self-7-00000006"]
+    assert draws.next_index == 7
+    assert draws.keys(7, 1) == ["self-7-00000002"]  # not written yet: still owed
+
+
+@pytest.mark.parametrize(("text", "reason", "why"), [
+    ("Plan a three-day trip to Kyoto for me.", "stop", None),
+    ("Plan a three-day trip to Kyoto", "length", "unfinished"),
+    ("again again again again again", "loop", "loop"),
+    ("  Hi there  ", "stop", "short"),
+    ("What is  the capital of\nFrance?", "stop", "duplicate"),
+])
+def test_each_dropped_draw_has_one_reason(text: str, reason: str, why: str | None) -> None:
+    kept = {"What is the capital of France?"}
+    assert verdict(text, reason, SynthesizeConfig(count=1, min_chars=16), kept) == why
+
+
+def test_a_damaged_line_is_an_error_naming_it(tmp_path: Path) -> None:
+    kept = tmp_path / KEPT_FILE
+    kept.write_text(json.dumps({"id": "self-0-00000000", "messages": [{"role": "user", "content": "x"}]})
+                    + "\n{\"no\": \"id\"}\n")
+    with pytest.raises(SynthesizeError, match=rf"{KEPT_FILE}:2: .*damaged"):
+        read_draws(kept, tmp_path / DROPPED_FILE)
+
+
+def test_the_config_says_what_to_fix() -> None:
+    with pytest.raises(ConfigError, match=r"data.synthesize.count: Input should be greater than 0"):
+        parse_config({"run_dir": "r", "target": {"name": "t"}, "data": {"sources": [{"kind": "lines", "path": "p"}],
+                      "synthesize": {"count": 0}}, "eval": {"datasets": [{"name": "m", "kind": "mtbench"}]}})
+
+
+def test_a_chat_server_cannot_continue_a_template(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, {"backend": "openai", "server_urls": ["http://127.0.0.1:1"]})
+    with pytest.raises(SynthesizeError, match="in-process"):
+        run_synthesize(cfg)
+
+
+def kept_prompts(cfg: RunConfig) -> dict[str, str]:
+    lines = (cfg.root / KEPT_FILE).read_text().splitlines()
+    return {r["id"]: r["messages"][0]["content"] for r in map(json.loads, lines)}
+
+
+@pytest.mark.real
+def test_the_real_target_writes_prompts_that_ingest_reads_and_a_kill_loses_none(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path)
+    summary = run_synthesize(cfg)
+    prompts = kept_prompts(cfg)
+    assert summary.kept == len(prompts) == 5
+    assert summary.drawn == 5 + sum(summary.dropped.values())
+    assert all(len(t) >= 16 and "<|im_" not in t for t in prompts.values()), prompts
+    # the same config elsewhere, killed after two prompts were written and mid-way through a third line
+    again = make_cfg(tmp_path / "again")
+    again.root.mkdir(parents=True)
+    lines = (cfg.root / KEPT_FILE).read_text().splitlines(keepends=True)
+    (again.root / KEPT_FILE).write_text("".join(lines[:2]) + lines[2][:20])
+    resumed = run_synthesize(again)
+    assert resumed.kept_before == 2 and resumed.kept == 5
+    after = (again.root / KEPT_FILE).read_text().splitlines(keepends=True)
+    assert after[:2] == lines[:2]  # what was written stays; the torn line is cut and its draw made again
+    assert len(set(kept_prompts(again))) == 5
+    # the draws in flight are made again from their own seeds: the same prompts, up to the rounding that another
+    # batch brings (a prompt near max_new_tokens may end up unfinished and be replaced by a new draw)
+    assert len(set(kept_prompts(again).values()) & set(prompts.values())) >= 4
+    # ingest reads them as any OpenAI-messages source
+    assert run_steps("ingest", tmp_path / "cfg.yaml") == 2  # no config file yet: a one-line error, not a crash
+    (tmp_path / "cfg.yaml").write_text(json.dumps(cfg.model_dump(mode="json")))
+    assert run_steps("ingest", tmp_path / "cfg.yaml") == 0
+    ingested = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
+    assert sorted(r["messages"][0]["content"] for r in ingested) == sorted(prompts.values())
