@@ -44,6 +44,9 @@
 #   self-prompts SELF_COUNT (default 20,000) prompts the target writes itself (data_prep synthesize, Magpie), ingested
 #                and answered (regenerate) into runs/smollm2-h200-self: bench/ablations.py's self_prompts row
 #                (ABLATION_ARGS with --self-conversations runs/smollm2-h200-self/conversations.jsonl)
+#   with-self    $RUN/conversations.jsonl = every turn's conversations and the self prompts' (then derive with
+#                OVERRIDES="run_dir=$RUN drafter.init_from=drafters/smollm2-135m-eagle3 train.max_steps=N", train,
+#                quality: a stage warm-started from the shipped drafter on both)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
@@ -207,6 +210,10 @@ for p in "$@"; do
           'data.sources=[{kind: openai, path: $SELF/self_prompts.jsonl}]'; \
         for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
         wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl" ;;
+    with-self)  # $RUN/conversations.jsonl: every turn's conversations, then the self prompts' (a later stage's data)
+      phase with-self bash -c "set -e; mkdir -p $RUN; cat $MULTI_TURN/conversations.jsonl $SELF/conversations.jsonl \
+          > $RUN/conversations.jsonl.part; mv $RUN/conversations.jsonl.part $RUN/conversations.jsonl; \
+          wc -l $RUN/conversations.jsonl" ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --samples 3000 --steps 30 --precision no ;;

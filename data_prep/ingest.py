@@ -3,7 +3,8 @@
 Records are cut to ``data.max_turns`` user turns and checked once here, so regeneration can trust its
 input. Ids are ``<source>-<sha1[:16]>`` of the prompt turns (system and user, not the source's
 answers, which regeneration replaces): the same prompt gets the same id in every run and every file,
-and a second copy of it is a duplicate. Every dropped record is counted under one reason. The records
+and a second copy of it is a duplicate. A record with a user turn that an eval dataset measures (case and whitespace
+aside) is kept out of training. Every dropped record is counted under one reason. The records
 come from ``data_prep.sources`` (files, `datasets` sources, hub ids, column mappings).
 """
 
@@ -24,9 +25,10 @@ from common.files import write_jsonl_atomic
 from data_prep.readers import Messages, Record, Skip
 from data_prep.sources import open_source
 from data_prep.step_failed import StepFailed
+from eval.prompts import eval_turn_keys, turn_key
 
 SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "orphan_tool_result",
-                "empty", "too_long", "duplicate")
+                "empty", "too_long", "duplicate", "eval_prompt")
 
 
 @dataclass
@@ -136,8 +138,14 @@ def content_hash(messages: Messages, tools: list[dict[str, Any]] | None = None) 
     return hashlib.sha1(data).hexdigest()
 
 
+def held_out_turn(messages: Messages, eval_keys: set[str]) -> int | None:
+    """The number of the first user turn that is an eval prompt (``eval.prompts.turn_key``), else None."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return next((i for i, text in enumerate(users, 1) if turn_key(text) in eval_keys), None)
+
+
 def ingest_source(records: Any, report: SourceReport, limit: int | None, max_turns: int, max_chars: int,
-                  seen: set[str], out: list[dict[str, Any]]) -> None:
+                  seen: set[str], out: list[dict[str, Any]], eval_keys: set[str] = frozenset()) -> None:
     rec: Record
     for rec in records:
         if limit is not None and report.kept >= limit:
@@ -151,6 +159,8 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
                 raise Skip(rec.skip, rec.detail)
             messages, dropped = drop_leading_assistant(rec.messages or [])
             messages, cut = normalise(messages, max_turns, max_chars)
+            if (turn := held_out_turn(messages, eval_keys)) is not None:
+                raise Skip("eval_prompt", f"user turn {turn} is a prompt of eval.datasets")
             digest = content_hash(messages, rec.tools)
             if digest in seen:
                 raise Skip("duplicate", f"same prompt as an earlier record (sha1 {digest[:16]})")
@@ -168,6 +178,7 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
 def run_ingest(cfg: RunConfig) -> IngestSummary:
     data = cfg.data
     opened = [open_source(src, f"data.sources[{i}]") for i, src in enumerate(data.sources)]  # all checked first
+    eval_keys = eval_turn_keys(cfg.eval.datasets)  # kept out of training: the figures are measured on them
     seen: set[str] = set()
     prompts: list[dict[str, Any]] = []
     reports = []
@@ -175,7 +186,7 @@ def run_ingest(cfg: RunConfig) -> IngestSummary:
         report = SourceReport(source=src.kind, path=where)
         with closing(records):
             ingest_source(tqdm(records, desc=f"ingest {src.kind}", unit=" rec", mininterval=1.0), report,
-                          src.limit, data.max_turns, data.max_prompt_chars, seen, prompts)
+                          src.limit, data.max_turns, data.max_prompt_chars, seen, prompts, eval_keys)
         reports.append(report)
     summary = IngestSummary(output=str(cfg.prompts_path), sources=reports)
     if not prompts:  # an empty pool would only fail later, and must not replace a good prompts.jsonl

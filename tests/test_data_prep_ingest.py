@@ -16,10 +16,10 @@ from data_prep.source_fields import SourceError
 from data_prep.step_failed import StepFailed
 
 
-def make_cfg(tmp_path: Path, sources: list[dict[str, Any]], **data: Any) -> RunConfig:
+def make_cfg(tmp_path: Path, sources: list[dict[str, Any]], eval_kind: str = "mtbench", **data: Any) -> RunConfig:
     return parse_config({"run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct"},
                          "data": {"sources": sources, **data},
-                         "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench"}]}})
+                         "eval": {"datasets": [{"name": eval_kind, "kind": eval_kind}]}})
 
 
 def read_prompts(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -140,12 +140,13 @@ def test_an_opening_assistant_turn_goes_with_its_tool_results(tmp_path: Path) ->
 
 
 def test_mtbench_builtin_two_user_turns_and_max_turns(tmp_path: Path) -> None:
-    cfg = make_cfg(tmp_path, [{"kind": "mtbench", "path": "builtin"}], max_turns=2)
+    # measured on HumanEval: MT-Bench as a training source would otherwise be kept out as the eval's own prompts
+    cfg = make_cfg(tmp_path, [{"kind": "mtbench", "path": "builtin"}], "humaneval", max_turns=2)
     report = run_ingest(cfg).sources[0]
     prompts = read_prompts(cfg)
     assert report.kept == len(prompts) == 80 and not report.skipped
     assert all([m["role"] for m in p["messages"]] == ["user", "user"] for p in prompts)
-    cfg1 = make_cfg(tmp_path / "one", [{"kind": "mtbench", "path": "builtin"}], max_turns=1)
+    cfg1 = make_cfg(tmp_path / "one", [{"kind": "mtbench", "path": "builtin"}], "humaneval", max_turns=1)
     report1 = run_ingest(cfg1).sources[0]
     assert report1.cut_to_max_turns == 80
     assert all(len(p["messages"]) == 1 for p in read_prompts(cfg1))
@@ -256,3 +257,25 @@ def test_a_gz_name_on_another_format_is_an_error_naming_the_file(tmp_path: Path)
     cut.write_bytes(gzip.compress(b'{"messages": [{"role": "user", "content": "hi"}]}\n' * 50)[:40])
     with pytest.raises(SourceError, match=rf"{cut}: not a readable gzip file"):
         run_ingest(make_cfg(tmp_path, [{"kind": "openai", "path": str(cut)}]))
+
+
+def test_a_prompt_the_eval_measures_is_kept_out_of_training(tmp_path: Path) -> None:
+    from common.config import DatasetConfig
+    from eval.prompts import load_eval_turns
+
+    turns, _ = load_eval_turns(DatasetConfig(name="mtbench", kind="mtbench", turn=2, limit=1))
+    first, second = turns[0]
+    path = tmp_path / "chats.jsonl"
+    path.write_bytes(jsonl_bytes([
+        sg(("human", "  " + first.upper().replace(" ", "\n ") + " "), ("gpt", "...")),  # case and spacing aside
+        sg(("human", "Tell me a story."), ("gpt", "Once..."), ("human", second), ("gpt", "...")),  # a later turn
+        sg(("human", first + " Please answer in French."), ("gpt", "...")),  # not the same prompt: kept
+    ]))
+    cfg = parse_config({"run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct"},
+                        "data": {"sources": [{"kind": "sharegpt", "path": str(path)}]},
+                        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench", "limit": 5},
+                                              {"name": "mtbench_turn2", "kind": "mtbench", "turn": 2, "limit": 5}]}})
+    report = run_ingest(cfg).sources[0]
+    assert dict(report.skipped) == {"eval_prompt": 2} and report.kept == 1
+    assert report.first_skip["eval_prompt"] == "chats.jsonl:1: user turn 1 is a prompt of eval.datasets"
+    assert [r["messages"][0]["content"] for r in read_prompts(cfg)] == [first + " Please answer in French."]
