@@ -22,10 +22,10 @@ from tqdm import tqdm
 
 from common.config import RunConfig
 from common.files import write_jsonl_atomic
+from data_prep.decontaminate import eval_turn_keys, turn_key
 from data_prep.readers import Messages, Record, Skip
 from data_prep.sources import open_source
 from data_prep.step_failed import StepFailed
-from eval.prompts import eval_turn_keys, turn_key
 
 SKIP_REASONS = ("bad_json", "invalid_utf8", "missing_field", "unknown_role", "non_text", "orphan_tool_result",
                 "empty", "too_long", "duplicate", "eval_prompt")
@@ -139,7 +139,7 @@ def content_hash(messages: Messages, tools: list[dict[str, Any]] | None = None) 
 
 
 def held_out_turn(messages: Messages, eval_keys: set[str]) -> int | None:
-    """The number of the first user turn that is an eval prompt (``eval.prompts.turn_key``), else None."""
+    """The number of the first user turn that is an eval prompt (``decontaminate.turn_key``), else None."""
     users = [m["content"] for m in messages if m["role"] == "user"]
     return next((i for i, text in enumerate(users, 1) if turn_key(text) in eval_keys), None)
 

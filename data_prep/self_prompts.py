@@ -29,6 +29,9 @@ from tqdm import tqdm
 
 from common.config import RunConfig, SynthesizeConfig
 from common.files import JsonlAppender, cut_torn_tail, named_errors
+from engine.batched import BatchedTarget
+from engine.continuous_batching import LoopStop, Sampling, Stream
+from target_model.hf_model import load_target_from_config, stop_token_ids
 
 KEPT_FILE = "self_prompts.jsonl"
 DROPPED_FILE = "self_prompts.dropped.jsonl"
@@ -146,9 +149,6 @@ class HFDrawer:
     """The target in-process, loaded once; each round of draws is one engine run over the same prefix."""
 
     def __init__(self, cfg: RunConfig):
-        from engine.batched import BatchedTarget
-        from target_model.hf_model import load_target_from_config, stop_token_ids
-
         self.cfg = cfg
         target = load_target_from_config(cfg.target)
         self.tok = target.tokenizer
@@ -159,8 +159,6 @@ class HFDrawer:
 
     def draw(self, keys: list[str]) -> Iterator[tuple[str, str, str, int]]:
         """(key, text, finish reason, tokens) of each draw, as the engine finishes them."""
-        from engine.continuous_batching import LoopStop, Sampling, Stream
-
         s, r = self.cfg.data.synthesize, self.cfg.regenerate
         assert s is not None
         loops = LoopStop(r.loop_min_repeat_tokens, r.loop_max_period) if r.stop_loops else None

@@ -47,21 +47,6 @@ def load_eval_turns(ds: DatasetConfig, limit: int | None = None) -> tuple[list[l
     return out, short
 
 
-def turn_key(text: str) -> str:
-    """A user turn as decontamination compares it: case and whitespace aside."""
-    return " ".join(text.split()).casefold()
-
-
-def eval_turn_keys(datasets: Sequence[DatasetConfig]) -> set[str]:
-    """Every user turn the eval datasets measure (each up to its ``turn``, every record), as ``turn_key``s: ingest
-    keeps training prompts that hold one out, so no figure is measured on a prompt the drafter trained on."""
-    keys: set[str] = set()
-    for ds in datasets:
-        turns, _ = load_eval_turns(ds.model_copy(update={"limit": None}))
-        keys.update(turn_key(t) for record in turns for t in record)
-    return keys
-
-
 def load_eval_prompts(ds: DatasetConfig, limit: int | None = None) -> list[str]:
     """The first user turn of each record, in order, at most ``limit`` (else ``ds.limit``) of them."""
     return [turns[0] for turns in load_eval_turns(ds.model_copy(update={"turn": 1}), limit)[0]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,16 @@ class WordTokenizer:
 
     def decode(self, ids: list[str]) -> str:
         return " ".join(ids)
+
+
+def write_cpu_config(tmp_path: Path) -> Path:
+    """A run config on the real target, on the CPU, measured on MT-Bench: <tmp_path>/cfg.yaml."""
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
+        "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
+        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench", "path": "builtin"}]}}))
+    return cfg
 
 
 REC = {"id": "c", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a b c d"},
@@ -138,11 +149,7 @@ def test_a_sampled_file_that_lacks_a_conversation_is_one_line_before_any_row_run
                                                                                   bench_results) -> None:
     from bench import ablations
 
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
-        "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
-        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench", "path": "builtin"}]}}))
+    cfg = write_cpu_config(tmp_path)
     conv, sampled = tmp_path / "conversations.jsonl", tmp_path / "sampled.jsonl"
     conv.write_text("".join(json.dumps(dict(REC, id=i)) + "\n" for i in ("a", "b")))
     sampled.write_text(json.dumps(dict(REC, id="a")) + "\n")
@@ -177,11 +184,7 @@ def test_the_self_prompts_row_trains_on_both_sets_and_a_shared_id_is_one_line(tm
     assert rows == ["sharegpt-a", "sharegpt-b", "openai-x"]
     assert [json.loads(x)["id"] for x in (tmp_path / "data-subset.jsonl").read_text().splitlines()] == rows[:2]
 
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "run_dir": str(tmp_path / "run"), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
-        "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
-        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench", "path": "builtin"}]}}))
+    cfg = write_cpu_config(tmp_path)
     conv, mine = tmp_path / "conversations.jsonl", tmp_path / "self.jsonl"
     conv.write_text("".join(json.dumps(r) + "\n" for r in recs))
     mine.write_text(json.dumps(recs[1]) + "\n")

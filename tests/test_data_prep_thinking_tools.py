@@ -123,7 +123,7 @@ def test_reasoning_and_tool_calls_survive_ingest_regenerate_capture(tmp_path, k2
         "regenerate": {"backend": "openai", "server_urls": [f"http://127.0.0.1:{srv.server_address[1]}"],
                        "concurrency": 1, "batch_size": 1, "timeout_s": 10},
         "capture": {"backend": "hf", "max_length": 512, "dtype": "float32"},
-        "eval": {"datasets": [{"name": "x", "kind": "lines"}]}})
+        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench"}]}})
     try:
         # ingest keeps the tools, the assistant's reasoning and tool call, and the tool result
         run_ingest(cfg)
@@ -195,7 +195,7 @@ def test_other_tool_calls_end_the_conversation_there(tmp_path, messages, called)
                         "data": {"sources": [{"kind": "lines", "path": "unused"}]},
                         "regenerate": {"backend": "openai", "server_urls": [f"http://127.0.0.1:{srv.server_address[1]}"],
                                        "concurrency": 1, "batch_size": 1, "timeout_s": 10},
-                        "eval": {"datasets": [{"name": "x", "kind": "lines"}]}})
+                        "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench"}]}})
     cfg.root.mkdir(parents=True)
     cfg.prompts_path.write_text(json.dumps({"id": "p", "source": "openai", "tools": TOOLS,
                                             "messages": messages}) + "\n")
@@ -215,7 +215,7 @@ def k25_cfg(tmp_path: Path, target: Path, thinking: bool, **sections: Any):
                          "target": {"name": str(target), "device": "cpu", "dtype": "float32",
                                     "aux_layer_ids": [0, 1, 2], "chat_template_kwargs": {"thinking": thinking}},
                          "data": {"sources": [{"kind": "lines", "path": "unused"}]},
-                         "eval": {"datasets": [{"name": "x", "kind": "lines"}]}, **sections})
+                         "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench"}]}, **sections})
 
 
 @pytest.mark.parametrize("thinking", [True, False])

@@ -1,0 +1,28 @@
+"""The eval datasets' user turns, for ingest to keep out of training: no figure is measured on a prompt the drafter
+trained on, whichever source (a corpus, a user's traffic, prompts the target wrote) brought it in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import closing
+
+from common.config import DatasetConfig
+from data_prep.sources import open_source
+
+
+def turn_key(text: str) -> str:
+    """A user turn as decontamination compares it: case and whitespace aside."""
+    return " ".join(text.split()).casefold()
+
+
+def eval_turn_keys(datasets: Sequence[DatasetConfig]) -> set[str]:
+    """Every user turn of every record of the eval datasets, as ``turn_key``s (all turns, whatever turn a dataset
+    measures: stricter than needed, never looser). A record eval cannot read is eval's error to report."""
+    keys: set[str] = set()
+    for ds in datasets:
+        _, records = open_source(ds, f"eval dataset {ds.name!r}")
+        with closing(records):
+            for rec in records:
+                if not rec.skip:
+                    keys.update(turn_key(m["content"]) for m in rec.messages or () if m["role"] == "user")
+    return keys
