@@ -272,6 +272,11 @@ def chat_url(base: str) -> str:
     return base + ("/chat/completions" if base.endswith("/v1") else "/v1/chat/completions")
 
 
+def text_url(base: str) -> str:
+    """The same server's text completions endpoint (a raw prompt continued, no chat template applied)."""
+    return chat_url(base).removesuffix("/chat/completions") + "/completions"
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
@@ -301,6 +306,7 @@ class OpenAIChatBackend:
         self.target = target
         self._tokenizer: Any = None
         self.urls = [chat_url(u) for u in cfg.server_urls]
+        self.text_urls = [text_url(u) for u in cfg.server_urls]
         if not self.urls:
             raise BackendError("regenerate.server_urls: backend 'openai' needs at least one server URL")
         self.headers = {"Content-Type": "application/json"}
@@ -331,8 +337,15 @@ class OpenAIChatBackend:
         return body
 
     def complete(self, batch: list[Chat], tools: list[Tools] | None = None) -> list[Completion]:
-        out = list(self._pool.map(self._one, batch, tools or [None] * len(batch)))
+        out = list(self._pool.map(lambda chat, t: self._one(json.dumps(self.body(chat, t)).encode()), batch,
+                                  tools or [None] * len(batch)))
         return [self.cut_loop(c) for c in out] if self.cfg.stop_loops else out
+
+    def complete_text(self, bodies: Iterable[dict[str, Any]]) -> Iterator[Completion]:
+        """Text completions of raw prompts (``bodies``: the request bodies, model added), in order, as they come
+        back; the same retries and failures as chats. What a server offers to continue a template by hand."""
+        return self._pool.map(lambda body: self._one(json.dumps({"model": self.cfg.model, **body}).encode(),
+                                                     text=True), bodies)
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:
@@ -368,16 +381,15 @@ class OpenAIChatBackend:
         return dataclasses.replace(c, **{part: kept}, finish_reason="loop", loop_tokens=(tokens, kept_tokens),
                                    tokens=kept_tokens if c.tokens is not None else None)
 
-    def _url(self) -> str:
+    def _url(self, text: bool = False) -> str:
         with self._lock:
-            return self.urls[next(self._next)]
+            return (self.text_urls if text else self.urls)[next(self._next)]
 
-    def _one(self, chat: Chat, tools: Tools = None) -> Completion:
-        data = json.dumps(self.body(chat, tools)).encode()
+    def _one(self, data: bytes, text: bool = False) -> Completion:
         refused, backoffs = 0, 0
         for attempt in range(self.cfg.max_retries + 1):
             try:
-                return self._post(self._url(), data)
+                return self._post(self._url(text), data, text)
             except _Retryable as e:
                 last = e
             if last.reason == "connection_refused":
@@ -394,7 +406,7 @@ class OpenAIChatBackend:
                 time.sleep(delay * (1 + 0.25 * random.random()))
         return Completion(error=last.reason, detail=f"{last.detail} (gave up after {attempt + 1} attempts)")
 
-    def _post(self, url: str, data: bytes) -> Completion:
+    def _post(self, url: str, data: bytes, text: bool = False) -> Completion:
         req = urllib.request.Request(url, data=data, headers=self.headers, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=self.cfg.timeout_s) as resp:
@@ -418,9 +430,12 @@ class OpenAIChatBackend:
             # --reasoning-parser), tool_calls [{id, index, type, function: {name, arguments}}] (--tool-call-parser).
             reply = json.loads(raw)
             choice = reply["choices"][0]
-            msg = choice["message"]
             usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
             tokens = usage.get("completion_tokens") if isinstance(usage.get("completion_tokens"), int) else None
+            if text:  # a text completion: {"text", "finish_reason"}
+                return Completion(text=redact.redact_secrets(choice["text"]),
+                                  finish_reason=choice.get("finish_reason") or "unknown", tokens=tokens)
+            msg = choice["message"]
             # The model's own words, with any registered secret masked (a server may echo the key).
             reasoning = redact.redact_secrets(msg.get("reasoning_content") or msg.get("reasoning") or "") or None
             calls = [{"id": c.get("id") or f"call_{i}", "type": "function",

@@ -7,8 +7,9 @@ prompts are all used by the shipped config).
 
 Each draw ``i`` samples from its own seed (``data.synthesize.seed`` and the draw's key, the engine's
 ``request_seed``), so a resumed run makes the draws an unbroken one makes, up to the rounding another batch
-brings. A draw is kept, or
-dropped under one reason: ``unfinished`` (no end of turn within max_new_tokens), ``loop`` (the engine's loop
+brings. The target runs in-process (regenerate.backend hf) or behind OpenAI-compatible servers (openai: the prefix
+sent as a raw text completion that stops at the template's end of turn, with the draw's seed). A draw is kept, or
+dropped under one reason: ``unfinished`` (no end of turn within max_new_tokens), ``loop`` (regenerate's loop
 stop), ``short`` (fewer than min_chars characters), ``duplicate`` (the same text as a kept one, whitespace
 aside). Kept prompts go to ``run_dir/self_prompts.jsonl`` (OpenAI messages, one user turn: list it in
 data.sources, kind openai); every dropped draw to ``run_dir/self_prompts.dropped.jsonl`` with its reason, so a
@@ -29,8 +30,9 @@ from tqdm import tqdm
 
 from common.config import RunConfig, SynthesizeConfig
 from common.files import JsonlAppender, cut_torn_tail, named_errors
+from data_prep.step_failed import StepFailed
 from engine.batched import BatchedTarget
-from engine.continuous_batching import LoopStop, Sampling, Stream
+from engine.continuous_batching import LoopStop, Sampling, Stream, request_seed
 from target_model.hf_model import load_target_from_config, stop_token_ids
 
 KEPT_FILE = "self_prompts.jsonl"
@@ -54,6 +56,18 @@ def query_prefix(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) 
     return text.split(SENTINEL)[0]
 
 
+def query_stop(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> str:
+    """The text the template writes right after a user's words (its end-of-turn marker): where a server that
+    continues the prefix as raw text is to stop."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False, **(template_kwargs or {}))
+    stop = text.split(SENTINEL)[-1].strip()
+    if not stop:
+        raise SynthesizeError("target chat template: nothing follows a user turn's text, so a server cannot be told "
+                              "where the turn ends; use regenerate.backend hf")
+    return stop
+
+
 def draw_key(seed: int, index: int) -> str:
     return f"self-{seed}-{index:08d}"
 
@@ -74,12 +88,15 @@ class SynthesizeSummary:
     drawn: int = 0  # by this run
     kept_before: int = 0  # by earlier runs (resumed)
     dropped: Counter[str] = field(default_factory=Counter)  # this run's, by reason
+    failed: Counter[str] = field(default_factory=Counter)  # draws a server failed, by reason (made again next run)
+    first_failure: str | None = None
     generated_tokens: int = 0
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"output": self.output, "wanted": self.wanted, "kept": self.kept, "kept_before": self.kept_before,
-                "drawn": self.drawn, "dropped": {r: self.dropped[r] for r in REASONS},
+                "drawn": self.drawn, "dropped": {r: self.dropped[r] for r in REASONS}, "failed": dict(self.failed),
+                "first_failure": self.first_failure,
                 "generated_tokens": self.generated_tokens, "seconds": round(self.seconds, 1),
                 "tokens_per_s": round(self.generated_tokens / self.seconds, 1) if self.seconds else None}
 
@@ -145,6 +162,9 @@ def verdict(text: str, finish_reason: str, s: SynthesizeConfig, kept: set[str]) 
     return None
 
 
+Draw = tuple[str, str, str, int, str | None]  # key, text, finish reason, tokens, error (a server's failure)
+
+
 class HFDrawer:
     """The target in-process, loaded once; each round of draws is one engine run over the same prefix."""
 
@@ -157,8 +177,8 @@ class HFDrawer:
         self.prefix = self.tok(query_prefix(self.tok, cfg.target.chat_template_kwargs),
                                add_special_tokens=False)["input_ids"]
 
-    def draw(self, keys: list[str]) -> Iterator[tuple[str, str, str, int]]:
-        """(key, text, finish reason, tokens) of each draw, as the engine finishes them."""
+    def draw(self, keys: list[str]) -> Iterator[Draw]:
+        """Each draw as the engine finishes it."""
         s, r = self.cfg.data.synthesize, self.cfg.regenerate
         assert s is not None
         loops = LoopStop(r.loop_min_repeat_tokens, r.loop_max_period) if r.stop_loops else None
@@ -172,17 +192,47 @@ class HFDrawer:
             if finished:
                 texts = self.tok.batch_decode([g.tokens for _, g in finished], skip_special_tokens=True)
                 for (key, g), text in zip(finished, texts, strict=True):
-                    yield key, text, g.finish_reason, len(g.tokens)
+                    yield key, text, g.finish_reason, len(g.tokens), None
+
+
+class ServerDrawer:
+    """The target behind OpenAI-compatible servers (regenerate.backend openai: SGLang, vLLM, llama.cpp): the
+    prefix, rendered here with the target's tokenizer, is sent as a raw text completion that stops at the
+    template's end of turn; each draw sends its own seed. A loop is cut afterwards, as regenerate cuts answers."""
+
+    def __init__(self, cfg: RunConfig):
+        from data_prep.backends import OpenAIChatBackend
+        from target_model.hf_model import load_tokenizer, resolve_source
+
+        self.cfg = cfg
+        t = cfg.target
+        tok = load_tokenizer(resolve_source(t.name, t.gguf_file), t.trust_remote_code)
+        self.prefix = query_prefix(tok, t.chat_template_kwargs)
+        self.stop = query_stop(tok, t.chat_template_kwargs)
+        self.backend = OpenAIChatBackend(cfg.regenerate, t.chat_template_kwargs, t)
+
+    def draw(self, keys: list[str]) -> Iterator[Draw]:
+        """Each draw, in order, as the servers answer."""
+        s = self.cfg.data.synthesize
+        assert s is not None
+        bodies = ({"prompt": self.prefix, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
+                   "top_p": s.top_p, "seed": request_seed(s.seed, key) & 0x7FFFFFFF, "stop": [self.stop]}
+                  for key in keys)
+        for key, c in zip(keys, self.backend.complete_text(bodies), strict=True):
+            if c.error is None and self.cfg.regenerate.stop_loops:
+                c = self.backend.cut_loop(c)
+            yield key, c.text, c.finish_reason, c.tokens or 0, c.error and f"{c.error}: {c.detail}"
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
-    """Draw until data.synthesize.count prompts are kept (at most DRAWS_PER_PROMPT draws per prompt wanted)."""
+    """Draw until data.synthesize.count prompts are kept (at most DRAWS_PER_PROMPT draws per prompt wanted). A draw
+    a server failed is not written: the next run makes it again; this one stops after the round it failed in."""
     s = cfg.data.synthesize
     if s is None:
         raise SynthesizeError("data.synthesize: not set; give its count (and seed) to have the target write prompts")
-    if cfg.regenerate.backend != "hf":
-        raise SynthesizeError("data.synthesize: the target continues its own template in-process (regenerate.backend "
-                              "hf); a chat server answers chats, it does not continue a raw template")
     cfg.root.mkdir(parents=True, exist_ok=True)
     kept_path, dropped_path = cfg.root / KEPT_FILE, cfg.root / DROPPED_FILE
     draws = read_draws(kept_path, dropped_path)
@@ -190,32 +240,43 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
     if summary.kept >= s.count:
         return summary
     start = time.perf_counter()
-    drawer = HFDrawer(cfg)
+    drawer = HFDrawer(cfg) if cfg.regenerate.backend == "hf" else ServerDrawer(cfg)
     budget = DRAWS_PER_PROMPT * (s.count - summary.kept)
-    with named_errors(kept_path), open(kept_path, "ab") as kf, open(dropped_path, "ab") as df:
-        kept_out, dropped_out = JsonlAppender(kf), JsonlAppender(df)
-        bar = tqdm(total=s.count, initial=summary.kept, desc="synthesize", unit="prompt")
-        while summary.kept < s.count and budget > 0:
-            keys = draws.keys(s.seed, min(budget, s.count - summary.kept))  # never more than wanted: no surplus
-            budget -= len(keys)
-            for key, text, reason, tokens in drawer.draw(keys):
-                summary.drawn += 1
-                summary.generated_tokens += tokens
-                if (why := verdict(text, reason, s, draws.kept)) is None:
-                    draws.kept.add(normalised(text))
-                    kept_out.append({"id": key, "source": "self",
-                                     "messages": [{"role": "user", "content": text.strip()}]})
-                    summary.kept += 1
-                    bar.update(1)
-                else:
-                    summary.dropped[why] += 1
-                    dropped_out.append({"id": key, "reason": why})
-                draws.done.add(draw_index(key))
-        bar.close()
-        kept_out.sync()
-        dropped_out.sync()
+    try:
+        with named_errors(kept_path), open(kept_path, "ab") as kf, open(dropped_path, "ab") as df:
+            kept_out, dropped_out = JsonlAppender(kf), JsonlAppender(df)
+            bar = tqdm(total=s.count, initial=summary.kept, desc="synthesize", unit="prompt")
+            while summary.kept < s.count and budget > 0 and not summary.failed:
+                keys = draws.keys(s.seed, min(budget, s.count - summary.kept))  # never more than wanted
+                budget -= len(keys)
+                for key, text, reason, tokens, error in drawer.draw(keys):
+                    if error is not None:
+                        summary.failed[error.split(":")[0]] += 1
+                        summary.first_failure = summary.first_failure or error
+                        continue
+                    summary.drawn += 1
+                    summary.generated_tokens += tokens
+                    if (why := verdict(text, reason, s, draws.kept)) is None:
+                        draws.kept.add(normalised(text))
+                        kept_out.append({"id": key, "source": "self",
+                                         "messages": [{"role": "user", "content": text.strip()}]})
+                        summary.kept += 1
+                        bar.update(1)
+                    else:
+                        summary.dropped[why] += 1
+                        dropped_out.append({"id": key, "reason": why})
+                    draws.done.add(draw_index(key))
+            bar.close()
+            kept_out.sync()
+            dropped_out.sync()
+    finally:
+        if isinstance(drawer, ServerDrawer):
+            drawer.close()
     summary.seconds = time.perf_counter() - start
+    if summary.failed:
+        raise StepFailed(f"data.synthesize: {sum(summary.failed.values())} draws failed ({dict(summary.failed)}; "
+                         f"first: {summary.first_failure}); rerun to make them again", summary)
     if summary.kept < s.count:
-        raise SynthesizeError(f"data.synthesize: {summary.kept} of {s.count} prompts after {summary.drawn} draws "
-                              f"(dropped: {dict(summary.dropped)}); raise max_new_tokens or lower min_chars")
+        raise StepFailed(f"data.synthesize: {summary.kept} of {s.count} prompts after {summary.drawn} draws "
+                         f"(dropped: {dict(summary.dropped)}); raise max_new_tokens or lower min_chars", summary)
     return summary

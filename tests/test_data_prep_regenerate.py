@@ -9,12 +9,10 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from llama_server import LlamaServer, free_port
 
 from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, parse_config
@@ -68,12 +67,6 @@ def assert_each_id_once(cfg: RunConfig, ids: list[str]) -> list[dict[str, Any]]:
     records = read_conversations(cfg)
     assert sorted(r["id"] for r in records) == sorted(ids)
     return records
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LOOPING = "Sure. " + "Let me say it again. " * 60  # what a small target at T=0 answers too often
@@ -667,41 +660,6 @@ def test_kill9_during_hf_regenerate_loses_only_conversations_in_flight(tmp_path:
         assert (resumed[r["id"]]["messages"], resumed[r["id"]]["finish_reasons"]) == (r["messages"],
                                                                                    r["finish_reasons"])
         assert r["backend"] == "hf" and len(r["finish_reasons"]) == turns[r["id"]]
-
-
-class LlamaServer:
-    """``python -m llama_cpp.server`` on loopback with the builtin GGUF; always stopped by the caller."""
-
-    def __init__(self, log: Path, argv: list[str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        if argv is None:
-            from common.wheels import builtin_gguf
-
-            # One thread: on a shared 2-core machine, spinning thread pools run several times slower.
-            argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(builtin_gguf()), "--host", "127.0.0.1",
-                    "--port", str(self.port), "--n_ctx", "2048", "--n_threads", "1", "--n_threads_batch", "1"]
-        self.proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-
-    def wait_ready(self, limit_s: float = 90) -> None:
-        deadline = time.monotonic() + limit_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"llama.cpp server exited early ({exit_reason(self.proc.returncode, LLAMA_CPP_CAUSES)}): "
-                            f"{self.log.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.2)
-        pytest.fail(f"llama.cpp server not ready in {limit_s} s: {self.log.read_text()[-2000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
 
 
 def test_a_server_killed_by_a_signal_is_named_with_its_likely_cause(tmp_path: Path) -> None:

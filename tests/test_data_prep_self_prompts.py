@@ -3,11 +3,13 @@ draw is dropped, and the real SmolLM2 writing prompts that ingest then reads, re
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from llama_server import LlamaServer, free_port
 
 from common.config import ConfigError, RunConfig, SynthesizeConfig, parse_config
 from data_prep.self_prompts import (
@@ -16,10 +18,12 @@ from data_prep.self_prompts import (
     Draws,
     SynthesizeError,
     query_prefix,
+    query_stop,
     read_draws,
     run_synthesize,
     verdict,
 )
+from data_prep.step_failed import StepFailed
 from data_prep.steps import run_steps
 
 
@@ -84,10 +88,18 @@ def test_the_config_says_what_to_fix() -> None:
                       "synthesize": {"count": 0}}, "eval": {"datasets": [{"name": "m", "kind": "mtbench"}]}})
 
 
-def test_a_chat_server_cannot_continue_a_template(tmp_path: Path) -> None:
-    cfg = make_cfg(tmp_path, {"backend": "openai", "server_urls": ["http://127.0.0.1:1"]})
-    with pytest.raises(SynthesizeError, match="in-process"):
+def test_a_server_stops_at_the_templates_end_of_turn() -> None:
+    from target_model.hf_model import load_tokenizer, resolve_source
+
+    assert query_stop(load_tokenizer(resolve_source("smollm2-135m-instruct", None), False)) == "<|im_end|>"
+
+
+def test_draws_a_dead_server_failed_are_not_written_and_the_step_fails(tmp_path: Path) -> None:
+    cfg = make_cfg(tmp_path, {"backend": "openai", "server_urls": [f"http://127.0.0.1:{free_port()}"],
+                              "max_retries": 1})
+    with pytest.raises(StepFailed, match=r"5 draws failed \({'connection_refused': 5}; first: connection_refused: "):
         run_synthesize(cfg)
+    assert (cfg.root / KEPT_FILE).read_text() == (cfg.root / DROPPED_FILE).read_text() == ""
 
 
 def kept_prompts(cfg: RunConfig) -> dict[str, str]:
@@ -122,3 +134,24 @@ def test_the_real_target_writes_prompts_that_ingest_reads_and_a_kill_loses_none(
     assert run_steps("ingest", tmp_path / "cfg.yaml") == 0
     ingested = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
     assert sorted(r["messages"][0]["content"] for r in ingested) == sorted(prompts.values())
+
+
+@pytest.mark.real
+@pytest.mark.server
+def test_a_real_llama_cpp_server_writes_the_same_prompts_from_the_same_seeds(tmp_path: Path) -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama_cpp is not importable in this venv: pip install 'llama-cpp-python[server]'")
+    server = LlamaServer(tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        regen = {"backend": "openai", "server_urls": [server.url], "timeout_s": 120, "max_retries": 1}
+        first = make_cfg(tmp_path / "first", regen)
+        summary = run_synthesize(first)
+        prompts = kept_prompts(first)
+        assert summary.kept == 5 and summary.generated_tokens > 0 and not summary.failed
+        assert all(len(t) >= 16 and "<|im_" not in t for t in prompts.values()), prompts
+        again = make_cfg(tmp_path / "again", regen)  # the draws' own seeds: the same prompts under the same keys
+        run_synthesize(again)
+        assert kept_prompts(again) == prompts
+    finally:
+        server.kill()
