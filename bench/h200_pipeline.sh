@@ -41,7 +41,8 @@
 #                returned by `RUN=runs/smollm2-h200-mt-sampled OUT_CONVERSATIONS=1 ... out`); cut by the deadline,
 #                what it wrote makes the row with --sampled-subset (every row on those conversations) and
 #                --record-as ablations_sampled (its object and rows, runs/bench-ablations_sampled/, apart)
-#   self-prompts SELF_COUNT (default 20,000) prompts the target writes itself (data_prep synthesize, Magpie), ingested
+#   self-prompts SELF_COUNT (default 20,000) prompts the target writes itself (data_prep synthesize, Magpie; every
+#                third under SELF_SYSTEM, a coding assistant's system turn, to steer it to code), ingested
 #                and answered (regenerate) into runs/smollm2-h200-self: bench/ablations.py's self_prompts row
 #                (ABLATION_ARGS with --self-conversations runs/smollm2-h200-self/conversations.jsonl)
 #   with-self    $RUN/conversations.jsonl = every turn's conversations and the self prompts' (then derive with
@@ -92,6 +93,7 @@ cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
 FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=runs/smollm2-h200-mt SAMPLED=runs/smollm2-h200-mt-sampled
 SELF=runs/smollm2-h200-self
+export SELF_SYSTEM=${SELF_SYSTEM:-You are a Python coding assistant. Users ask you to write or complete Python functions.}
 RUN=${RUN:-$FIRST_TURNS}
 LOGS=$RUN/logs
 SITE=$PWD/.gpu/site
@@ -202,11 +204,13 @@ for p in "$@"; do
           && touch $SAMPLED/.regenerated
         cut_torn_tail $SAMPLED/conversations.jsonl
       fi ;;
-    self-prompts)  # SELF_COUNT prompts the target writes itself (default 20,000, seed 0), ingested and answered, into
+    self-prompts)  # SELF_COUNT prompts the target writes itself (default 20,000, seed 0; every third under SELF_SYSTEM,
+      # a coding assistant's system turn, the rest under the template's own), ingested and answered, into
       # $SELF: the ablations' self_prompts row (ABLATION_ARGS with --self-conversations $SELF/conversations.jsonl);
       # each step resumes, so a cut call's rerun goes on
       phase self-prompts bash -c "set -e; mkdir -p $SELF; derive_config '$CONFIG' $SELF/config.yaml run_dir=$SELF \
           'data.synthesize={count: ${SELF_COUNT:-20000}, seed: 0}' \
+          \"data.synthesize.systems=[null, null, '\$SELF_SYSTEM']\" \
           'data.sources=[{kind: openai, path: $SELF/self_prompts.jsonl}]'; \
         for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
         wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl" ;;

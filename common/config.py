@@ -150,6 +150,10 @@ class SynthesizeConfig(Section):
     max_new_tokens: PositiveInt = Field(512, description="A prompt the target has not ended by then is dropped "
                                         "and counted (unfinished).")
     min_chars: PositiveInt = Field(16, description="A shorter prompt is dropped and counted (short).")
+    systems: list[str | None] = Field(default_factory=lambda: [None], min_length=1, description="System turns the "
+                                      "draws are written under, in turn (draw i: systems[i % len]); null is the "
+                                      "template's own. A system turn steers the domain (e.g. a coding assistant's "
+                                      "users ask for code); the kept prompt is the user's turn alone.")
 
 
 class DataConfig(Section):

@@ -7,13 +7,15 @@ prompts are all used by the shipped config).
 
 Each draw ``i`` samples from its own seed (``data.synthesize.seed`` and the draw's key, the engine's
 ``request_seed``), so a resumed run makes the draws an unbroken one makes, up to the rounding another batch
-brings. The target runs in-process (regenerate.backend hf) or behind OpenAI-compatible servers (openai: the prefix
-sent as a raw text completion that stops at the template's end of turn, with the draw's seed). A draw is kept, or
-dropped under one reason: ``unfinished`` (no end of turn within max_new_tokens), ``loop`` (regenerate's loop
-stop), ``short`` (fewer than min_chars characters), ``duplicate`` (the same text as a kept one, whitespace
-aside). Kept prompts go to ``run_dir/self_prompts.jsonl`` (OpenAI messages, one user turn: list it in
-data.sources, kind openai); every dropped draw to ``run_dir/self_prompts.dropped.jsonl`` with its reason, so a
-resumed run knows which draws were made. Both are appended whole line by line; a torn last line is cut on resume.
+brings. Draw ``i`` is written under system turn ``i % len(systems)`` (data.synthesize.systems, null: the
+template's own), which steers its domain. The target runs in-process (regenerate.backend hf) or behind
+OpenAI-compatible servers (openai: the prefix sent as a raw text completion that stops at the template's end of
+turn, with the draw's seed). A draw is kept, or dropped under one reason: ``unfinished`` (no end of turn within
+max_new_tokens), ``loop`` (regenerate's loop stop), ``short`` (fewer than min_chars characters), ``duplicate``
+(the same text as a kept one, whitespace aside). Kept prompts go to ``run_dir/self_prompts.jsonl`` (OpenAI
+messages, one user turn: list it in data.sources, kind openai); every dropped draw to
+``run_dir/self_prompts.dropped.jsonl`` with its reason, so a resumed run knows which draws were made. Both are
+appended whole line by line; a torn last line is cut on resume.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ class SynthesizeError(ValueError):
     pass
 
 
-def query_prefix(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> str:
-    """The chat template's text before a user turn's words (its default system turn included, as it serves)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+def query_prefix(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, system: str | None = None) -> str:
+    """The chat template's text before a user turn's words, under ``system`` (None: the template's own system turn,
+    as it serves)."""
+    chat = [{"role": "system", "content": system}] if system is not None else []
+    text = tokenizer.apply_chat_template([*chat, {"role": "user", "content": SENTINEL}], tokenize=False,
                                          add_generation_prompt=False, **(template_kwargs or {}))
     if text.count(SENTINEL) != 1:
         raise SynthesizeError("target chat template: a user turn's text does not appear once in its rendering; "
@@ -174,8 +178,10 @@ class HFDrawer:
         self.tok = target.tokenizer
         self.engine = BatchedTarget(target.model)
         self.stop_ids = stop_token_ids(self.tok)
-        self.prefix = self.tok(query_prefix(self.tok, cfg.target.chat_template_kwargs),
-                               add_special_tokens=False)["input_ids"]
+        s = cfg.data.synthesize
+        assert s is not None
+        self.prefixes = [self.tok(query_prefix(self.tok, cfg.target.chat_template_kwargs, system),
+                                  add_special_tokens=False)["input_ids"] for system in s.systems]
 
     def draw(self, keys: list[str]) -> Iterator[Draw]:
         """Each draw as the engine finishes it."""
@@ -183,10 +189,10 @@ class HFDrawer:
         assert s is not None
         loops = LoopStop(r.loop_min_repeat_tokens, r.loop_max_period) if r.stop_loops else None
         stream = Stream(self.engine, self.stop_ids, Sampling(s.temperature, s.top_p, None, s.seed),
-                        max_len=len(self.prefix) + s.max_new_tokens, rows=r.slots, cpu_rows=r.batch_size,
-                        wanted=len(keys), loops=loops)
+                        max_len=max(map(len, self.prefixes)) + s.max_new_tokens, rows=r.slots,
+                        cpu_rows=r.batch_size, wanted=len(keys), loops=loops)
         for key in keys:
-            stream.submit(key, self.prefix, s.max_new_tokens)
+            stream.submit(key, self.prefixes[draw_index(key) % len(self.prefixes)], s.max_new_tokens)
         while stream.busy:
             finished = stream.poll()
             if finished:
@@ -207,7 +213,9 @@ class ServerDrawer:
         self.cfg = cfg
         t = cfg.target
         tok = load_tokenizer(resolve_source(t.name, t.gguf_file), t.trust_remote_code)
-        self.prefix = query_prefix(tok, t.chat_template_kwargs)
+        s = cfg.data.synthesize
+        assert s is not None
+        self.prefixes = [query_prefix(tok, t.chat_template_kwargs, system) for system in s.systems]
         self.stop = query_stop(tok, t.chat_template_kwargs)
         self.backend = OpenAIChatBackend(cfg.regenerate, t.chat_template_kwargs, t)
 
@@ -215,9 +223,9 @@ class ServerDrawer:
         """Each draw, in order, as the servers answer."""
         s = self.cfg.data.synthesize
         assert s is not None
-        bodies = ({"prompt": self.prefix, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
-                   "top_p": s.top_p, "seed": request_seed(s.seed, key) & 0x7FFFFFFF, "stop": [self.stop]}
-                  for key in keys)
+        bodies = ({"prompt": self.prefixes[draw_index(key) % len(self.prefixes)], "max_tokens": s.max_new_tokens,
+                   "temperature": s.temperature, "top_p": s.top_p, "seed": request_seed(s.seed, key) & 0x7FFFFFFF,
+                   "stop": [self.stop]} for key in keys)
         for key, c in zip(keys, self.backend.complete_text(bodies), strict=True):
             if c.error is None and self.cfg.regenerate.stop_loops:
                 c = self.backend.cut_loop(c)

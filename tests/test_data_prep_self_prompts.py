@@ -26,13 +26,15 @@ from data_prep.self_prompts import (
 from data_prep.step_failed import StepFailed
 from data_prep.steps import run_steps
 
+CODING = "You are a Python coding assistant. Users ask you to write or complete Python functions."
+
 
 def make_cfg(tmp_path: Path, regenerate: dict[str, Any] | None = None) -> RunConfig:
     run = tmp_path / "run"
     return parse_config({
         "run_dir": str(run), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
         "data": {"sources": [{"kind": "openai", "path": str(run / KEPT_FILE)}],
-                 "synthesize": {"count": 5, "max_new_tokens": 96}},
+                 "synthesize": {"count": 5, "max_new_tokens": 96, "systems": [None, CODING]}},
         "regenerate": regenerate or {}, "eval": {"datasets": [{"name": "mtbench", "kind": "mtbench"}]}})
 
 
@@ -43,6 +45,8 @@ def test_query_prefix_is_the_template_up_to_the_users_words() -> None:
     prefix = query_prefix(tok)
     assert prefix.endswith("<|im_start|>user\n")
     assert prefix.startswith("<|im_start|>system\n")  # the template's own default system turn, as it serves
+    coding = query_prefix(tok, system="You are a Python coding assistant.")
+    assert coding == "<|im_start|>system\nYou are a Python coding assistant.<|im_end|>\n<|im_start|>user\n"
 
 
 class _DroppingTemplate:
