@@ -32,10 +32,11 @@ from tqdm import tqdm
 
 from common.config import RunConfig, SynthesizeConfig
 from common.files import JsonlAppender, cut_torn_tail, named_errors
+from data_prep.backends import OpenAIChatBackend
 from data_prep.step_failed import StepFailed
 from engine.batched import BatchedTarget
 from engine.continuous_batching import LoopStop, Sampling, Stream, request_seed
-from target_model.hf_model import load_target_from_config, stop_token_ids
+from target_model.hf_model import load_target_from_config, load_tokenizer, resolve_source, stop_token_ids
 
 KEPT_FILE = "self_prompts.jsonl"
 DROPPED_FILE = "self_prompts.dropped.jsonl"
@@ -170,7 +171,7 @@ Draw = tuple[str, str, str, int, str | None]  # key, text, finish reason, tokens
 
 
 class HFDrawer:
-    """The target in-process, loaded once; each round of draws is one engine run over the same prefix."""
+    """The target in-process, loaded once; each round of draws is one engine run over the systems' prefixes."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -207,9 +208,6 @@ class ServerDrawer:
     template's end of turn; each draw sends its own seed. A loop is cut afterwards, as regenerate cuts answers."""
 
     def __init__(self, cfg: RunConfig):
-        from data_prep.backends import OpenAIChatBackend
-        from target_model.hf_model import load_tokenizer, resolve_source
-
         self.cfg = cfg
         t = cfg.target
         tok = load_tokenizer(resolve_source(t.name, t.gguf_file), t.trust_remote_code)
