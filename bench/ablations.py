@@ -34,7 +34,7 @@ every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--row
   text for the same prompts lifts tau at equal steps;
 - self_prompts: the conversations plus those of prompts the target wrote itself (--self-conversations: data_prep
   synthesize, ingest and regenerate into another run dir): whether prompts in the target's own domain lift tau
-  at equal steps, when the prompt corpus is used up.
+  when the prompt corpus is used up (at equal steps with --steps; --epochs gives this row more data and steps).
 --temperatures 0 1 measures every row at each temperature (T > 0: SGLang's acceptance rule, eval.acceptance, with
 the oracle's tau beside it, a drafter proposing the target's own greedy token, read from ``eval.oracle_cache`` when
 an eval measured it before); the keep decision reads T = 0. A sampled regeneration cut short still makes a fair

@@ -207,17 +207,24 @@ for p in "$@"; do
     self-prompts)  # SELF_COUNT prompts the target writes itself (default 20,000, seed 0; every third under SELF_SYSTEM,
       # a coding assistant's system turn, the rest under the template's own), ingested and answered, into
       # $SELF: the ablations' self_prompts row (ABLATION_ARGS with --self-conversations $SELF/conversations.jsonl);
-      # each step resumes, so a cut call's rerun goes on
+      # each step resumes, so a cut call's rerun goes on (a torn last line is cut, so the next phase reads whole ones)
+      SELF_SYSTEMS=$(python3 -c 'import json, os; print(json.dumps([None, None, os.environ["SELF_SYSTEM"]]))')
+      export SELF_SYSTEMS  # JSON is YAML: any text of SELF_SYSTEM reaches the config as it is
       phase self-prompts bash -c "set -e; mkdir -p $SELF; derive_config '$CONFIG' $SELF/config.yaml run_dir=$SELF \
-          'data.synthesize={count: ${SELF_COUNT:-20000}, seed: 0}' \
-          \"data.synthesize.systems=[null, null, '\$SELF_SYSTEM']\" \
+          'data.synthesize={count: ${SELF_COUNT:-20000}, seed: 0}' \"data.synthesize.systems=\$SELF_SYSTEMS\" \
           'data.sources=[{kind: openai, path: $SELF/self_prompts.jsonl}]'; \
         for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
-        wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl" ;;
-    with-self)  # $RUN/conversations.jsonl: every turn's conversations, then the self prompts' (a later stage's data)
-      phase with-self bash -c "set -e; mkdir -p $RUN; cat $MULTI_TURN/conversations.jsonl $SELF/conversations.jsonl \
-          > $RUN/conversations.jsonl.part; mv $RUN/conversations.jsonl.part $RUN/conversations.jsonl; \
-          wc -l $RUN/conversations.jsonl" ;;
+        wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl"
+      [ -f $SELF/conversations.jsonl ] && cut_torn_tail $SELF/conversations.jsonl ;;
+    with-self)  # a later stage's data: every turn's conversations, then the self prompts', as $RUN/conversations.jsonl
+      # ($RUN a run of its own: never the conversations it reads, nor the first turns')
+      case $RUN in
+        "$FIRST_TURNS"|"$MULTI_TURN"|"$SELF") echo "=== with-self: RUN=$RUN holds data of its own; name a new run"
+          failed+=(with-self) ;;
+        *) phase with-self bash -c "set -e; mkdir -p $RUN; cat $MULTI_TURN/conversations.jsonl \
+             $SELF/conversations.jsonl > $RUN/conversations.jsonl.part; \
+             mv $RUN/conversations.jsonl.part $RUN/conversations.jsonl; wc -l $RUN/conversations.jsonl" ;;
+      esac ;;
     ddp-bench)
       phase ddp-bench python3 bench/ddp_scaling.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --samples 3000 --steps 30 --precision no ;;

@@ -300,11 +300,11 @@ class OpenAIChatBackend:
     name = "openai"
 
     def __init__(self, cfg: RegenerateConfig, chat_template_kwargs: dict[str, Any] | None = None,
-                 target: TargetConfig | None = None):
+                 target: TargetConfig | None = None, tokenizer: Any = None):
         self.cfg = cfg
         self.template_kwargs = chat_template_kwargs or {}
         self.target = target
-        self._tokenizer: Any = None
+        self._tokenizer: Any = tokenizer  # the target's, when the caller has it loaded already
         self.urls = [chat_url(u) for u in cfg.server_urls]
         self.text_urls = [text_url(u) for u in cfg.server_urls]
         if not self.urls:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Set as AbstractSet
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -145,7 +146,7 @@ def held_out_turn(messages: Messages, eval_keys: set[str]) -> int | None:
 
 
 def ingest_source(records: Any, report: SourceReport, limit: int | None, max_turns: int, max_chars: int,
-                  seen: set[str], out: list[dict[str, Any]], eval_keys: set[str] = frozenset()) -> None:
+                  seen: set[str], out: list[dict[str, Any]], eval_keys: AbstractSet[str] = frozenset()) -> None:
     rec: Record
     for rec in records:
         if limit is not None and report.kept >= limit:

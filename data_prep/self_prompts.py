@@ -21,6 +21,7 @@ appended whole line by line; a torn last line is cut on resume.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from common.config import RunConfig, SynthesizeConfig
 from common.files import JsonlAppender, cut_torn_tail, named_errors
 from data_prep.backends import OpenAIChatBackend
+from data_prep.decontaminate import turn_key
 from data_prep.step_failed import StepFailed
 from engine.batched import BatchedTarget
 from engine.continuous_batching import LoopStop, Sampling, Stream, request_seed
@@ -66,11 +68,18 @@ def query_stop(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) ->
     continues the prefix as raw text is to stop."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
                                          add_generation_prompt=False, **(template_kwargs or {}))
-    stop = text.split(SENTINEL)[-1].strip()
+    stop = next(iter(text.split(SENTINEL)[-1].split()), "")  # the marker itself, without what may follow it
     if not stop:
         raise SynthesizeError("target chat template: nothing follows a user turn's text, so a server cannot be told "
                               "where the turn ends; use regenerate.backend hf")
     return stop
+
+
+def server_prompt(tokenizer: Any, prefix: str) -> str:
+    """The prefix as a server's text completion takes it: without the BOS text a template writes itself (Llama 3,
+    Mistral, Gemma), since the server adds its special tokens when it tokenizes the prompt."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return prefix.removeprefix(bos) if bos else prefix
 
 
 def draw_key(seed: int, index: int) -> str:
@@ -79,10 +88,6 @@ def draw_key(seed: int, index: int) -> str:
 
 def draw_index(key: str) -> int:
     return int(key.rsplit("-", 1)[1])
-
-
-def normalised(text: str) -> str:
-    return " ".join(text.split())
 
 
 @dataclass
@@ -133,8 +138,9 @@ class Draws:
         return [draw_key(seed, i) for i in left + fresh]
 
 
-def read_draws(kept_path: Path, dropped_path: Path) -> Draws:
-    """Both files read after their torn last lines are cut; a whole line that is not a draw is an error naming it."""
+def read_draws(kept_path: Path, dropped_path: Path, seed: int) -> Draws:
+    """Both files read after their torn last lines are cut; a whole line that is not a draw, or a draw of another
+    seed (its prompts would count towards this one's), is an error naming it."""
     draws = Draws()
     for path in (kept_path, dropped_path):
         if not path.exists():
@@ -145,10 +151,13 @@ def read_draws(kept_path: Path, dropped_path: Path) -> Draws:
                 rec = json.loads(line)
                 index = draw_index(rec["id"])
                 if path == kept_path:
-                    draws.kept.add(normalised(rec["messages"][0]["content"]))
-            except (ValueError, KeyError, TypeError, IndexError):
+                    draws.kept.add(turn_key(rec["messages"][0]["content"]))
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 raise SynthesizeError(f"{path}:{lineno}: a whole line that is not a synthesized draw; the file is "
                                       "damaged: move it away and rerun") from None
+            if rec["id"] != draw_key(seed, index):
+                raise SynthesizeError(f"{path}:{lineno}: draw {rec['id']} is not of data.synthesize.seed {seed}; "
+                                      "move the files away for a new seed, or set the seed back")
             draws.done.add(index)
             draws.next_index = max(draws.next_index, index + 1)
     return draws
@@ -162,7 +171,7 @@ def verdict(text: str, finish_reason: str, s: SynthesizeConfig, kept: set[str]) 
         return "loop"
     if len(text.strip()) < s.min_chars:
         return "short"
-    if normalised(text) in kept:
+    if turn_key(text) in kept:
         return "duplicate"
     return None
 
@@ -173,12 +182,16 @@ Draw = tuple[str, str, str, int, str | None]  # key, text, finish reason, tokens
 class HFDrawer:
     """The target in-process, loaded once; each round of draws is one engine run over the systems' prefixes."""
 
+    gave_up = False  # an engine raises rather than failing a draw
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         target = load_target_from_config(cfg.target)
         self.tok = target.tokenizer
         self.engine = BatchedTarget(target.model)
-        self.stop_ids = stop_token_ids(self.tok)
+        # the tokenizer's EOS and ChatML's end of turn, and the template's own end-of-turn marker when it is a token
+        marker = self.tok(query_stop(self.tok, cfg.target.chat_template_kwargs), add_special_tokens=False)["input_ids"]
+        self.stop_ids = sorted(set(stop_token_ids(self.tok)) | (set(marker) if len(marker) == 1 else set()))
         s = cfg.data.synthesize
         assert s is not None
         self.prefixes = [self.tok(query_prefix(self.tok, cfg.target.chat_template_kwargs, system),
@@ -207,27 +220,37 @@ class ServerDrawer:
     prefix, rendered here with the target's tokenizer, is sent as a raw text completion that stops at the
     template's end of turn; each draw sends its own seed. A loop is cut afterwards, as regenerate cuts answers."""
 
+    gave_up = False  # regenerate.max_consecutive_failures draws in a row failed: a dead server
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         t = cfg.target
         tok = load_tokenizer(resolve_source(t.name, t.gguf_file), t.trust_remote_code)
         s = cfg.data.synthesize
         assert s is not None
-        self.prefixes = [query_prefix(tok, t.chat_template_kwargs, system) for system in s.systems]
+        self.prefixes = [server_prompt(tok, query_prefix(tok, t.chat_template_kwargs, system)) for system in s.systems]
         self.stop = query_stop(tok, t.chat_template_kwargs)
-        self.backend = OpenAIChatBackend(cfg.regenerate, t.chat_template_kwargs, t)
+        self.backend = OpenAIChatBackend(cfg.regenerate, t.chat_template_kwargs, t, tokenizer=tok)
 
     def draw(self, keys: list[str]) -> Iterator[Draw]:
-        """Each draw, in order, as the servers answer."""
-        s = self.cfg.data.synthesize
+        """Each draw, in order, as the servers answer: ``batch_size`` requests at a time, none after
+        ``max_consecutive_failures`` draws in a row failed (``gave_up``)."""
+        s, r = self.cfg.data.synthesize, self.cfg.regenerate
         assert s is not None
-        bodies = ({"prompt": self.prefixes[draw_index(key) % len(self.prefixes)], "max_tokens": s.max_new_tokens,
-                   "temperature": s.temperature, "top_p": s.top_p, "seed": request_seed(s.seed, key) & 0x7FFFFFFF,
-                   "stop": [self.stop]} for key in keys)
-        for key, c in zip(keys, self.backend.complete_text(bodies), strict=True):
-            if c.error is None and self.cfg.regenerate.stop_loops:
-                c = self.backend.cut_loop(c)
-            yield key, c.text, c.finish_reason, c.tokens or 0, c.error and f"{c.error}: {c.detail}"
+        in_a_row = 0
+        for start in range(0, len(keys), self.backend.batch_size):
+            part = keys[start:start + self.backend.batch_size]
+            bodies = ({"prompt": self.prefixes[draw_index(key) % len(self.prefixes)], "max_tokens": s.max_new_tokens,
+                       "temperature": s.temperature, "top_p": s.top_p,
+                       "seed": request_seed(s.seed, key) & 0x7FFFFFFF, "stop": [self.stop]} for key in part)
+            for key, c in zip(part, self.backend.complete_text(bodies), strict=True):
+                if c.error is None and r.stop_loops:
+                    c = self.backend.cut_loop(c)
+                in_a_row = in_a_row + 1 if c.error else 0
+                yield key, c.text, c.finish_reason, c.tokens or 0, c.error and f"{c.error}: {c.detail}"
+            if in_a_row >= r.max_consecutive_failures:
+                self.gave_up = True
+                return
 
     def close(self) -> None:
         self.backend.close()
@@ -235,27 +258,32 @@ class ServerDrawer:
 
 def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
     """Draw until data.synthesize.count prompts are kept (at most DRAWS_PER_PROMPT draws per prompt wanted). A draw
-    a server failed is not written: the next run makes it again; this one stops after the round it failed in."""
+    a server failed is not written, and is made again in the next round; as in regenerate, the step stops and fails
+    after regenerate.max_consecutive_failures failures in a row, or once more than max_failure_share of its draws
+    failed (what it kept stays; the rerun goes on)."""
     s = cfg.data.synthesize
     if s is None:
         raise SynthesizeError("data.synthesize: not set; give its count (and seed) to have the target write prompts")
     cfg.root.mkdir(parents=True, exist_ok=True)
     kept_path, dropped_path = cfg.root / KEPT_FILE, cfg.root / DROPPED_FILE
-    draws = read_draws(kept_path, dropped_path)
+    draws = read_draws(kept_path, dropped_path, s.seed)
     summary = SynthesizeSummary(str(kept_path), s.count, kept=len(draws.kept), kept_before=len(draws.kept))
     if summary.kept >= s.count:
         return summary
     start = time.perf_counter()
     drawer = HFDrawer(cfg) if cfg.regenerate.backend == "hf" else ServerDrawer(cfg)
     budget = DRAWS_PER_PROMPT * (s.count - summary.kept)
+    tried = 0
+    too_many = False
     try:
         with named_errors(kept_path), open(kept_path, "ab") as kf, open(dropped_path, "ab") as df:
             kept_out, dropped_out = JsonlAppender(kf), JsonlAppender(df)
             bar = tqdm(total=s.count, initial=summary.kept, desc="synthesize", unit="prompt")
-            while summary.kept < s.count and budget > 0 and not summary.failed:
+            while summary.kept < s.count and budget > 0 and not too_many:
                 keys = draws.keys(s.seed, min(budget, s.count - summary.kept))  # never more than wanted
                 budget -= len(keys)
                 for key, text, reason, tokens, error in drawer.draw(keys):
+                    tried += 1
                     if error is not None:
                         summary.failed[error.split(":")[0]] += 1
                         summary.first_failure = summary.first_failure or error
@@ -263,7 +291,7 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                     summary.drawn += 1
                     summary.generated_tokens += tokens
                     if (why := verdict(text, reason, s, draws.kept)) is None:
-                        draws.kept.add(normalised(text))
+                        draws.kept.add(turn_key(text))
                         kept_out.append({"id": key, "source": "self",
                                          "messages": [{"role": "user", "content": text.strip()}]})
                         summary.kept += 1
@@ -272,6 +300,8 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                         summary.dropped[why] += 1
                         dropped_out.append({"id": key, "reason": why})
                     draws.done.add(draw_index(key))
+                failed = sum(summary.failed.values())
+                too_many = drawer.gave_up or failed > cfg.regenerate.max_failure_share * tried
             bar.close()
             kept_out.sync()
             dropped_out.sync()
@@ -279,9 +309,12 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
         if isinstance(drawer, ServerDrawer):
             drawer.close()
     summary.seconds = time.perf_counter() - start
-    if summary.failed:
-        raise StepFailed(f"data.synthesize: {sum(summary.failed.values())} draws failed ({dict(summary.failed)}; "
-                         f"first: {summary.first_failure}); rerun to make them again", summary)
+    if not any(Path(src.path).resolve() == kept_path.resolve() for src in cfg.data.sources):
+        print(f"data_prep synthesize: note: {kept_path} is not in data.sources, so ingest will not read it; add "
+              "{kind: openai, path: <it>} there", file=sys.stderr)
+    if too_many:
+        raise StepFailed(f"data.synthesize: {sum(summary.failed.values())} of {tried} draws failed "
+                         f"({dict(summary.failed)}; first: {summary.first_failure}); rerun to make them again", summary)
     if summary.kept < s.count:
         raise StepFailed(f"data.synthesize: {summary.kept} of {s.count} prompts after {summary.drawn} draws "
                          f"(dropped: {dict(summary.dropped)}); raise max_new_tokens or lower min_chars", summary)

@@ -12,6 +12,7 @@ import pytest
 from llama_server import LlamaServer, free_port
 
 from common.config import ConfigError, RunConfig, SynthesizeConfig, parse_config
+from data_prep.decontaminate import turn_key
 from data_prep.self_prompts import (
     DROPPED_FILE,
     KEPT_FILE,
@@ -21,6 +22,7 @@ from data_prep.self_prompts import (
     query_stop,
     read_draws,
     run_synthesize,
+    server_prompt,
     verdict,
 )
 from data_prep.step_failed import StepFailed
@@ -74,16 +76,40 @@ def test_a_resumed_run_redraws_what_was_in_flight_before_new_draws() -> None:
     ("What is  the capital of\nFrance?", "stop", "duplicate"),
 ])
 def test_each_dropped_draw_has_one_reason(text: str, reason: str, why: str | None) -> None:
-    kept = {"What is the capital of France?"}
+    kept = {turn_key("What is the capital of France?")}
     assert verdict(text, reason, SynthesizeConfig(count=1, min_chars=16), kept) == why
 
 
-def test_a_damaged_line_is_an_error_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("second", [{"no": "id"}, {"id": 5},
+                                    {"id": "self-0-00000001", "messages": [{"content": None}]}])
+def test_a_damaged_line_is_an_error_naming_it(tmp_path: Path, second: dict[str, Any]) -> None:
     kept = tmp_path / KEPT_FILE
-    kept.write_text(json.dumps({"id": "self-0-00000000", "messages": [{"role": "user", "content": "x"}]})
-                    + "\n{\"no\": \"id\"}\n")
+    kept.write_text(json.dumps({"id": "self-0-00000000", "messages": [{"role": "user", "content": "x"}]}) + "\n"
+                    + json.dumps(second) + "\n")
     with pytest.raises(SynthesizeError, match=rf"{KEPT_FILE}:2: .*damaged"):
-        read_draws(kept, tmp_path / DROPPED_FILE)
+        read_draws(kept, tmp_path / DROPPED_FILE, 0)
+
+
+def test_draws_of_another_seed_are_an_error_not_counted(tmp_path: Path) -> None:
+    dropped = tmp_path / DROPPED_FILE
+    dropped.write_text(json.dumps({"id": "self-0-00000003", "reason": "short"}) + "\n")
+    assert read_draws(tmp_path / KEPT_FILE, dropped, 0).next_index == 4
+    with pytest.raises(SynthesizeError, match=rf"{DROPPED_FILE}:1: draw self-0-00000003 is not of data.synthesize.s"):
+        read_draws(tmp_path / KEPT_FILE, dropped, 7)
+
+
+class _BosTemplate:
+    bos_token = "<s>"
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> str:
+        return "<s>" + "".join(f"[{m['role']}] {m['content']}<eot>\n" for m in messages)
+
+
+def test_a_server_gets_the_prefix_without_the_templates_bos_and_stops_at_its_marker() -> None:
+    tok = _BosTemplate()
+    assert server_prompt(tok, query_prefix(tok)) == "[user] "
+    assert server_prompt(tok, query_prefix(tok, system="Be brief.")) == "[system] Be brief.<eot>\n[user] "
+    assert query_stop(tok) == "<eot>"
 
 
 def test_the_config_says_what_to_fix() -> None:
@@ -101,7 +127,7 @@ def test_a_server_stops_at_the_templates_end_of_turn() -> None:
 def test_draws_a_dead_server_failed_are_not_written_and_the_step_fails(tmp_path: Path) -> None:
     cfg = make_cfg(tmp_path, {"backend": "openai", "server_urls": [f"http://127.0.0.1:{free_port()}"],
                               "max_retries": 1})
-    with pytest.raises(StepFailed, match=r"5 draws failed \({'connection_refused': 5}; first: connection_refused: "):
+    with pytest.raises(StepFailed, match=r"5 of 5 draws failed \({'connection_refused': 5}; first: connection_ref"):
         run_synthesize(cfg)
     assert (cfg.root / KEPT_FILE).read_text() == (cfg.root / DROPPED_FILE).read_text() == ""
 
@@ -128,7 +154,7 @@ def test_the_real_target_writes_prompts_that_ingest_reads_and_a_kill_loses_none(
     assert resumed.kept_before == 2 and resumed.kept == 5
     after = (again.root / KEPT_FILE).read_text().splitlines(keepends=True)
     assert after[:2] == lines[:2]  # what was written stays; the torn line is cut and its draw made again
-    assert len(set(kept_prompts(again))) == 5
+    assert len(after) == len(set(kept_prompts(again))) == 5  # each draw once
     # the draws in flight are made again from their own seeds: the same prompts, up to the rounding that another
     # batch brings (a prompt near max_new_tokens may end up unfinished and be replaced by a new draw)
     assert len(set(kept_prompts(again).values()) & set(prompts.values())) >= 4
