@@ -25,7 +25,7 @@ import yaml
 from llama_server import LlamaServer, free_port
 
 from common.cli import LLAMA_CPP_CAUSES, exit_reason
-from common.config import RunConfig, parse_config
+from common.config import RunConfig, TargetConfig, parse_config
 from common.process_clock import process_age_s
 from data_prep.backends import BackendError, HFChatBackend, make_chat_backend
 from data_prep.regenerate import PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
@@ -73,24 +73,28 @@ LOOPING = "Sure. " + "Let me say it again. " * 60  # what a small target at T=0 
 
 
 class FakeChat(BaseHTTPRequestHandler):
-    """An OpenAI-style echo server; a user turn containing "[503x2]" gets HTTP 503 for its first 2 requests, one
-    containing "[loop]" an answer that loops until max_tokens."""
+    """An OpenAI-style echo server (chats, and text completions of a raw prompt); a user turn or prompt containing
+    "[503x2]" gets HTTP 503 for its first 2 requests, one containing "[loop]" an answer that loops until max_tokens, one
+    containing "[slow]" its answer after 20 ms."""
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         srv: Any = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        last = body["messages"][-1]["content"]
+        text = "prompt" in body  # a text completion (/v1/completions): the raw prompt, continued
+        last = body["prompt"] if text else body["messages"][-1]["content"]
         with srv.lock:
             srv.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
             srv.seen[last] += 1
             n = srv.seen[last]
+        if "[slow]" in last:
+            time.sleep(0.02)
         fail = re.search(r"\[(\d{3})x(\d+)\]", last)
         if fail and n <= int(fail[2]):
             self.send_error(int(fail[1]))
             return
         content, finish = (LOOPING, "length") if "[loop]" in last else (f"echo {last}", "stop")
-        reply = json.dumps({"choices": [{"index": 0, "finish_reason": finish,
-                                         "message": {"role": "assistant", "content": content}}]}).encode()
+        answer = {"text": content} if text else {"message": {"role": "assistant", "content": content}}
+        reply = json.dumps({"choices": [{"index": 0, "finish_reason": finish, **answer}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(reply)))
@@ -392,7 +396,8 @@ def test_a_profiled_step_samples_its_host_and_the_command_does_not(tmp_path: Pat
 
     tree = config_tree(tmp_path, backend="openai", server_urls=[fake.url], concurrency=2, batch_size=2)
     cfg = parse_config(tree)
-    write_prompts(cfg, [[user(f"q{i}")] for i in range(4)])
+    # answers that take a few ms each: a run of a few ms could end between two 5 ms samples
+    write_prompts(cfg, [[user(f"q{i} [slow]")] for i in range(4)])
     profile, backend = EngineProfile(sample_host=True), make_chat_backend(cfg.target, cfg.regenerate)
     try:
         summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend, profile=profile)
@@ -1065,3 +1070,20 @@ def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path
     backend = make_chat_backend(cfg.target, cfg.regenerate)
     summary = regenerate(cfg, load_prompt_records(cfg.prompts_path, None), backend)
     assert summary.tried == 7 and summary.failed == {"prompt_exceeds_context": 7}
+
+
+def test_text_completions_go_to_the_same_servers_with_the_same_retries(tmp_path: Path, fake: Any) -> None:
+    from data_prep.backends import text_url
+
+    assert text_url("http://h:1") == text_url("http://h:1/v1/") == "http://h:1/v1/completions"
+    assert text_url("http://h:1/v1/chat/completions") == "http://h:1/v1/completions"
+    backend = make_chat_backend(TargetConfig(name="smollm2-135m-instruct"),
+                                openai_cfg(tmp_path, [fake.url], max_retries=2).regenerate)
+    try:
+        out = list(backend.complete_text([{"prompt": "<u>[503x2] hi"}, {"prompt": "<u>[400x1] no"}, {"prompt": "x"}]))
+    finally:
+        backend.close()
+    assert [(c.text, c.finish_reason, c.error) for c in out] == [
+        ("echo <u>[503x2] hi", "stop", None), ("", "", "http_400"), ("echo x", "stop", None)]
+    assert {r["path"] for r in fake.requests} == {"/v1/completions"}
+    assert all(r["body"]["model"] == "default" for r in fake.requests)
