@@ -345,16 +345,13 @@ def main() -> int:
     if "init_from_target" in names and cfg.drafter.init == "target":
         print("init_from_target: left out, the config's drafter already starts from the target", file=sys.stderr)
         names.remove("init_from_target")
-    if (wanted := [n for n in SAMPLED_ROWS if n in names]) and args.sampled_conversations is None:
-        if args.rows != "all":
-            ap.error(f"--rows {','.join(wanted)} needs --sampled-conversations")
-        print(f"{', '.join(wanted)}: left out, no --sampled-conversations", file=sys.stderr)
-        names = [n for n in names if n not in wanted]
-    if "self_prompts" in names and args.self_conversations is None:
-        if args.rows != "all":
-            ap.error("--rows self_prompts needs --self-conversations")
-        print("self_prompts: left out, no --self-conversations", file=sys.stderr)
-        names.remove("self_prompts")
+    for needy, dest in ((SAMPLED_ROWS, "sampled_conversations"), (("self_prompts",), "self_conversations")):
+        if (wanted := [n for n in needy if n in names]) and getattr(args, dest) is None:
+            option = "--" + dest.replace("_", "-")
+            if args.rows != "all":
+                ap.error(f"--rows {','.join(wanted)} needs {option}")
+            print(f"{', '.join(wanted)}: left out, no {option}", file=sys.stderr)
+            names = [n for n in names if n not in wanted]
     copies = cfg.regenerate.loop_keep_tokens
     if "loop_copies_dropped" in names and copies == 0:
         print("loop_copies_dropped: left out, regenerate.loop_keep_tokens is 0 (no copies were kept)", file=sys.stderr)

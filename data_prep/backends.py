@@ -343,9 +343,11 @@ class OpenAIChatBackend:
 
     def complete_text(self, bodies: Iterable[dict[str, Any]]) -> Iterator[Completion]:
         """Text completions of raw prompts (``bodies``: the request bodies, model added), in order, as they come
-        back; the same retries and failures as chats. What a server offers to continue a template by hand."""
-        return self._pool.map(lambda body: self._one(json.dumps({"model": self.cfg.model, **body}).encode(),
-                                                     text=True), bodies)
+        back; the same retries, failures and loop cuts as chats. What a server offers to continue a template by
+        hand."""
+        out = self._pool.map(lambda body: self._one(json.dumps({"model": self.cfg.model, **body}).encode(),
+                                                    text=True), bodies)
+        return (self.cut_loop(c) for c in out) if self.cfg.stop_loops else out
 
     def tokenizer(self) -> Any:
         if self._tokenizer is None:

@@ -4,7 +4,9 @@ trained on, whichever source (a corpus, a user's traffic, prompts the target wro
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import closing
+from typing import Any
 
 from common.config import DatasetConfig
 from data_prep.sources import open_source
@@ -26,3 +28,9 @@ def eval_turn_keys(datasets: Sequence[DatasetConfig]) -> set[str]:
                 if not rec.skip:
                     keys.update(turn_key(m["content"]) for m in rec.messages or () if m["role"] == "user")
     return keys
+
+
+def held_out_turn(messages: Sequence[dict[str, Any]], eval_keys: AbstractSet[str]) -> int | None:
+    """The number of the first user turn of ``messages`` that is an eval prompt, else None."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return next((i for i, text in enumerate(users, 1) if turn_key(text) in eval_keys), None)

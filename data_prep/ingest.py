@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from common.config import RunConfig
 from common.files import write_jsonl_atomic
-from data_prep.decontaminate import eval_turn_keys, turn_key
+from data_prep.decontaminate import eval_turn_keys, held_out_turn
 from data_prep.readers import Messages, Record, Skip
 from data_prep.sources import open_source
 from data_prep.step_failed import StepFailed
@@ -137,12 +137,6 @@ def content_hash(messages: Messages, tools: list[dict[str, Any]] | None = None) 
     except UnicodeEncodeError as e:  # lone surrogates: undecodable bytes in a JSON array, or bad escapes
         raise Skip("invalid_utf8", f"text cannot be encoded as UTF-8 ({e.reason})") from None
     return hashlib.sha1(data).hexdigest()
-
-
-def held_out_turn(messages: Messages, eval_keys: set[str]) -> int | None:
-    """The number of the first user turn that is an eval prompt (``decontaminate.turn_key``), else None."""
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    return next((i for i, text in enumerate(users, 1) if turn_key(text) in eval_keys), None)
 
 
 def ingest_source(records: Any, report: SourceReport, limit: int | None, max_turns: int, max_chars: int,

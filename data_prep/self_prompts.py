@@ -51,24 +51,30 @@ class SynthesizeError(ValueError):
     pass
 
 
-def query_prefix(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, system: str | None = None) -> str:
-    """The chat template's text before a user turn's words, under ``system`` (None: the template's own system turn,
-    as it serves)."""
+def _around_users_words(tokenizer: Any, template_kwargs: dict[str, Any] | None, system: str | None
+                        ) -> tuple[str, str]:
+    """The chat template's rendering of one user turn (under ``system``; None: the template's own system turn, as it
+    serves), split where the user's words go: (the text before them, the text after)."""
     chat = [{"role": "system", "content": system}] if system is not None else []
     text = tokenizer.apply_chat_template([*chat, {"role": "user", "content": SENTINEL}], tokenize=False,
                                          add_generation_prompt=False, **(template_kwargs or {}))
     if text.count(SENTINEL) != 1:
         raise SynthesizeError("target chat template: a user turn's text does not appear once in its rendering; "
                               "synthesize needs a template that writes the user's words as given")
-    return text.split(SENTINEL)[0]
+    before, after = text.split(SENTINEL)
+    return before, after
+
+
+def query_prefix(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, system: str | None = None) -> str:
+    """The chat template's text before a user turn's words, under ``system`` (None: the template's own)."""
+    return _around_users_words(tokenizer, template_kwargs, system)[0]
 
 
 def query_stop(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> str:
     """The text the template writes right after a user's words (its end-of-turn marker): where a server that
     continues the prefix as raw text is to stop."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
-                                         add_generation_prompt=False, **(template_kwargs or {}))
-    stop = next(iter(text.split(SENTINEL)[-1].split()), "")  # the marker itself, without what may follow it
+    after = _around_users_words(tokenizer, template_kwargs, None)[1]
+    stop = next(iter(after.split()), "")  # the marker itself, without what may follow it
     if not stop:
         raise SynthesizeError("target chat template: nothing follows a user turn's text, so a server cannot be told "
                               "where the turn ends; use regenerate.backend hf")
@@ -119,6 +125,15 @@ class SynthesizeSummary:
             + f" | {self.to_dict()['tokens_per_s']} |"])
 
     __str__ = to_markdown
+
+    @property
+    def failures(self) -> int:
+        return sum(self.failed.values())
+
+    @property
+    def tried(self) -> int:
+        """This run's draws, failed ones included."""
+        return self.drawn + self.failures
 
 
 @dataclass
@@ -218,7 +233,7 @@ class HFDrawer:
 class ServerDrawer:
     """The target behind OpenAI-compatible servers (regenerate.backend openai: SGLang, vLLM, llama.cpp): the
     prefix, rendered here with the target's tokenizer, is sent as a raw text completion that stops at the
-    template's end of turn; each draw sends its own seed. A loop is cut afterwards, as regenerate cuts answers."""
+    template's end of turn; each draw sends its own seed. A loop is cut afterwards (the backend's, as for answers)."""
 
     gave_up = False  # regenerate.max_consecutive_failures draws in a row failed: a dead server
 
@@ -244,8 +259,6 @@ class ServerDrawer:
                        "temperature": s.temperature, "top_p": s.top_p,
                        "seed": request_seed(s.seed, key) & 0x7FFFFFFF, "stop": [self.stop]} for key in part)
             for key, c in zip(part, self.backend.complete_text(bodies), strict=True):
-                if c.error is None and r.stop_loops:
-                    c = self.backend.cut_loop(c)
                 in_a_row = in_a_row + 1 if c.error else 0
                 yield key, c.text, c.finish_reason, c.tokens or 0, c.error and f"{c.error}: {c.detail}"
             if in_a_row >= r.max_consecutive_failures:
@@ -273,7 +286,6 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
     start = time.perf_counter()
     drawer = HFDrawer(cfg) if cfg.regenerate.backend == "hf" else ServerDrawer(cfg)
     budget = DRAWS_PER_PROMPT * (s.count - summary.kept)
-    tried = 0
     too_many = False
     try:
         with named_errors(kept_path), open(kept_path, "ab") as kf, open(dropped_path, "ab") as df:
@@ -283,7 +295,6 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                 keys = draws.keys(s.seed, min(budget, s.count - summary.kept))  # never more than wanted
                 budget -= len(keys)
                 for key, text, reason, tokens, error in drawer.draw(keys):
-                    tried += 1
                     if error is not None:
                         summary.failed[error.split(":")[0]] += 1
                         summary.first_failure = summary.first_failure or error
@@ -300,8 +311,7 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                         summary.dropped[why] += 1
                         dropped_out.append({"id": key, "reason": why})
                     draws.done.add(draw_index(key))
-                failed = sum(summary.failed.values())
-                too_many = drawer.gave_up or failed > cfg.regenerate.max_failure_share * tried
+                too_many = drawer.gave_up or summary.failures > cfg.regenerate.max_failure_share * summary.tried
             bar.close()
             kept_out.sync()
             dropped_out.sync()
@@ -313,7 +323,7 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
         print(f"data_prep synthesize: note: {kept_path} is not in data.sources, so ingest will not read it; add "
               "{kind: openai, path: <it>} there", file=sys.stderr)
     if too_many:
-        raise StepFailed(f"data.synthesize: {sum(summary.failed.values())} of {tried} draws failed "
+        raise StepFailed(f"data.synthesize: {summary.failures} of {summary.tried} draws failed "
                          f"({dict(summary.failed)}; first: {summary.first_failure}); rerun to make them again", summary)
     if summary.kept < s.count:
         raise StepFailed(f"data.synthesize: {summary.kept} of {s.count} prompts after {summary.drawn} draws "
