@@ -3,9 +3,10 @@
     python bench/ablations.py --config runs/smollm2-h200/config.yaml \
         --conversations runs/smollm2-h200/conversations.jsonl --samples 0 --epochs 1 --procs-per-gpu 6
 
-Every row trains online from scratch on the first --samples regenerated conversations (0: all; the held-out
-split is theirs) for --epochs epochs (or --steps steps), then is measured like the shipped drafter (k=3, T=0,
-every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--rows picks some):
+Every row trains online on the first --samples regenerated conversations (0: all; the held-out split is theirs)
+for --epochs epochs (or --steps steps), from scratch or, when the config sets drafter.init_from, from that drafter
+(a later stage's levers; the object's ``init_from`` says which), then is measured like the shipped drafter (k=3,
+T=0, every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--rows picks some):
 - baseline: the config's recipe and data;
 - init_from_target: the drafter starts from the target's last layer, final norm and head (left out where the
   config's drafter.init is target already);
@@ -378,7 +379,7 @@ def main() -> int:
         return 2
     todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
     figures = {"conversations": len(recs), **not_sampled, **({"self_conversations": len(own)} if own else {}),
-               "k": 3, "temperatures": args.temperatures,
+               "k": 3, "temperatures": args.temperatures, "init_from": cfg.drafter.init_from,
                **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}
     slots = max(1, torch.cuda.device_count()) * args.procs_per_gpu
     procs = []

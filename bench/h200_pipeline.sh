@@ -77,7 +77,7 @@
 #                drafters/ first, so that the record names what ships); QUALITY_SETTINGS, default 3:0 3:1 5:0
 #                                                                   -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
-#   out          results.json, the plot, the best drafter (in 15 MB parts; else the ablations' best row),
+#   out          results.json, the plot, the best drafter (in 15 MB parts; else the best row of any ablations run),
 #                logs.tar.gz (the logs' tails, the run's train_log.jsonl, the ablation rows; a stalled row's stacks;
 #                the regenerate log's errors and recompiles) and, with OUT_CONVERSATIONS=1, $RUN's
 #                conversations.jsonl.gz in 15 MB parts (a returned file holds at most 16 MiB) for the next machine
@@ -297,9 +297,9 @@ for p in "$@"; do
         cp "$BENCH_RESULTS" "$stage/results.json" 2>/dev/null
         cp runs/learning_curve.png runs/regenerate_timeline*.png "$stage/" 2>/dev/null
         best=$(readlink -f $RUN/checkpoints/best 2>/dev/null)
-        if [ -z "$best" ] && [ -f runs/bench-ablations/keep.json ]; then  # the ablations' best row by mean tau
+        if [ -z "$best" ] && compgen -G 'runs/bench-ablations*/row-*.json' > /dev/null; then  # the best row by mean tau
           best=$(python3 -c "import json, glob
-rows = [json.load(open(p)) for p in glob.glob('runs/bench-ablations/row-*.json')]
+rows = [json.load(open(p)) for p in glob.glob('runs/bench-ablations*/row-*.json')]
 best = max(rows, key=lambda r: sum(r['tau'].values()), default=None)
 print(best['checkpoint'] if best else '')")
           [ -n "$best" ] && best=$(readlink -f "$best") && echo "$best" > "$stage/best-is.txt"
