@@ -5,8 +5,9 @@
 
 eval: ``python -m eval quality`` (``eval.quality``: every prompt of the config's eval datasets at each --settings
 k:T with the batched engine, the lossless check, tau* per k from batch-1 timings, the gate's decision at the first
-setting; the target in fp32), recorded as "quality": every tau with its interval (ci) and prompts, tau* with its
-interval, and tau_by_context (tau per history-length bucket on the run's held-out conversations, with counts).
+setting, against --incumbent too when given; the target in fp32), recorded as "quality" (or --name): every tau with
+its interval (ci) and prompts, tau* with its interval, tau_by_context (tau per history-length bucket on the run's
+held-out conversations, with counts) and the weights' fingerprint (sha256), so a record names the file it measured.
 
 curve: the same tau (k=3, T=0) for each checkpoint a training run kept (train.save_at), against the real
 tokens it had trained on, with the held-out acc_0..acc_n logged at that step; learning_curve.png beside
@@ -39,7 +40,7 @@ from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints,
 def cmd_eval(args: argparse.Namespace) -> int:
     cfg, target, prompts = setup(args.config, args.limit, overrides=args.set)
     figures = quality(cfg, target, prompts, args.checkpoint, parse_settings(args.settings), args.timing_prompts,
-                      args.limit or args.context_prompts)
+                      args.limit or args.context_prompts, incumbent=args.incumbent)
     figures["goal_tau_mtbench"] = 3.0
     record(args.name, figures)
     print(json.dumps(figures, indent=1))
@@ -126,6 +127,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--timing-prompts", type=int, default=8)
     e.add_argument("--context-prompts", type=int, default=80, help="held-out turns per history-length bucket")
     e.add_argument("--name", default="quality", help="the results.json object to write")
+    e.add_argument("--incumbent", help="the drafter it must beat (paired on the same prompts at the first setting)")
     c = sub.add_parser("curve")
     c.add_argument("--config", required=True)
     c.add_argument("--run-dir", required=True)

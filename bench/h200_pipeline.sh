@@ -74,7 +74,8 @@
 #   curve        bench/drafter_quality.py curve                     -> "learning_curve", bench/learning_curve.png
 #                (each point kept as it lands: a cut call's rerun measures only the checkpoints left)
 #   quality      bench/drafter_quality.py eval of $RUN's best, or QUALITY_CHECKPOINT (the drafter to ship, copied into
-#                drafters/ first, so that the record names what ships); QUALITY_SETTINGS, default 3:0 3:1 5:0
+#                drafters/ first, so that the record names what ships); QUALITY_SETTINGS, default 3:0 3:1 5:0;
+#                QUALITY_INCUMBENT, the drafter it must beat (the gate reads the paired difference)
 #                                                                   -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the best row of any ablations run),
@@ -285,7 +286,7 @@ for p in "$@"; do
       # shellcheck disable=SC2086
       phase quality python3 bench/drafter_quality.py eval --config "$CONFIG" \
         --checkpoint "${QUALITY_CHECKPOINT:-$RUN/checkpoints/best}" --settings ${QUALITY_SETTINGS:-3:0 3:1 5:0} \
-        --timing-prompts 4 ;;
+        --timing-prompts 4 ${QUALITY_INCUMBENT:+--incumbent "$QUALITY_INCUMBENT"} ;;
     decode-gap)
       phase decode-gap bash -c "python3 bench/decode_gap.py --config '$CONFIG' --checkpoint $RUN/checkpoints/best \
           --holdout-samples 300 --loopy-conversations $RUN/dq/before.jsonl && \

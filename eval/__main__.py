@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--live", action="store_true", help="measure on the eval.sglang servers")
         if cmd == "gate":
             p.add_argument("--incumbent", help="default: gate.promoted_dir when it holds a drafter")
+        if cmd == "quality":
+            p.add_argument("--incumbent", help="the drafter the candidate must beat: measured on the same prompts at "
+                                               "the first setting, the gate reads the paired difference")
             p.add_argument("--promote", action="store_true",
                            help="serve a passing checkpoint: gate.promoted_dir -> promotions/<fingerprint>/")
         if cmd == "quality":  # the target runs in float32 unless --set target.dtype=...
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return commands.sweep_command(args.config, args.table, args.set, args.out)
     if args.cmd == "quality":
         return commands.quality_command(args.config, args.checkpoint, args.set, args.name, args.settings,
-                                        args.timing_prompts, args.limit, args.context_prompts)
+                                        args.timing_prompts, args.limit, args.context_prompts, args.incumbent)
     if args.cmd == "run":
         return commands.run_command(args.config, args.checkpoint, args.set, args.name, args.live)
     return commands.gate_command(args.config, args.checkpoint, args.set, args.name, args.incumbent, args.promote,

@@ -60,19 +60,23 @@ def _measurable(checkpoint: str) -> None:
 @one_line_errors(MissingWheelError, ServerError)
 def quality_command(config: str | Path, checkpoint: str | Path, overrides: Sequence[str] = (), name: str | None = None,
                     settings: Sequence[str] = DEFAULT_SETTINGS, timing_prompts: int = 8,
-                    limit: int | None = None, context_prompts: int = 80) -> int:
+                    limit: int | None = None, context_prompts: int = 80, incumbent: str | None = None) -> int:
     """tau and alpha_k on every prompt of the eval datasets in batched passes, at each k:T of ``settings``, the
     lossless check at T = 0, tau* per k, tau by history length on the held-out conversations (``context_prompts``
-    per bucket, ``limit`` in a smoke run) and the gate's decision at the first setting (``eval.quality``); writes
+    per bucket, ``limit`` in a smoke run) and the gate's decision at the first setting, against the ``incumbent``
+    too when given (``eval.quality``); writes
     run_dir/eval/<name>/quality.json. The target runs in float32 unless ``overrides`` set target.dtype."""
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
     pairs = parse_settings(settings)
     _measurable(checkpoint)
+    if incumbent is not None:
+        _measurable(incumbent)
     cfg = quality_config(config, overrides=overrides)
     with run_lock(cfg.root, "eval quality"):
         target, prompts = target_and_prompts(cfg, limit)
-        figures = quality(cfg, target, prompts, checkpoint, pairs, timing_prompts, limit or context_prompts)
+        figures = quality(cfg, target, prompts, checkpoint, pairs, timing_prompts, limit or context_prompts,
+                          incumbent=incumbent)
         out = cfg.eval_dir / report_name / "quality.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out, json_text(figures, indent=1) + "\n")

@@ -8,7 +8,9 @@ later ``turn`` after the target's own answers, ``eval.turns``), at each k:T sett
 prompts whose output differs from the target's greedy output. Then tau* per k from the batch-1 engine's timings on
 the first ``timing_prompts`` prompts (one process, nothing else on the device) with its interval over them; tau by
 history length on the run's held-out conversations (``tau_by_context``, ``eval.context_buckets``); and what the
-gate would decide at the first setting (against break-even only). The target runs in float32 unless overridden, so
+gate would decide at the first setting: against break-even, and with an ``incumbent`` against it too (the incumbent
+measured on the same prompts at that setting, the difference read through paired intervals: what a promotion
+needs, since a new drafter must beat what serves, not only break-even). The target runs in float32 unless overridden, so
 that the lossless check is exact (``eval.lossless``). ``eval run`` measures the batch-1 engine on the datasets as
 configured (timings and acceptance together); this measures acceptance on all of them in a few batched passes.
 ``bench/drafter_quality.py`` records the same figures in ``bench/results.json``.
@@ -24,6 +26,7 @@ import torch
 from common.config import RunConfig, load_config
 from drafter.factory import load_for_target
 from drafter.model import Eagle3Drafter
+from drafter.sglang_checkpoint import fingerprint
 from eval import breakeven
 from eval.batched_eval import acceptance, greedy_references
 from eval.context_buckets import holdout_buckets
@@ -138,13 +141,14 @@ def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, 
 @torch.no_grad()
 def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]], checkpoint: str | Path,
             settings: Sequence[tuple[int, float]], timing_prompts: int = 8, context_prompts: int | None = 80,
-            per_prompt_columns: bool = False) -> dict:
+            per_prompt_columns: bool = False, incumbent: str | Path | None = None) -> dict:
     """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``
     (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
     tau and alpha beside the drafter's (``add_oracle``; measured once per target, prompts and setting:
     ``eval.oracle_cache``), and the gate's decision at the first setting
-    against break-even, read through the intervals. ``per_prompt_columns``: the first setting's datasets keep
+    against break-even (and the ``incumbent``'s tau on the same prompts, when given), read through the intervals.
+    ``per_prompt_columns``: the first setting's datasets keep
     their (tokens, cycles) per prompt too, for a paired comparison with another drafter on the same prompts."""
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     boot = bootstrap(cfg.gate)
@@ -168,13 +172,34 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     k0, t0 = settings[0]
     mismatches = [f"{name}: {s['lossless_mismatches']} prompts differ from greedy" for name, s in first.items()
                   if s.get("lossless_mismatches")]
-    ev = {name: evidence(per_prompt(s), tau_stars[str(k0)], cfg.gate.margin, boot) for name, s in first_stats.items()}
-    d = decide(ev, cfg.gate.margin, lossless_mismatches=mismatches)
-    return {**first, "checkpoint": str(checkpoint), "max_new_tokens": max_new,
+    held = incumbent_stats(cfg, target, prompts, incumbent, k0, t0, refs) if incumbent is not None else {}
+    ev = {name: evidence(per_prompt(s), tau_stars[str(k0)], cfg.gate.margin, boot,
+                         per_prompt(held[name]) if held else None) for name, s in first_stats.items()}
+    d = decide(ev, cfg.gate.margin, cfg.gate.min_delta, lossless_mismatches=mismatches)
+    return {**first, "checkpoint": str(checkpoint), "fingerprint": fingerprint(checkpoint), "max_new_tokens": max_new,
             "settings": results, "tau_star": {k: v["tau_star"] for k, v in times.items()},
             "tau_star_ci": {k: v["ci"] for k, v in times.items()}, "confidence": boot.level,
             "timings_ms": {k: {"decode": v["decode_ms"], "cycle": v["cycle_ms"]} for k, v in times.items()},
             "timing_prompts": len(prompts[first_name][:timing_prompts]),
             "tau_by_context": tau_by_context(cfg, target, drafter, aux_ids, k0, t0, context_prompts, boot),
             "gate": {"verdict": d.verdict, "promote": d.promote, "reasons": d.reasons,
-                     "intervals": evidence_record(ev, d)}}
+                     "intervals": evidence_record(ev, d), **incumbent_named(incumbent if held else None)}}
+
+
+def incumbent_named(incumbent: str | Path | None) -> dict:
+    """The incumbent the gate compared against, by path and by its weights' fingerprint (none: nothing)."""
+    return {} if incumbent is None else {"incumbent": str(incumbent), "incumbent_fingerprint": fingerprint(incumbent)}
+
+
+def incumbent_stats(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]],
+                    incumbent: str | Path, k: int, temperature: float, refs: Mapping) -> dict:
+    """The incumbent's acceptance at the gate's setting on the same prompts (its per-prompt columns pair with the
+    candidate's), its weights freed afterwards."""
+    drafter, aux_ids = load_drafter(target, cfg, incumbent)
+    try:
+        return acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens, refs,
+                          rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
+    finally:
+        del drafter
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -98,3 +98,37 @@ def test_per_prompt_columns_add_up_to_tau_for_a_paired_comparison(tmp_path, smol
     cols = figures["mtbench"]["per_prompt"]
     assert len(cols["tokens"]) == len(cols["cycles"]) == 2
     assert sum(cols["tokens"]) / sum(cols["cycles"]) == pytest.approx(figures["mtbench"]["tau"])
+
+
+def test_an_incumbent_is_measured_on_the_same_prompts_and_the_gate_reads_the_paired_difference(tmp_path, smollm2):
+    """A promotion must beat what serves: with ``incumbent`` the gate also holds the candidate to the incumbent's
+    tau on the same prompts, so a drafter far below the shipped one is rejected whatever break-even says."""
+    from drafter.factory import fresh_drafter, shape_for_target
+    from drafter.sglang_checkpoint import fingerprint
+    from drafter.vocab_map import build_vocab_map
+    from eval.quality import quality, quality_config
+
+    d2t, t2d = build_vocab_map(torch.zeros(smollm2.vocab_size), 1024)
+    untrained = save_checkpoint(fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)),
+                                              smollm2.embed_weight().detach(), d2t, t2d),
+                                tmp_path / "untrained", dtype="float32")
+    shipped = REPO / "drafters" / "smollm2-135m-eagle3"
+    cfg = quality_config(write_config(tmp_path))
+    prompts = {"mtbench": [smollm2.tokenizer("Name three colours.")["input_ids"],
+                           smollm2.tokenizer("Count to five.")["input_ids"]]}
+
+    worse = quality(cfg, smollm2, prompts, untrained, [(3, 0.0)], timing_prompts=1, context_prompts=0,
+                    incumbent=shipped)
+    better = quality(cfg, smollm2, prompts, shipped, [(3, 0.0)], timing_prompts=1, context_prompts=0,
+                     incumbent=untrained)
+
+    for figures, candidate, incumbent in ((worse, untrained, shipped), (better, shipped, untrained)):
+        iv = figures["gate"]["intervals"]["mtbench"]
+        assert figures["gate"]["incumbent"] == str(incumbent) and figures["checkpoint"] == str(candidate)
+        assert figures["gate"]["incumbent_fingerprint"] == fingerprint(incumbent) != figures["fingerprint"]
+        assert iv["tau"]["point"] == pytest.approx(figures["mtbench"]["tau"])  # the candidate's own tau
+        assert iv["vs_incumbent"]["point"] == pytest.approx(iv["tau"]["point"] - iv["incumbent_tau"]["point"])
+    assert worse["gate"]["intervals"]["mtbench"]["vs_incumbent"]["ci"][1] < 0 and worse["gate"]["verdict"] == "reject"
+    assert better["gate"]["intervals"]["mtbench"]["vs_incumbent"]["ci"][0] > 0
+    assert "incumbent" not in quality(cfg, smollm2, prompts, shipped, [(3, 0.0)], timing_prompts=1,
+                                      context_prompts=0)["gate"]
