@@ -44,7 +44,9 @@
 #   self-prompts SELF_COUNT (default 20,000) prompts the target writes itself (data_prep synthesize, Magpie; every
 #                third under SELF_SYSTEM, a coding assistant's system turn, to steer it to code), ingested
 #                and answered (regenerate) into runs/smollm2-h200-self: bench/ablations.py's self_prompts row
-#                (ABLATION_ARGS with --self-conversations runs/smollm2-h200-self/conversations.jsonl)
+#                (ABLATION_ARGS with --self-conversations runs/smollm2-h200-self/conversations.jsonl); an earlier
+#                machine's conversations (.gpu/self/conversations.jsonl.gz.part-*, returned by
+#                `RUN=runs/smollm2-h200-self OUT_CONVERSATIONS=1 ... out`) are unpacked instead when carried
 #   with-self    $RUN/conversations.jsonl = every turn's conversations and the self prompts' (then derive with
 #                OVERRIDES="run_dir=$RUN drafter.init_from=drafters/smollm2-135m-eagle3 train.max_steps=N", train,
 #                quality: a stage warm-started from the shipped drafter on both)
@@ -209,6 +211,11 @@ for p in "$@"; do
       # a coding assistant's system turn, the rest under the template's own), ingested and answered, into
       # $SELF: the ablations' self_prompts row (ABLATION_ARGS with --self-conversations $SELF/conversations.jsonl);
       # each step resumes, so a cut call's rerun goes on (a torn last line is cut, so the next phase reads whole ones)
+      carried=(.gpu/self/conversations.jsonl.gz.part-*)  # an earlier machine's (OUT_CONVERSATIONS=1, RUN=$SELF)
+      if [ ! -f $SELF/conversations.jsonl ] && [ -f "${carried[0]}" ]; then
+        phase self-prompts bash -c "unpack ${carried[*]} $SELF/conversations.jsonl && wc -l $SELF/conversations.jsonl"
+        continue
+      fi
       SELF_SYSTEMS=$(python3 -c 'import json, os; print(json.dumps([None, None, os.environ["SELF_SYSTEM"]]))')
       export SELF_SYSTEMS  # JSON is YAML: any text of SELF_SYSTEM reaches the config as it is
       phase self-prompts bash -c "set -e; mkdir -p $SELF; derive_config '$CONFIG' $SELF/config.yaml run_dir=$SELF \

@@ -90,6 +90,11 @@ FIGURES: tuple[tuple[str, str, tuple[Step, ...]], ...] = (
      ("rows", {"name": "answers_both"}, "delta_mean_tau")),
     ("the oracle's τ on MT-Bench at T = 1, the ceiling of these rows", "ablations_sampled",
      ("oracle_tau", "1", "mtbench")),
+    ("warm-started rows, 2,000 steps (`ablations_self`), row `self_prompts` (+20,000 prompts the target wrote): "
+     "MT-Bench τ", "ablations_self", ("rows", {"name": "self_prompts"}, "tau", "mtbench")),
+    ("row `self_prompts`: MT-Bench second turns τ", "ablations_self",
+     ("rows", {"name": "self_prompts"}, "tau", "mtbench_turn2")),
+    ("row `self_prompts`: HumanEval τ", "ablations_self", ("rows", {"name": "self_prompts"}, "tau", "humaneval")),
     ("T = 0 verify cycles that training's TTT unroll reproduces, MT-Bench", "decode_gap",
      ("mtbench", "replay_agreement")),
     ("decoding's α_0 on MT-Bench (the drafter decode_gap examined)", "decode_gap", ("mtbench", "decode_alpha", 0)),
