@@ -5,8 +5,9 @@
 
 Every row trains online on the first --samples regenerated conversations (0: all; the held-out split is theirs)
 for --epochs epochs (or --steps steps), from scratch or, when the config sets drafter.init_from, from that drafter
-(a later stage's levers; the object's ``init_from`` says which), then is measured like the shipped drafter (k=3,
-T=0, every MT-Bench and HumanEval prompt, fp32 target, lossless checked). Rows (--rows picks some):
+(a later stage's levers; the object's ``init_from`` and ``init_from_fingerprint``, the sha256 of its weights, say
+which: a path may hold other weights later), then is measured like the shipped drafter (k=3, T=0, every MT-Bench
+and HumanEval prompt, fp32 target, lossless checked). Rows (--rows picks some):
 - baseline: the config's recipe and data;
 - init_from_target: the drafter starts from the target's last layer, final norm and head (left out where the
   config's drafter.init is target already);
@@ -335,6 +336,7 @@ def main() -> int:
 
     from common.config import load_config
     from data_prep.capture import read_conversations
+    from drafter.sglang_checkpoint import fingerprint
     from target_model.hf_model import load_target
 
     cfg = load_config(args.config)
@@ -380,6 +382,7 @@ def main() -> int:
     todo = [n for n in names if not (args.out / f"row-{n}.json").is_file()]
     figures = {"conversations": len(recs), **not_sampled, **({"self_conversations": len(own)} if own else {}),
                "k": 3, "temperatures": args.temperatures, "init_from": cfg.drafter.init_from,
+               **({"init_from_fingerprint": fingerprint(cfg.drafter.init_from)} if cfg.drafter.init_from else {}),
                **({"steps": args.steps} if args.steps is not None else {"epochs": args.epochs})}
     slots = max(1, torch.cuda.device_count()) * args.procs_per_gpu
     procs = []

@@ -199,3 +199,32 @@ def test_the_self_prompts_row_trains_on_both_sets_and_a_shared_id_is_one_line(tm
     with pytest.raises(SystemExit) as stop:
         ablations.main()
     assert stop.value.code == 2 and "--rows self_prompts needs --self-conversations" in capsys.readouterr().err
+
+
+def test_warm_started_rows_name_their_start_by_path_and_weights(tmp_path, monkeypatch, bench_results) -> None:
+    """A later stage's rows start from drafter.init_from; the object names it by path and by the sha256 of its
+    weights, since the path (the shipped drafter's, say) may hold other weights by the time someone reads it."""
+    from bench import ablations
+    from drafter.sglang_checkpoint import fingerprint
+
+    class Finished:  # a worker that ends at once, having measured nothing: main records the object and returns
+        returncode = 0
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def poll(self) -> int:
+            return 0
+
+    shipped = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-eagle3"
+    cfg = write_cpu_config(tmp_path)
+    cfg.write_text(yaml.safe_dump(yaml.safe_load(cfg.read_text()) | {"drafter": {"init_from": str(shipped)}}))
+    conv = tmp_path / "conversations.jsonl"
+    conv.write_text(json.dumps(REC) + "\n")
+    monkeypatch.setattr(ablations.subprocess, "Popen", Finished)
+    monkeypatch.setattr(sys, "argv", ["ablations.py", "--config", str(cfg), "--conversations", str(conv),
+                                      "--out", str(tmp_path / "out"), "--rows", "baseline", "--steps", "1"])
+    assert ablations.main() == 1  # no row landed
+    got = json.loads(bench_results.read_text())["ablations"]
+    assert got["init_from"] == str(shipped) and got["init_from_fingerprint"] == fingerprint(shipped)
+    assert got["rows_missing"] == ["baseline"]
