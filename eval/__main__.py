@@ -37,12 +37,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--live", action="store_true", help="measure on the eval.sglang servers")
         if cmd == "gate":
             p.add_argument("--incumbent", help="default: gate.promoted_dir when it holds a drafter")
-        if cmd == "quality":
-            p.add_argument("--incumbent", help="the drafter the candidate must beat: measured on the same prompts at "
-                                               "the first setting, the gate reads the paired difference")
             p.add_argument("--promote", action="store_true",
                            help="serve a passing checkpoint: gate.promoted_dir -> promotions/<fingerprint>/")
         if cmd == "quality":  # the target runs in float32 unless --set target.dtype=...
+            p.add_argument("--incumbent", help="the drafter the candidate must beat: measured on the same prompts at "
+                                               "the first setting, the gate reads the paired difference")
             p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), metavar="K:T",
                            help="k:T pairs (drafts per cycle, temperature); the first one is the gate's")
             p.add_argument("--timing-prompts", type=int, default=8, help="prompts the batch-1 timings run on")

@@ -13,6 +13,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 import drafter.__main__
+import eval.__main__
 import eval.commands
 from drafter.sglang_checkpoint import save_checkpoint
 from eval.commands import gate_command, quality_command, run_command
@@ -137,4 +138,13 @@ def test_eval_gate_records_nothing(damaged, live, tmp_path, no_measuring, capsys
 def test_eval_quality(damaged, tmp_path, no_measuring, capsys):
     ckpt, file, fragment = damaged
     rc = quality_command(write_config(tmp_path), ckpt)
+    assert_one_error_line(rc, capsys.readouterr().err, file, fragment)
+
+
+def test_eval_quality_incumbent(damaged, tmp_path, no_measuring, capsys):
+    """A damaged incumbent is an error too, through the command line, before any target is loaded."""
+    ckpt, file, fragment = damaged
+    good = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-eagle3"
+    rc = eval.__main__.main(["quality", "--config", str(write_config(tmp_path)), "--checkpoint", str(good),
+                             "--incumbent", str(ckpt)])
     assert_one_error_line(rc, capsys.readouterr().err, file, fragment)
