@@ -64,8 +64,8 @@ def quality_command(config: str | Path, checkpoint: str | Path, overrides: Seque
     """tau and alpha_k on every prompt of the eval datasets in batched passes, at each k:T of ``settings``, the
     lossless check at T = 0, tau* per k, tau by history length on the held-out conversations (``context_prompts``
     per bucket, ``limit`` in a smoke run) and the gate's decision at the first setting, against the ``incumbent``
-    too when given (``eval.quality``); writes
-    run_dir/eval/<name>/quality.json. The target runs in float32 unless ``overrides`` set target.dtype."""
+    too when given (``eval.quality``); writes run_dir/eval/<name>/quality.json. The target runs in float32 unless
+    ``overrides`` set target.dtype."""
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
     pairs = parse_settings(settings)

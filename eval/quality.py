@@ -10,10 +10,10 @@ the first ``timing_prompts`` prompts (one process, nothing else on the device) w
 history length on the run's held-out conversations (``tau_by_context``, ``eval.context_buckets``); and what the
 gate would decide at the first setting: against break-even, and with an ``incumbent`` against it too (the incumbent
 measured on the same prompts at that setting, the difference read through paired intervals: what a promotion
-needs, since a new drafter must beat what serves, not only break-even). The target runs in float32 unless overridden, so
-that the lossless check is exact (``eval.lossless``). ``eval run`` measures the batch-1 engine on the datasets as
-configured (timings and acceptance together); this measures acceptance on all of them in a few batched passes.
-``bench/drafter_quality.py`` records the same figures in ``bench/results.json``.
+needs, since a new drafter must beat what serves, not only break-even). The target runs in float32 unless
+overridden, so that the lossless check is exact (``eval.lossless``). ``eval run`` measures the batch-1 engine on
+the datasets as configured (timings and acceptance together); this measures acceptance on all of them in a few
+batched passes. ``bench/drafter_quality.py`` records the same figures in ``bench/results.json``.
 """
 
 from __future__ import annotations
@@ -146,16 +146,15 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
     tau and alpha beside the drafter's (``add_oracle``; measured once per target, prompts and setting:
-    ``eval.oracle_cache``), and the gate's decision at the first setting
-    against break-even (and the ``incumbent``'s tau on the same prompts, when given), read through the intervals.
-    ``per_prompt_columns``: the first setting's datasets keep
-    their (tokens, cycles) per prompt too, for a paired comparison with another drafter on the same prompts."""
+    ``eval.oracle_cache``), and the gate's decision at the first setting against break-even (and the
+    ``incumbent``'s tau on the same prompts, when given), read through the intervals. ``per_prompt_columns``: the
+    first setting's datasets keep their (tokens, cycles) per prompt too, for a paired comparison with another
+    drafter on the same prompts."""
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     boot = bootstrap(cfg.gate)
     max_new = cfg.eval.max_new_tokens
     refs = greedy_references(target, prompts, max_new)
-    stats = {f"k{k}_T{t:g}": acceptance(target, drafter, aux_ids, prompts, k, t, max_new, refs,
-                                        rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
+    stats = {f"k{k}_T{t:g}": setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, t, refs)
              for k, t in settings}
     results = {name: summary(st, k, t, boot) for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
     for (k, t), per_dataset in zip(settings, results.values(), strict=True):
@@ -172,9 +171,9 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     k0, t0 = settings[0]
     mismatches = [f"{name}: {s['lossless_mismatches']} prompts differ from greedy" for name, s in first.items()
                   if s.get("lossless_mismatches")]
-    held = incumbent_stats(cfg, target, prompts, incumbent, k0, t0, refs) if incumbent is not None else {}
+    held = incumbent_stats(cfg, target, prompts, incumbent, k0, t0, refs) if incumbent is not None else None
     ev = {name: evidence(per_prompt(s), tau_stars[str(k0)], cfg.gate.margin, boot,
-                         per_prompt(held[name]) if held else None) for name, s in first_stats.items()}
+                         per_prompt(held[name]) if held is not None else None) for name, s in first_stats.items()}
     d = decide(ev, cfg.gate.margin, cfg.gate.min_delta, lossless_mismatches=mismatches)
     return {**first, "checkpoint": str(checkpoint), "fingerprint": fingerprint(checkpoint), "max_new_tokens": max_new,
             "settings": results, "tau_star": {k: v["tau_star"] for k, v in times.items()},
@@ -183,7 +182,15 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
             "timing_prompts": len(prompts[first_name][:timing_prompts]),
             "tau_by_context": tau_by_context(cfg, target, drafter, aux_ids, k0, t0, context_prompts, boot),
             "gate": {"verdict": d.verdict, "promote": d.promote, "reasons": d.reasons,
-                     "intervals": evidence_record(ev, d), **incumbent_named(incumbent if held else None)}}
+                     "intervals": evidence_record(ev, d), **incumbent_named(incumbent)}}
+
+
+def setting_acceptance(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
+                       prompts: Mapping[str, list[list[int]]], k: int, temperature: float, refs: Mapping) -> dict:
+    """One drafter's acceptance at one k:T on every prompt, under the config's rule: what the candidate gets at
+    each setting and the incumbent at the gate's, so that the two are measured alike."""
+    return acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens, refs,
+                      rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
 
 
 def incumbent_named(incumbent: str | Path | None) -> dict:
@@ -197,8 +204,7 @@ def incumbent_stats(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, l
     candidate's), its weights freed afterwards."""
     drafter, aux_ids = load_drafter(target, cfg, incumbent)
     try:
-        return acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens, refs,
-                          rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
+        return setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, temperature, refs)
     finally:
         del drafter
         if torch.cuda.is_available():
