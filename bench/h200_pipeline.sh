@@ -135,6 +135,17 @@ unpack() {  # unpack SRC.gz [MORE.gz.part ...] DST: the parts joined in order, a
 }
 export -f unpack
 
+carried_parts() {  # carried_parts FOLDER: an earlier machine's conversations in parts, in order
+  # (FOLDER/conversations.jsonl.gz.part-*, what `out` returns with OUT_CONVERSATIONS=1); false when none was carried
+  compgen -G "$1/conversations.jsonl.gz.part-*"
+}
+
+unpack_carried() {  # unpack_carried PHASE FOLDER DST: FOLDER's carried parts unpacked into DST, as the phase PHASE
+  local parts
+  parts=$(carried_parts "$2" | tr '\n' ' ')
+  phase "$1" bash -c "unpack $parts $3 && wc -l $3"
+}
+
 derive_config() {  # derive_config SRC DST KEY=VALUE...: SRC with the overrides applied, written to DST
   python3 -c "import sys, yaml; from common.config import load_config, dump_config
 cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
@@ -182,10 +193,8 @@ for p in "$@"; do
       phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file "$prompts" \
         --conversations "${REGEN_CONVERSATIONS:-$(wc -l < "$prompts")}" --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
-      carried=(.gpu/conversations/conversations.jsonl.gz.part-*)
-      if [ ! -f $RUN/.regenerated ] && [ -f "${carried[0]}" ]; then
-        phase regenerate bash -c "unpack ${carried[*]} $RUN/conversations.jsonl && wc -l $RUN/conversations.jsonl" \
-          && touch $RUN/.regenerated
+      if [ ! -f $RUN/.regenerated ] && carried_parts .gpu/conversations > /dev/null; then
+        unpack_carried regenerate .gpu/conversations $RUN/conversations.jsonl && touch $RUN/.regenerated
       fi
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
         phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;
@@ -194,10 +203,8 @@ for p in "$@"; do
       # resumable across machines: an earlier machine's sampled conversations (.gpu/sampled/*.gz.part-*, what `out`
       # returns with RUN=$SAMPLED OUT_CONVERSATIONS=1) are unpacked first and regeneration goes on from them; a
       # deadline's cut leaves whole lines (the torn last one is cut), so --sampled-subset can use what is there
-      carried=(.gpu/sampled/conversations.jsonl.gz.part-*)
-      if [ ! -f $SAMPLED/conversations.jsonl ] && [ -f "${carried[0]}" ]; then
-        phase regenerate-sampled-carried bash -c "unpack ${carried[*]} $SAMPLED/conversations.jsonl && \
-          wc -l $SAMPLED/conversations.jsonl"
+      if [ ! -f $SAMPLED/conversations.jsonl ] && carried_parts .gpu/sampled > /dev/null; then
+        unpack_carried regenerate-sampled-carried .gpu/sampled $SAMPLED/conversations.jsonl
       fi
       if [ -f $SAMPLED/.regenerated ]; then echo "=== regenerate-sampled: done before"; else
         phase regenerate-sampled bash -c "set -e; mkdir -p $SAMPLED; \
@@ -211,9 +218,8 @@ for p in "$@"; do
       # a coding assistant's system turn, the rest under the template's own), ingested and answered, into
       # $SELF: the ablations' self_prompts row (ABLATION_ARGS with --self-conversations $SELF/conversations.jsonl);
       # each step resumes, so a cut call's rerun goes on (a torn last line is cut, so the next phase reads whole ones)
-      carried=(.gpu/self/conversations.jsonl.gz.part-*)  # an earlier machine's (OUT_CONVERSATIONS=1, RUN=$SELF)
-      if [ ! -f $SELF/conversations.jsonl ] && [ -f "${carried[0]}" ]; then
-        phase self-prompts bash -c "unpack ${carried[*]} $SELF/conversations.jsonl && wc -l $SELF/conversations.jsonl"
+      if [ ! -f $SELF/conversations.jsonl ] && carried_parts .gpu/self > /dev/null; then  # returned with RUN=$SELF
+        unpack_carried self-prompts .gpu/self $SELF/conversations.jsonl
         continue
       fi
       SELF_SYSTEMS=$(python3 -c 'import json, os; print(json.dumps([None, None, os.environ["SELF_SYSTEM"]]))')
