@@ -133,7 +133,7 @@ def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, 
         return held.header()
     prompts = held.ids()
     stats = acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens,
-                       rule=cfg.eval.acceptance) if prompts else {}
+                       seed=cfg.eval.seed, rule=cfg.eval.acceptance) if prompts else {}
     return {**held.header(), "k": k, "temperature": temperature,
             "buckets": held.figures({name: per_prompt(st) for name, st in stats.items()}, boot)}
 
@@ -159,8 +159,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     results = {name: summary(st, k, t, boot) for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
     for (k, t), per_dataset in zip(settings, results.values(), strict=True):
         if t > 0:
-            add_oracle(per_dataset, oracle_acceptance(target, aux_ids, prompts, k, t, max_new, cfg.eval.acceptance),
-                       boot)
+            add_oracle(per_dataset, oracle_acceptance(target, aux_ids, prompts, k, t, max_new, cfg.eval.acceptance,
+                                                      cfg.eval.seed), boot)
     first, first_stats = next(iter(results.values())), next(iter(stats.values()))
     if per_prompt_columns:
         for name, s in first_stats.items():
@@ -176,7 +176,7 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
                          per_prompt(held[name]) if held is not None else None) for name, s in first_stats.items()}
     d = decide(ev, cfg.gate.margin, cfg.gate.min_delta, lossless_mismatches=mismatches)
     return {**first, "checkpoint": str(checkpoint), "fingerprint": fingerprint(checkpoint), "max_new_tokens": max_new,
-            "settings": results, "tau_star": {k: v["tau_star"] for k, v in times.items()},
+            "seed": cfg.eval.seed, "settings": results, "tau_star": {k: v["tau_star"] for k, v in times.items()},
             "tau_star_ci": {k: v["ci"] for k, v in times.items()}, "confidence": boot.level,
             "timings_ms": {k: {"decode": v["decode_ms"], "cycle": v["cycle_ms"]} for k, v in times.items()},
             "timing_prompts": len(prompts[first_name][:timing_prompts]),
@@ -190,7 +190,7 @@ def setting_acceptance(cfg: RunConfig, target: TargetModel, drafter: Eagle3Draft
     """One drafter's acceptance at one k:T on every prompt, under the config's rule: what the candidate gets at
     each setting and the incumbent at the gate's, so that the two are measured alike."""
     return acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens, refs,
-                      rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
+                      seed=cfg.eval.seed, rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
 
 
 def incumbent_named(incumbent: str | Path | None) -> dict:

@@ -132,3 +132,31 @@ def test_an_incumbent_is_measured_on_the_same_prompts_and_the_gate_reads_the_pai
     assert better["gate"]["intervals"]["mtbench"]["vs_incumbent"]["ci"][0] > 0
     assert "incumbent" not in quality(cfg, smollm2, prompts, shipped, [(3, 0.0)], timing_prompts=1,
                                       context_prompts=0)["gate"]
+
+
+def test_sampling_at_t_above_zero_follows_the_configs_eval_seed(tmp_path, smollm2):
+    """eval.seed sets sampling at T > 0: the drafter's figures and the oracle's beside them are those of that seed,
+    and the report says which seed it was."""
+    from drafter.factory import fresh_drafter, shape_for_target
+    from drafter.vocab_map import build_vocab_map
+    from eval.batched_eval import acceptance
+    from eval.quality import load_drafter, quality, quality_config
+
+    d2t, t2d = build_vocab_map(torch.zeros(smollm2.vocab_size), 1024)
+    ckpt = save_checkpoint(fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)),
+                                         smollm2.embed_weight().detach(), d2t, t2d), tmp_path / "step-1",
+                           dtype="float32")
+    prompts = {"mtbench": [smollm2.tokenizer("Name three colours.")["input_ids"],
+                           smollm2.tokenizer("Count to five.")["input_ids"]]}
+    cfg = quality_config(write_config(tmp_path), overrides=["eval.seed=7", "eval.max_new_tokens=24"])
+    drafter, aux = load_drafter(smollm2, cfg, ckpt)
+    by_seed = {seed: acceptance(smollm2, drafter, aux, prompts, 2, 1.0, 24, seed=seed)["mtbench"]["per_prompt"]
+               for seed in (0, 7)}
+    assert by_seed[0] != by_seed[7]  # the two seeds sample differently, so the check below can tell them apart
+
+    figures = quality(cfg, smollm2, prompts, ckpt, [(2, 1.0)], timing_prompts=1, context_prompts=0,
+                      per_prompt_columns=True)
+
+    assert figures["seed"] == 7 and figures["mtbench"]["per_prompt"] == by_seed[7]
+    oracle = acceptance(smollm2, None, aux, prompts, 2, 1.0, 24, seed=7)["mtbench"]
+    assert figures["mtbench"]["oracle_tau"] == pytest.approx(oracle["tau"])
