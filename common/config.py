@@ -165,7 +165,6 @@ class DataConfig(Section):
                                           "hold more characters than this, after the cut to max_turns.")
     max_turns: PositiveInt = Field(4, description="Keep each record up to its max_turns-th user turn and that "
                                    "turn's answer.")
-    seed: Int = Field(0, description="Not read by any stage: ingest keeps the sources' order.")
     synthesize: SynthesizeConfig | None = Field(None, description="Prompts the target writes itself "
                                                 "(`data_prep synthesize`); default none.")
 
