@@ -44,7 +44,7 @@ from common.percentiles import percentiles
 from common.process_clock import process_age_s
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 from data_prep.conversation_spans import ConversationSpans
-from data_prep.step_failed import StepFailed
+from data_prep.step_failed import StepFailed, over_failure_share
 from engine.profile import EngineProfile
 
 FLAG_SAMPLE = 5  # ids listed per flag in the summary
@@ -537,7 +537,7 @@ def check_failures(cfg: RunConfig, summary: RegenerateSummary) -> None:
     """StepFailed (exit 2, the summary still saved) when the run stopped early or more than
     regenerate.max_failure_share of the prompts it tried failed; ``summary`` covers every device."""
     failed, tried = sum(summary.failed.values()), summary.tried
-    if not (summary.stopped or failed > cfg.regenerate.max_failure_share * max(tried, 1)):
+    if not (summary.stopped or over_failure_share(failed, tried, cfg.regenerate.max_failure_share)):
         return
     reasons = ", ".join(f"{r}: {n}" for r, n in summary.failed.most_common())
     top = summary.failed.most_common(1)[0][0] if failed else ""

@@ -35,7 +35,7 @@ from common.config import RunConfig, SynthesizeConfig
 from common.files import JsonlAppender, cut_torn_tail, named_errors
 from data_prep.backends import OpenAIChatBackend
 from data_prep.decontaminate import turn_key
-from data_prep.step_failed import StepFailed
+from data_prep.step_failed import StepFailed, over_failure_share
 from engine.batched import BatchedTarget
 from engine.continuous_batching import LoopStop, Sampling, Stream, request_seed
 from target_model.hf_model import load_target_from_config, load_tokenizer, resolve_source, stop_token_ids
@@ -311,7 +311,8 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                         summary.dropped[why] += 1
                         dropped_out.append({"id": key, "reason": why})
                     draws.done.add(draw_index(key))
-                too_many = drawer.gave_up or summary.failures > cfg.regenerate.max_failure_share * summary.tried
+                too_many = drawer.gave_up or over_failure_share(summary.failures, summary.tried,
+                                                                   cfg.regenerate.max_failure_share)
             bar.close()
             kept_out.sync()
             dropped_out.sync()
