@@ -41,15 +41,19 @@
 #                returned by `RUN=runs/smollm2-h200-mt-sampled OUT_CONVERSATIONS=1 ... out`); cut by the deadline,
 #                what it wrote makes the row with --sampled-subset (every row on those conversations) and
 #                --record-as ablations_sampled (its object and rows, runs/bench-ablations_sampled/, apart)
-#   self-prompts SELF_COUNT (default 20,000) prompts the target writes itself (data_prep synthesize, Magpie; every
-#                third under SELF_SYSTEM, a coding assistant's system turn, to steer it to code), ingested
-#                and answered (regenerate) into runs/smollm2-h200-self: bench/ablations.py's self_prompts row
-#                (ABLATION_ARGS with --self-conversations runs/smollm2-h200-self/conversations.jsonl); an earlier
-#                machine's conversations (.gpu/self/conversations.jsonl.gz.part-*, returned by
-#                `RUN=runs/smollm2-h200-self OUT_CONVERSATIONS=1 ... out`) are unpacked instead when carried
-#   with-self    $RUN/conversations.jsonl = every turn's conversations and the self prompts' (then derive with
-#                OVERRIDES="run_dir=$RUN drafter.init_from=drafters/smollm2-135m-eagle3 train.max_steps=N", train,
-#                quality: a stage warm-started from the shipped drafter on both)
+#   self-prompts SELF_COUNT (default 20,000) prompts the target writes itself (data_prep synthesize, Magpie, seed
+#                SELF_SEED, default 0), ingested and answered (regenerate) into SELF (default runs/smollm2-h200-self):
+#                bench/ablations.py's self_prompts row (ABLATION_ARGS with --self-conversations
+#                $SELF/conversations.jsonl). The draws' system turns: SELF_SYSTEMS_FILE, a JSON list (null: the
+#                template's own; configs/self-prompt-systems.json steers them over the kinds of task chat users
+#                ask for), else every third under SELF_SYSTEM, a coding assistant's, the rest under the template's.
+#                Another batch: another SELF and SELF_SEED. An earlier machine's conversations
+#                (.gpu/<SELF without runs/smollm2-h200->/conversations.jsonl.gz.part-*, returned by
+#                `RUN=$SELF OUT_CONVERSATIONS=1 ... out`) are unpacked instead when carried
+#   with-self    $RUN/conversations.jsonl = every turn's conversations and those of each self-prompt run in
+#                WITH_SELF (default SELF) (then derive with OVERRIDES="run_dir=$RUN
+#                drafter.init_from=drafters/smollm2-135m-eagle3 train.max_steps=N", train, quality: a stage
+#                warm-started from the shipped drafter on both)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
@@ -95,7 +99,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
 FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=runs/smollm2-h200-mt SAMPLED=runs/smollm2-h200-mt-sampled
-SELF=runs/smollm2-h200-self
+SELF=${SELF:-runs/smollm2-h200-self}
+SELF_CARRIED=.gpu/${SELF#runs/smollm2-h200-}  # where an earlier machine's conversations of $SELF are carried
 export SELF_SYSTEM=${SELF_SYSTEM:-You are a Python coding assistant. Users ask you to write or complete Python functions.}
 RUN=${RUN:-$FIRST_TURNS}
 LOGS=$RUN/logs
@@ -214,29 +219,35 @@ for p in "$@"; do
           && touch $SAMPLED/.regenerated
         cut_torn_tail $SAMPLED/conversations.jsonl
       fi ;;
-    self-prompts)  # SELF_COUNT prompts the target writes itself (default 20,000, seed 0; every third under SELF_SYSTEM,
-      # a coding assistant's system turn, the rest under the template's own), ingested and answered, into
-      # $SELF: the ablations' self_prompts row (ABLATION_ARGS with --self-conversations $SELF/conversations.jsonl);
-      # each step resumes, so a cut call's rerun goes on (a torn last line is cut, so the next phase reads whole ones)
-      if [ ! -f $SELF/conversations.jsonl ] && carried_parts .gpu/self > /dev/null; then  # returned with RUN=$SELF
-        unpack_carried self-prompts .gpu/self $SELF/conversations.jsonl
+    self-prompts)  # SELF_COUNT prompts the target writes itself (default 20,000, seed SELF_SEED, default 0; under
+      # SELF_SYSTEMS_FILE's system turns, else every third under SELF_SYSTEM, a coding assistant's, the rest under the
+      # template's own), ingested and answered, into $SELF: the ablations' self_prompts row (ABLATION_ARGS with
+      # --self-conversations $SELF/conversations.jsonl); each step resumes, so a cut call's rerun goes on (a torn last
+      # line is cut, so the next phase reads whole ones)
+      if [ ! -f $SELF/conversations.jsonl ] && carried_parts $SELF_CARRIED > /dev/null; then  # returned with RUN=$SELF
+        unpack_carried self-prompts $SELF_CARRIED $SELF/conversations.jsonl
         continue
       fi
-      SELF_SYSTEMS=$(python3 -c 'import json, os; print(json.dumps([None, None, os.environ["SELF_SYSTEM"]]))')
-      export SELF_SYSTEMS  # JSON is YAML: any text of SELF_SYSTEM reaches the config as it is
+      if [ -n "${SELF_SYSTEMS_FILE:-}" ]; then
+        SELF_SYSTEMS=$(python3 -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$SELF_SYSTEMS_FILE") \
+          || { echo "=== self-prompts: SELF_SYSTEMS_FILE=$SELF_SYSTEMS_FILE is not a JSON list"; failed+=(self-prompts); continue; }
+      else
+        SELF_SYSTEMS=$(python3 -c 'import json, os; print(json.dumps([None, None, os.environ["SELF_SYSTEM"]]))')
+      fi
+      export SELF_SYSTEMS  # JSON is YAML: any text of a system turn reaches the config as it is
       phase self-prompts bash -c "set -e; mkdir -p $SELF; derive_config '$CONFIG' $SELF/config.yaml run_dir=$SELF \
-          'data.synthesize={count: ${SELF_COUNT:-20000}, seed: 0}' \"data.synthesize.systems=\$SELF_SYSTEMS\" \
+          'data.synthesize={count: ${SELF_COUNT:-20000}, seed: ${SELF_SEED:-0}}' \"data.synthesize.systems=\$SELF_SYSTEMS\" \
           'data.sources=[{kind: openai, path: $SELF/self_prompts.jsonl}]'; \
         for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
         wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl"
       [ -f $SELF/conversations.jsonl ] && cut_torn_tail $SELF/conversations.jsonl ;;
-    with-self)  # a later stage's data: every turn's conversations, then the self prompts', as $RUN/conversations.jsonl
-      # ($RUN a run of its own: never the conversations it reads, nor the first turns')
-      case $RUN in
-        "$FIRST_TURNS"|"$MULTI_TURN"|"$SELF") echo "=== with-self: RUN=$RUN holds data of its own; name a new run"
-          failed+=(with-self) ;;
-        *) phase with-self bash -c "set -e; mkdir -p $RUN; cat $MULTI_TURN/conversations.jsonl \
-             $SELF/conversations.jsonl > $RUN/conversations.jsonl.part; \
+    with-self)  # a later stage's data: every turn's conversations, then those of each self-prompt run in WITH_SELF
+      # (default $SELF), as $RUN/conversations.jsonl ($RUN a run of its own: never one whose conversations it reads)
+      sources="$MULTI_TURN ${WITH_SELF:-$SELF}"
+      case " $FIRST_TURNS $sources " in
+        *" $RUN "*) echo "=== with-self: RUN=$RUN holds data of its own; name a new run"; failed+=(with-self) ;;
+        *) files=$(for d in $sources; do echo "$d/conversations.jsonl"; done | tr '\n' ' ')
+           phase with-self bash -c "set -e; mkdir -p $RUN; wc -l $files; cat $files > $RUN/conversations.jsonl.part; \
              mv $RUN/conversations.jsonl.part $RUN/conversations.jsonl; wc -l $RUN/conversations.jsonl" ;;
       esac ;;
     ddp-bench)
