@@ -98,7 +98,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
-FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=runs/smollm2-h200-mt SAMPLED=runs/smollm2-h200-mt-sampled
+FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=${MULTI_TURN:-runs/smollm2-h200-mt} SAMPLED=runs/smollm2-h200-mt-sampled
 SELF=${SELF:-runs/smollm2-h200-self}
 SELF_CARRIED=.gpu/${SELF#runs/smollm2-h200-}  # where an earlier machine's conversations of $SELF are carried
 export SELF_SYSTEM=${SELF_SYSTEM:-You are a Python coding assistant. Users ask you to write or complete Python functions.}
@@ -229,8 +229,11 @@ for p in "$@"; do
         continue
       fi
       if [ -n "${SELF_SYSTEMS_FILE:-}" ]; then
-        SELF_SYSTEMS=$(python3 -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$SELF_SYSTEMS_FILE") \
-          || { echo "=== self-prompts: SELF_SYSTEMS_FILE=$SELF_SYSTEMS_FILE is not a JSON list"; failed+=(self-prompts); continue; }
+        SELF_SYSTEMS=$(python3 -c 'import json, sys; v = json.load(open(sys.argv[1]))
+assert isinstance(v, list) and v and all(x is None or isinstance(x, str) for x in v)
+print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
+          echo "=== self-prompts: SELF_SYSTEMS_FILE=$SELF_SYSTEMS_FILE is not a JSON list of system turns (text or null)"
+          failed+=(self-prompts); continue; }
       else
         SELF_SYSTEMS=$(python3 -c 'import json, os; print(json.dumps([None, None, os.environ["SELF_SYSTEM"]]))')
       fi

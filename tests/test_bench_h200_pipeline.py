@@ -51,3 +51,30 @@ def test_out_returns_the_logs_and_the_conversations_asked_for_within_the_limits(
     assert done.returncode == 0, done.stdout + done.stderr
     assert {"logs.tar.gz", "conversations.jsonl.gz.part-aa"} <= {p.name for p in out.iterdir()}
     assert "out: returning" in done.stdout
+
+
+def test_with_self_joins_every_turn_and_each_self_prompt_run_into_a_run_of_its_own(tmp_path: Path) -> None:
+    runs = {name: tmp_path / name for name in ("mt", "self-1", "self-2")}
+    for name, d in runs.items():
+        d.mkdir()
+        (d / "conversations.jsonl").write_text("".join(f'{{"id": "{name}-{i}"}}\n' for i in range(2)))
+    stage = tmp_path / "stage"
+    env = {"MULTI_TURN": str(runs["mt"]), "WITH_SELF": f"{runs['self-1']} {runs['self-2']}"}
+
+    done = run_phases("with-self", RUN=str(stage), **env)
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    ids = [line.split('"')[3] for line in (stage / "conversations.jsonl").read_text().splitlines()]
+    assert ids == ["mt-0", "mt-1", "self-1-0", "self-1-1", "self-2-0", "self-2-1"]
+    refused = run_phases("with-self", RUN=str(runs["self-2"]), **env)  # it would read the file it writes
+    assert refused.returncode != 0 and "holds data of its own" in refused.stdout
+    assert len((runs["self-2"] / "conversations.jsonl").read_text().splitlines()) == 2
+
+
+def test_self_prompts_refuses_a_systems_file_that_is_not_a_json_list_of_system_turns(tmp_path: Path) -> None:
+    for i, text in enumerate(("[null, 'single quotes']", '{"writing": "You write."}', "[]", "[null, 3]")):
+        bad = tmp_path / f"systems-{i}.json"
+        bad.write_text(text)
+        done = run_phases("self-prompts", SELF=str(tmp_path / "self"), SELF_SYSTEMS_FILE=str(bad))
+        assert done.returncode != 0 and f"SELF_SYSTEMS_FILE={bad} is not a JSON list" in done.stdout, text
+        assert not (tmp_path / "self").exists()
