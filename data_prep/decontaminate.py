@@ -3,7 +3,8 @@ trained on, whichever source (a corpus, a user's traffic, prompts the target wro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import closing
 from typing import Any
@@ -34,3 +35,29 @@ def held_out_turn(messages: Sequence[dict[str, Any]], eval_keys: AbstractSet[str
     """The number of the first user turn of ``messages`` that is an eval prompt, else None."""
     users = [m["content"] for m in messages if m["role"] == "user"]
     return next((i for i, text in enumerate(users, 1) if turn_key(text) in eval_keys), None)
+
+
+WORD = re.compile(r"\w+")
+
+
+def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    """The runs of ``n`` consecutive words of ``text`` (lower-cased, punctuation and whitespace aside): the unit of
+    the usual n-gram overlap check (13 words in GPT-3's), which finds a prompt reworded around a copied passage
+    that ``turn_key``'s exact match misses."""
+    words = WORD.findall(text.casefold())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def first_shared_ngram(text: str, n: int, index: AbstractSet[tuple[str, ...]]) -> str | None:
+    """The first run of ``n`` words of ``text`` that ``index`` holds, joined by spaces; None when none is."""
+    words = WORD.findall(text.casefold())
+    return next((" ".join(words[i:i + n]) for i in range(len(words) - n + 1) if tuple(words[i:i + n]) in index),
+                None)
+
+
+def ngram_index(texts: Iterable[str], n: int) -> set[tuple[str, ...]]:
+    """Every run of ``n`` words of every text."""
+    index: set[tuple[str, ...]] = set()
+    for text in texts:
+        index |= word_ngrams(text, n)
+    return index

@@ -1,0 +1,95 @@
+"""Whether an eval prompt reached training reworded: the eval prompts that share a run of n words (13 by default, as
+in GPT-3's overlap check; 8 as a looser look) with a user turn of the training conversations.
+
+    python bench/prompt_overlap.py --config configs/smollm2-135m-h200.yaml \
+        --conversations runs/smollm2-h200-mt/conversations.jsonl runs/smollm2-h200-self/conversations.jsonl
+
+Ingest drops a training record whose user turn *is* an eval prompt (case and whitespace aside); this measures what
+that exact match cannot see: a prompt copied with words around it, or a prompt the target wrote itself that repeats
+one. Each eval dataset's measured turn (``turn``) of every record is checked against each conversations file apart,
+so a figure says which source brought an overlap in. Recorded as "prompt_overlap": per n, dataset and file, how many
+prompts share a run, and for each such prompt its index in the dataset and the first run shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import closing
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.results import record  # noqa: E402
+from common.config import DatasetConfig, load_config  # noqa: E402
+from data_prep.decontaminate import first_shared_ngram, ngram_index  # noqa: E402
+from data_prep.sources import open_source  # noqa: E402
+
+
+def measured_turns(ds: DatasetConfig) -> list[str]:
+    """The user turn each record of ``ds`` is measured on (records with fewer user turns are left out, as eval
+    leaves them out)."""
+    _, records = open_source(ds, f"eval dataset {ds.name!r}")
+    out = []
+    with closing(records):
+        for rec in records:
+            users = [m["content"] for m in rec.messages or () if m["role"] == "user"] if not rec.skip else []
+            if len(users) >= ds.turn:
+                out.append(users[ds.turn - 1])
+    return out
+
+
+def training_turns(path: Path) -> list[str]:
+    """Every user turn of every conversation in ``path``; a line that is not a conversation is an error naming it."""
+    turns = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+                turns += [m["content"] for m in messages if m["role"] == "user"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a conversation with messages ({e})") from None
+    return turns
+
+
+def overlaps(evals: dict[str, list[str]], training: dict[str, list[str]], n: int) -> dict[str, dict[str, dict]]:
+    """Per eval dataset and training file: the prompts sharing a run of ``n`` words, by index, with that run."""
+    out: dict[str, dict[str, dict]] = {}
+    for source, turns in training.items():
+        index = ngram_index(turns, n)
+        for name, prompts in evals.items():
+            shared = {i: run for i, text in enumerate(prompts) if (run := first_shared_ngram(text, n, index))}
+            out.setdefault(name, {})[source] = {"prompts": len(prompts), "sharing": len(shared),
+                                                "examples": [{"index": i, "run": run} for i, run in shared.items()]}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="Run config whose eval.datasets are checked.")
+    ap.add_argument("--conversations", nargs="+", required=True, type=Path, help="Training conversations files.")
+    ap.add_argument("--ngram", nargs="+", type=int, default=[13, 8], help="Run lengths in words (default 13 8).")
+    args = ap.parse_args()
+    if any(n < 1 for n in args.ngram):
+        ap.error(f"--ngram {args.ngram}: each length must be at least 1 word")
+    for path in args.conversations:
+        if not path.is_file():
+            ap.error(f"--conversations {path}: no such file")
+    cfg = load_config(args.config)
+    evals = {ds.name: measured_turns(ds) for ds in cfg.eval.datasets}
+    training = {str(p): training_turns(p) for p in args.conversations}
+    figures = {"ngram": {str(n): overlaps(evals, training, n) for n in args.ngram},
+               "training_turns": {source: len(turns) for source, turns in training.items()}}
+    for n, by_ds in figures["ngram"].items():
+        for name, by_src in by_ds.items():
+            print(f"{n}-word runs, {name}: " + "; ".join(f"{s['sharing']} of {s['prompts']} share one with {src}"
+                                                         for src, s in by_src.items()))
+    record("prompt_overlap", figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
