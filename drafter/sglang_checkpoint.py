@@ -97,11 +97,60 @@ def hf_config(s: DrafterShape, extra: dict[str, Any] | None = None, dtype: str =
 
 
 def rope_scaling_from(cfg: dict) -> dict | None:
-    """The scaled-RoPE parameters of a config.json (legacy ``rope_scaling`` or ``rope_parameters``);
-    None for plain RoPE, so a default type never reaches transformers' table of scaled types."""
+    """The scaled-RoPE parameters of a config.json (legacy ``rope_scaling`` or ``rope_parameters``, which
+    ``served_function_problems`` holds equal); None for plain RoPE, so a default type never reaches transformers'
+    table of scaled types."""
     scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
     return scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
+
+
+def rope_theta_from(cfg: dict) -> float:
+    """RoPE's base as SGLang reads it: ``rope_parameters.rope_theta`` first, then the plain ``rope_theta``
+    (transformers 5 folds a plain one into rope_parameters), else 10000."""
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+
+
+# Fields with which SGLang's LlamaForCausalLMEagle3 computes something Eagle3Drafter does not (a norm or a bias
+# with no weights in the file, left at their initial values), or nothing it should: a drafter carrying one would be
+# measured here as one function and served as another.
+UNSERVED_FLAGS = {"norm_before_fc": "an RMSNorm over fc's input", "fc_norm": "an RMSNorm on each aux state",
+                  "use_aux_norm": "an RMSNorm on each aux state", "norm_output": "the normed state carried on",
+                  "bias": "biases on fc and the attention projections"}
+
+
+def served_function_problems(cfg: dict) -> list[str]:
+    """Every config field with which SGLang would serve a drafter other than the one ``Eagle3Drafter`` computes
+    from these weights (SGLang 0.5's llama_eagle3.py and its EAGLE-3 set-up); empty when there is none."""
+    eagle = cfg.get("eagle_config") or {}
+    p = [f"{where}{key} is set: SGLang would add {what}, which this drafter does not have; remove the field"
+         for key, what in UNSERVED_FLAGS.items()
+         for where, source in (("", cfg), ("eagle_config.", eagle)) if source.get(key)]
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    aux = cfg.get("num_aux_hidden_states")
+    if aux is not None and isinstance(ids, list) and aux != len(ids):
+        p.append(f"num_aux_hidden_states is {aux} but eagle_config names {len(ids)} aux layers: SGLang would size fc "
+                 "for the former; remove the field")
+    if "target_hidden_size" in cfg and cfg["target_hidden_size"] != cfg.get("hidden_size"):
+        p.append(f"target_hidden_size is {cfg['target_hidden_size']}, not hidden_size {cfg.get('hidden_size')}: "
+                 "this drafter reads aux states of its own width")
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        p.append("eagle_config.use_aux_hidden_state is not true: SGLang would capture no aux states and skip fc")
+    params = cfg.get("rope_parameters") or {}
+    if "rope_theta" in params and "rope_theta" in cfg and float(params["rope_theta"]) != float(cfg["rope_theta"]):
+        p.append(f"rope_theta {cfg['rope_theta']} differs from rope_parameters.rope_theta {params['rope_theta']}: "
+                 "which one SGLang serves depends on its transformers; make them equal")
+    if params and cfg.get("rope_scaling") and scaling_terms(cfg["rope_scaling"]) != scaling_terms(params):
+        p.append(f"rope_scaling {cfg['rope_scaling']} differs from rope_parameters {params}: which one SGLang serves "
+                 "depends on its transformers; make them equal")
+    return p
+
+
+def scaling_terms(rope: dict) -> dict:
+    """A RoPE dict's scaling as one form: the legacy ``type`` named ``rope_type``, the base left out."""
+    terms = {("rope_type" if k == "type" else k): v for k, v in rope.items() if k != "rope_theta"}
+    return {"rope_type": "default", **terms}
 
 
 def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = None) -> DrafterShape:
@@ -113,14 +162,18 @@ def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = Non
                 raise CheckpointError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids is "
                                       "missing and the target's layer count is unknown")
             ids = legacy_aux_layer_ids(num_target_layers)
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        if cfg.get("draft_vocab_size") is None:
+            raise CheckpointError(f"{where}: draft_vocab_size is missing or null, with which SGLang serves the "
+                                  "target's lm_head instead of the drafter's (or fails to load): set it to lm_head's "
+                                  "row count")
+        theta = rope_theta_from(cfg)
         heads = int(cfg["num_attention_heads"])
         return DrafterShape(
             hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
             num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             vocab_size=int(cfg["vocab_size"]),
-            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+            draft_vocab_size=int(cfg["draft_vocab_size"]),
             aux_layer_ids=tuple(int(i) for i in ids), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta), rope_scaling=rope_scaling_from(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),
@@ -230,6 +283,8 @@ def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
     """Load an SGLang-layout drafter (ours or AQ-MedAI's). Embeddings stay to be set from the target
     (``set_embeddings``); an ``embed_tokens.weight`` shipped in the file is ignored, as SGLang's is."""
     cfg = read_config(ckpt_dir)
+    if unserved := served_function_problems(cfg):
+        raise CheckpointError(f"{ckpt_dir}/config.json: {'; '.join(unserved)}")
     shape = shape_from_config(cfg, f"{ckpt_dir}/config.json", num_target_layers)
     wanted = expected_tensors(shape)
     require_layout(ckpt_dir, shape, tensor_infos(ckpt_dir), strict=False)
@@ -314,7 +369,7 @@ def _config_problems(cfg: dict, where: str) -> list[str]:
                  f"{ids} (without them SGLang silently captures different layers)")
     elif unsorted := ascending_problem(ids, "eagle_config.eagle_aux_hidden_state_layer_ids"):
         p.append(f"{where}: {unsorted}")
-    return p
+    return p + [f"{where}: {problem}" for problem in served_function_problems(cfg)]
 
 
 def weights_path(ckpt_dir: str | Path) -> Path:

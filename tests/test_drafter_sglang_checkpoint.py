@@ -308,7 +308,27 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], str]] = {
     "wrong_arch": (lambda d: _edit_config(d, lambda c: c.__setitem__("architectures", ["LlamaForCausalLM"])),
                    "architectures"),
     "int32_d2t": (lambda d: _edit_tensors(d, lambda t: _set(t, "d2t", t["d2t"].int())), "d2t has dtype I32"),
+    # config fields with which SGLang serves another function than the one these weights compute here
+    "norm_before_fc": (lambda d: _edit_config(d, lambda c: c["eagle_config"].__setitem__("norm_before_fc", True)),
+                       "eagle_config.norm_before_fc is set: SGLang would add an RMSNorm over fc's input"),
+    "fc_norm": (lambda d: _edit_config(d, lambda c: c.__setitem__("fc_norm", True)), "fc_norm is set"),
+    "use_aux_norm": (lambda d: _edit_config(d, lambda c: c.__setitem__("use_aux_norm", True)), "use_aux_norm is set"),
+    "norm_output": (lambda d: _edit_config(d, lambda c: c.__setitem__("norm_output", True)), "norm_output is set"),
+    "bias": (lambda d: _edit_config(d, lambda c: c.__setitem__("bias", True)), "bias is set"),
+    "num_aux_hidden_states": (lambda d: _edit_config(d, lambda c: c.__setitem__("num_aux_hidden_states", 2)),
+                              "num_aux_hidden_states is 2 but eagle_config names 3"),
+    "target_hidden_size": (lambda d: _edit_config(d, lambda c: c.__setitem__("target_hidden_size", 64)),
+                           "target_hidden_size is 64, not hidden_size 32"),
+    "no_aux_states": (lambda d: _edit_config(d, lambda c: c["eagle_config"].__setitem__("use_aux_hidden_state",
+                                                                                          False)),
+                      "use_aux_hidden_state is not true"),
+    "rope_theta_disagrees": (lambda d: _edit_config(d, lambda c: c.__setitem__("rope_theta", 500000.0)),
+                             "rope_theta 500000.0 differs from rope_parameters.rope_theta 10000.0"),
+    "rope_scaling_disagrees": (lambda d: _edit_config(d, lambda c: c.__setitem__("rope_scaling", {
+        "type": "linear", "factor": 2.0})), "differs from rope_parameters"),
 }
+SERVED_ELSE = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "bias", "num_aux_hidden_states",
+               "target_hidden_size", "no_aux_states", "rope_theta_disagrees", "rope_scaling_disagrees")
 # Not a readable, finite drafter at all: CheckpointError (an error, exit 2; tests/test_drafter_checkpoint_exit_codes.py
 # has the rest, at every entry point).
 DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
@@ -322,6 +342,8 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
                     "norm.weight has shape [33], expected [32]"),
     "nan_weight": (lambda d: _edit_tensors(d, lambda t: t["fc.weight"].__setitem__((0, 0), float("nan"))),
                    "non-finite weights (NaN/inf) in fc.weight"),
+    "no_draft_vocab_size": (lambda d: _edit_config(d, lambda c: c.__setitem__("draft_vocab_size", None)),
+                            "draft_vocab_size is missing or null"),
 }
 
 
@@ -343,12 +365,23 @@ def test_checker_names_each_breakage(saved: Path, tmp_path: Path, kind: str) -> 
     assert all("\n" not in p for p in problems)
 
 
+@pytest.mark.parametrize("kind", SERVED_ELSE)
+def test_a_drafter_sglang_would_serve_as_another_function_does_not_load(saved: Path, tmp_path: Path,
+                                                                        kind: str) -> None:
+    """Training or measuring it here would be training or measuring a drafter other than the one served."""
+    broken = make_broken(saved, tmp_path, kind)
+    with pytest.raises(CheckpointError, match=re.escape(BREAKAGES[kind][1])) as e:
+        load_checkpoint(broken)
+    assert str(e.value).startswith(f"{broken / 'config.json'}: ") and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("kind", sorted(DAMAGES))
 def test_checker_raises_on_each_damage(saved: Path, tmp_path: Path, kind: str) -> None:
     broken = make_broken(saved, tmp_path, kind)
     with pytest.raises(CheckpointError, match=re.escape(DAMAGES[kind][1])) as e:
         check_checkpoint(broken)
-    assert str(e.value).startswith(f"{broken / 'model.safetensors'}: ") and "\n" not in str(e.value)
+    named = "config.json" if kind == "no_draft_vocab_size" else "model.safetensors"
+    assert str(e.value).startswith(f"{broken / named}: ") and "\n" not in str(e.value)
     if kind == "nan_weight":
         assert check_checkpoint(broken, check_finite=False) == []  # what --no-finite skips
 
