@@ -168,6 +168,8 @@ def shape_from_config(cfg: dict, where: str, num_target_layers: int | None = Non
                                   "row count")
         theta = rope_theta_from(cfg)
         heads = int(cfg["num_attention_heads"])
+        if heads < 1:
+            raise CheckpointError(f"{where}: num_attention_heads is {heads}; a drafter has at least one head")
         return DrafterShape(
             hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
             num_attention_heads=heads, num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
@@ -208,6 +210,9 @@ def read_config(ckpt_dir: str | Path) -> dict:
         raise CheckpointError(f"{path}: unreadable ({e.strerror}); make it readable, or {_REDO}") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{path}: a JSON {type(cfg).__name__}, not an object; {_REDO}")
+    for key in ("eagle_config", "rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise CheckpointError(f"{path}: {key} is a JSON {type(cfg[key]).__name__}, not an object; {_REDO}")
     return cfg
 
 

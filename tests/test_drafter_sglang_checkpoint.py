@@ -344,7 +344,14 @@ DAMAGES: dict[str, tuple[Callable[[Path], None], str]] = {
                    "non-finite weights (NaN/inf) in fc.weight"),
     "no_draft_vocab_size": (lambda d: _edit_config(d, lambda c: c.__setitem__("draft_vocab_size", None)),
                             "draft_vocab_size is missing or null"),
+    "eagle_config_a_list": (lambda d: _edit_config(d, lambda c: c.__setitem__("eagle_config", [2, 15, 27])),
+                            "eagle_config is a JSON list, not an object"),
+    "rope_scaling_a_string": (lambda d: _edit_config(d, lambda c: c.__setitem__("rope_scaling", "linear")),
+                              "rope_scaling is a JSON str, not an object"),
+    "no_heads": (lambda d: _edit_config(d, lambda c: c.update(num_attention_heads=0, head_dim=None)),
+                 "num_attention_heads is 0"),
 }
+CONFIG_DAMAGES = ("no_draft_vocab_size", "eagle_config_a_list", "rope_scaling_a_string", "no_heads")
 
 
 def make_broken(saved: Path, root: Path, kind: str) -> Path:
@@ -380,7 +387,7 @@ def test_checker_raises_on_each_damage(saved: Path, tmp_path: Path, kind: str) -
     broken = make_broken(saved, tmp_path, kind)
     with pytest.raises(CheckpointError, match=re.escape(DAMAGES[kind][1])) as e:
         check_checkpoint(broken)
-    named = "config.json" if kind == "no_draft_vocab_size" else "model.safetensors"
+    named = "config.json" if kind in CONFIG_DAMAGES else "model.safetensors"
     assert str(e.value).startswith(f"{broken / named}: ") and "\n" not in str(e.value)
     if kind == "nan_weight":
         assert check_checkpoint(broken, check_finite=False) == []  # what --no-finite skips
