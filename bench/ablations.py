@@ -11,15 +11,14 @@ and HumanEval prompt, fp32 target, lossless checked). Rows (--rows picks some):
 - baseline: the config's recipe and data;
 - init_from_target: the drafter starts from the target's last layer, final norm and head (left out where the
   config's drafter.init is target already);
-- lr_x3, lr_x10: three and ten times train.lr (at 400 steps the drafter was learning-rate bound: 1e-3 -> 3e-3 gave
-  +0.12 tau; the two rows bracket the next step);
+- lr_x3, lr_x10: three and ten times train.lr (whether the recipe is learning-rate bound at its step count);
 - ttt_3: TTT length 3 instead of the config's;
 - mlp_x3: an MLP three times the target's width (drafter.intermediate_size; capacity, at a size cost);
 - draft_vocab_32k: a 32k draft vocab (the config's 16k is what fits the 32 MB the shipped drafter may weigh:
   this row is its tau cost);
 - loop_copies_dropped: the data with each loop answer's kept copies (regenerate.loop_keep_tokens) taken off
   again, i.e. answers cut at the loop's first copy: whether the bounded loop tail teaches decoding;
-- first_turn_short_answers: first turns with answers of at most 256 tokens (what the old data engine made);
+- first_turn_short_answers: first turns with answers of at most 256 tokens (whether answer length matters);
 - first_turns_only: each conversation's first turn and whole first answer: against the baseline on multi-turn
   conversations, what the later turns (longer histories) add at the same number of steps;
 - aux_scaled: fc reads each aux state scaled to rows of RMS about 1 while training (drafter.aux_scale=per_state;

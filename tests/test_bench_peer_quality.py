@@ -34,7 +34,7 @@ def test_a_drafter_ahead_on_every_prompt_clears_zero_and_a_tie_straddles_it() ->
 
 def test_a_row_without_columns_has_no_difference_and_columns_leave_the_record() -> None:
     ours = row([3.0, 4.0], [1.0, 2.0])
-    old = {"training": {"tokens_seen": 100}, "mtbench": {"tau": 2.0}}  # measured before the columns were kept
+    old = {"training": {"tokens_seen": 100}, "mtbench": {"tau": 2.0}}  # a row without per-prompt columns
 
     assert ours_minus({"ours": ours, "specforge": old}, BOOT) == {}
     assert without_columns(ours)["mtbench"] == {"tau": ours["mtbench"]["tau"]}

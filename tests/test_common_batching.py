@@ -19,7 +19,7 @@ def test_length_batches_cover_every_row_once_within_budget() -> None:
 
 def test_equal_lengths_keep_index_order_or_the_given_order() -> None:
     lengths = [7, 3, 7, 3, 7, 3, 9]
-    # By default ties go by index: the sort key (length, index) capture has always used.
+    # By default ties go by index: the sort key (length, index) that capture uses.
     assert length_batches(lengths, 14) == [[1, 3, 5], [0, 2], [4], [6]]
     # With an order (the training sampler's shuffled window), ties keep their place in it.
     assert length_batches(lengths, 100, [6, 4, 5, 2, 3, 0, 1]) == [[5, 3, 1, 4, 2, 0, 6]]
