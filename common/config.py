@@ -2,7 +2,7 @@
 
 Every stage reads the same file; this module is the only place that knows its shape. Unknown keys,
 wrong types and impossible values are all reported at once, one line each, naming the file and the
-dotted key to change (``configs/x.yaml: train.lr: must be > 0``).
+dotted key to change (``configs/x.yaml: train.lr: Input should be greater than 0``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class PromptSource(Section):
                       "directory, or a hub id, read through `datasets` (hub ids from its cache when offline).")
     split: str | None = Field(None, description="Split of a directory or hub dataset; default train.")
     subset: str | None = Field(None, description="Configuration (subset) name of a hub dataset.")
-    limit: PositiveInt | None = Field(None, description="Read at most this many records of the source.")
+    limit: PositiveInt | None = Field(None, description="Keep at most this many records of the source (skipped "
+                                      "records do not count).")
     messages_field: str | None = Field(None, description="Column holding the turns; default the kind's own.")
     role_field: str | None = Field(None, description="Field of a turn holding its role; default the kind's.")
     content_field: str | None = Field(None, description="Field of a turn holding its text; default the kind's.")
@@ -595,24 +596,88 @@ def parse_config(tree: dict[str, Any], source: str = "<config>") -> RunConfig:
         raise ConfigError(_format_errors(source, e)) from None
 
 
+class DuplicateKeyError(yaml.MarkedYAMLError):
+    """A mapping key given twice: PyYAML keeps the last silently, so a second ``train:`` section would drop the
+    first one's settings without a word."""
+
+    def __init__(self, key: Any, first: yaml.Mark, again: yaml.Mark) -> None:
+        super().__init__(problem=f"duplicate key {key!r} (first at line {first.line + 1})", problem_mark=again)
+
+
+def _check_unique_keys(node: yaml.Node, loader: yaml.SafeLoader, seen: set[int]) -> None:
+    """Raise DuplicateKeyError at the first key, in document order and at any depth, that its mapping names twice.
+    Checked on the composed nodes, before merge keys (``<<``) are applied: a merged-in key that the mapping sets
+    again is an override, not a duplicate. ``seen`` holds the nodes checked (an alias repeats a node)."""
+    if id(node) in seen or not isinstance(node, yaml.CollectionNode):
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _check_unique_keys(item, loader, seen)
+        return
+    first: dict[Any, yaml.Mark] = {}
+    for key_node, value_node in node.value:
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+            key = loader.construct_object(key_node)  # the value the dict is keyed by: `1` and `0x1` are one key
+            if key in first:
+                raise DuplicateKeyError(key, first[key], key_node.start_mark)
+            first[key] = key_node.start_mark
+        _check_unique_keys(value_node, loader, seen)
+
+
+def read_yaml(text: str) -> Any:
+    """``yaml.safe_load`` that also rejects duplicate mapping keys (DuplicateKeyError, a yaml.YAMLError)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_unique_keys(node, loader, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What is wrong, in one line (a ReaderError has no ``problem``; its text spans lines)."""
+    return getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _read_tree(path: Path) -> Any:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "save it as UTF-8") from None
+    try:
+        return read_yaml(text)
+    except DuplicateKeyError as e:
+        raise ConfigError(f"{path}:{e.problem_mark.line + 1}: {e.problem}; keep one") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: not valid YAML ({_yaml_problem(e)})") from None
+
+
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read a YAML run config and apply ``key.sub=value`` overrides (values parsed as YAML)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file (the shipped ones are in configs/)")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    tree = _read_tree(path) or {}
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"{path}: override {item!r}: expected key.sub=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw), str(path))
+        key = key.strip()
+        try:
+            value = read_yaml(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: override {key}: not valid YAML ({_yaml_problem(e)})") from None
+        _set_dotted(tree, key, value, str(path))
     return parse_config(tree, str(path))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import ConfigError, RunConfig, dump_config, load_config, parse_config
+from common.config import ConfigError, PromptSource, RunConfig, dump_config, load_config, parse_config, read_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -179,6 +179,43 @@ def test_overrides_are_validated(override: str, key: str, words: str) -> None:
 def test_malformed_overrides(override: str, words: str) -> None:
     (line,) = error_lines(SMOL, (override,))
     assert line.startswith(f"{SMOL}: override") and words in line
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("[1", "expected ',' or ']', but got '<stream end>'"),
+    ("{lr: 1, lr: 2}", "duplicate key 'lr' (first at line 1)"),
+])
+def test_an_override_that_is_not_yaml_is_one_line_naming_it(value: str, problem: str) -> None:
+    assert error_lines(SMOL, (f"train.lr={value}",)) == [f"{SMOL}: override train.lr: not valid YAML ({problem})"]
+
+
+def test_a_config_that_is_not_utf8_names_file_line_and_byte(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    text = SMOL.read_bytes()
+    path.write_bytes(text + b"# r\xe9sum\xe9\n")
+    line = text.count(b"\n") + 1
+    assert error_lines(path) == [f"{path}:{line}: not UTF-8 text (byte 0xe9 at offset {len(text) + 3}); "
+                                 "save it as UTF-8"]
+
+
+def test_a_key_given_twice_at_any_depth_is_one_line_naming_both_lines(tmp_path: Path) -> None:
+    text = SMOL.read_text()
+    train, end = text.splitlines().index("train:") + 1, text.count("\n")  # `end`: the file's last line
+    path = tmp_path / "dup.yaml"
+    path.write_text(text + "train:\n  epochs: 1\n")  # a second section: PyYAML alone would drop the first
+    assert error_lines(path) == [f"{path}:{end + 1}: duplicate key 'train' (first at line {train}); keep one"]
+    path.write_text(text + "x:\n  - a: 1\n    b: 2\n    a: 3\n")  # inside a list item
+    assert error_lines(path) == [f"{path}:{end + 4}: duplicate key 'a' (first at line {end + 2}); keep one"]
+
+
+def test_merge_keys_override_without_counting_as_duplicates() -> None:
+    assert read_yaml("a: &a {k: 1, j: 2}\nb: {<<: *a, k: 3}\n") == {"a": {"k": 1, "j": 2}, "b": {"k": 3, "j": 2}}
+
+
+def test_limit_is_described_as_the_records_kept() -> None:
+    """Ingest and the eval reader stop at ``limit`` records kept and read on past the skipped ones."""
+    assert PromptSource.model_fields["limit"].description == ("Keep at most this many records of the source "
+                                                              "(skipped records do not count).")
 
 
 def test_the_demo_starts_from_a_shipped_drafter_sglang_serves() -> None:
