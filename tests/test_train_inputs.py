@@ -17,7 +17,9 @@ from train_fixtures import make_config, make_store
 
 import data_prep.store as store_mod
 from data_prep.store import StoreError, read_manifest, verify_store
+from drafter.sglang_checkpoint import CheckpointError
 from train.loop import run
+from train.run_checkpoints import update_best
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -147,3 +149,28 @@ def test_unusable_run_dir_and_full_disk_are_one_line_and_temps_are_cleaned(tmp_p
     monkeypatch.setattr(ckpt_mod, "save_checkpoint", real_save)
     assert run(cfg) == 0  # space freed: the rerun cleans the temp dir up and trains
     assert not [p.name for p in ckpts.iterdir() if ".tmp" in p.name or ".old" in p.name]
+
+
+def test_a_damaged_trainer_json_is_one_line_naming_it_and_the_checkpoint_to_delete(tmp_path, capsys):
+    cfg = make_config(tmp_path, max_steps=2, holdout_fraction=0.0, save_every=2)
+    make_store(tmp_path / "run" / "store", n_samples=8, length=12)
+    assert run(cfg) == 0
+    (ckpt,) = (tmp_path / "run" / "checkpoints").glob("step-*")
+    trainer = ckpt / "training_state" / "trainer.json"
+    trainer.write_text('{"position": {"step": 2')  # cut off mid-write
+    capsys.readouterr()
+    assert run(cfg) == 2
+    assert _one_error_line(capsys) == (f"error: {trainer}:1: invalid JSON (Expecting ',' delimiter); delete {ckpt} "
+                                       "to resume from an older checkpoint, or pass --resume never")
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ('{\n"metric": "x",\n"value": 0.5', ":3: invalid JSON (Expecting ',' delimiter)"),
+    ("[1]", ": a JSON list, not an object"),
+])
+def test_a_damaged_best_json_is_an_error_naming_it(tmp_path, text: str, problem: str):
+    (tmp_path / "best.json").write_text(text)
+    with pytest.raises(CheckpointError) as e:
+        update_best(tmp_path, tmp_path / "step-000004", 4, "holdout/accept_length", 0.6)
+    assert str(e.value) == (f"{tmp_path / 'best.json'}{problem}; delete it; training then records the next "
+                            "checkpoint it saves as the best")

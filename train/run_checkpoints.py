@@ -54,8 +54,23 @@ def latest(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
+def _read_record(path: Path, fix: str) -> dict[str, Any]:
+    """A JSON object this module wrote. A damaged one (a disk error, a hand edit) is a CheckpointError naming the
+    file, the line and ``fix``: json's own message names no file."""
+    try:
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {fix}") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: a JSON {type(record).__name__}, not an object; {fix}")
+    return record
+
+
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return json.loads((ckpt / STATE_DIR / TRAINER_FILE).read_text())
+    return _read_record(ckpt / STATE_DIR / TRAINER_FILE,
+                        f"delete {ckpt} to resume from an older checkpoint, or pass --resume never")
 
 
 def _state_digests(state_dir: Path) -> dict[str, str]:
@@ -99,7 +114,8 @@ def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer:
 
 def best_record(root: Path) -> dict[str, Any] | None:
     path = root / "best.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    fix = "delete it; training then records the next checkpoint it saves as the best"
+    return _read_record(path, fix) if path.is_file() else None
 
 
 def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | None) -> bool:
