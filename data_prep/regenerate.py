@@ -54,6 +54,12 @@ class RegenerateError(ValueError):
     """Unusable input or output file; the message names it."""
 
 
+def _json_type(value: Any) -> str:
+    """What a value read from JSON is, in words for an error line."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number")
+
+
 def load_prompt_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
     """The first ``limit`` prompts of prompts.jsonl (written by ingest, so a bad line is an error)."""
     if not path.is_file():
@@ -72,10 +78,16 @@ def load_prompt_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
             try:
                 p = json.loads(line)
                 pid, messages = p["id"], p["messages"]
-                roles = [m["role"] for m in messages]
+                roles = [m["role"] for m in messages] if isinstance(messages, list) else []
             except (ValueError, KeyError, TypeError) as e:
                 raise RegenerateError(f"{path}:{lineno}: not a prompt record ({type(e).__name__}: {e}); "
                                       "rerun ingest") from None
+            # Ingest writes these types; another would fail far from this line (an id is a set key).
+            if not isinstance(pid, str):
+                raise RegenerateError(f"{path}:{lineno}: id must be a string, not {_json_type(pid)}; rerun ingest")
+            if not isinstance(messages, list):
+                raise RegenerateError(f"{path}:{lineno}: messages must be a list, not {_json_type(messages)}; "
+                                      "rerun ingest")
             if pid in seen:
                 raise RegenerateError(f"{path}:{lineno}: id {pid} appears twice; rerun ingest")
             if "user" not in roles:

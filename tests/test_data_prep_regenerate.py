@@ -310,6 +310,26 @@ def test_empty_or_undecodable_prompts_are_errors_naming_file_and_line(tmp_path: 
         run_regenerate(cfg)
 
 
+@pytest.mark.parametrize(("fields", "problem"), [
+    ({"id": ["p1"]}, "id must be a string, not a list"),
+    ({"id": 7}, "id must be a string, not a number"),
+    ({"id": None}, "id must be a string, not null"),
+    ({"messages": "hi"}, "messages must be a list, not a string"),
+    ({"messages": {"role": "user", "content": "hi"}}, "messages must be a list, not an object"),
+])
+def test_a_prompt_field_of_the_wrong_type_is_an_error_naming_the_line(tmp_path: Path, fields: dict,
+                                                                      problem: str) -> None:
+    from data_prep.regenerate import load_prompt_records
+
+    cfg = make_cfg(tmp_path)
+    write_prompts(cfg, [[user("fine")]])
+    with open(cfg.prompts_path, "a") as f:
+        f.write(json.dumps({"id": "x", "source": "t", "messages": [user("hi")]} | fields) + "\n")
+    with pytest.raises(RegenerateError) as e:
+        load_prompt_records(cfg.prompts_path, None)
+    assert str(e.value) == f"{cfg.prompts_path}:2: {problem}; rerun ingest"
+
+
 def test_failure_share_and_consecutive_failures(tmp_path: Path, fake: Any) -> None:
     # 1 failure in 30 prompts (3 %) is within the default 5 %: done, and the rerun retries it.
     cfg = openai_cfg(tmp_path / "share", [fake.url], concurrency=4, batch_size=4)
