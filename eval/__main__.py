@@ -16,10 +16,38 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
 
 from eval import commands
 from eval.quality import DEFAULT_SETTINGS
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0: float() also takes nan and inf, which give meaningless figures without an error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def whole_number(low: int) -> Callable[[str], int]:
+    """An int >= ``low``: a count below it would be sliced or clamped into another count without a word."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text}")
+        return value
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,20 +72,22 @@ def main(argv: list[str] | None = None) -> int:
                                                "the first setting, the gate reads the paired difference")
             p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), metavar="K:T",
                            help="k:T pairs (drafts per cycle, temperature); the first one is the gate's")
-            p.add_argument("--timing-prompts", type=int, default=8, help="prompts the batch-1 timings run on")
-            p.add_argument("--limit", type=int, help="prompts per dataset (smoke runs; the figures are for all)")
-            p.add_argument("--context-prompts", type=int, default=80,
-                           help="held-out turns per history-length bucket (tau_by_context)")
+            p.add_argument("--timing-prompts", type=whole_number(1), default=8,
+                           help="prompts the batch-1 timings run on")
+            p.add_argument("--limit", type=whole_number(1),
+                           help="prompts per dataset (smoke runs; the figures are for all)")
+            p.add_argument("--context-prompts", type=whole_number(0), default=80,
+                           help="held-out turns per history-length bucket (tau_by_context; 0: none)")
     sw = sub.add_parser("sweep")
     sw.add_argument("--config", help="measure on eval.sglang.server_url + sweep_urls and baseline_url")
     sw.add_argument("--table", help="a cost table JSON instead of measuring (see eval/serving_sweep.py)")
     sw.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     sw.add_argument("--out", help="output folder (default: run_dir/eval/sweep; with --table alone, beside it)")
     be = sub.add_parser("breakeven")
-    be.add_argument("--decode-ms", type=float, required=True)
-    be.add_argument("--cycle-ms", type=float, required=True)
-    be.add_argument("--steps", type=int, default=3)
-    be.add_argument("--target-tps", type=float)
+    be.add_argument("--decode-ms", type=positive_number, required=True)
+    be.add_argument("--cycle-ms", type=positive_number, required=True)
+    be.add_argument("--steps", type=whole_number(1), default=3)
+    be.add_argument("--target-tps", type=positive_number)
     args = ap.parse_args(argv)
     if args.cmd == "breakeven":
         return commands.breakeven_command(args.decode_ms, args.cycle_ms, args.steps, args.target_tps)

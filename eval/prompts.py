@@ -23,18 +23,20 @@ class PromptError(ValueError):
 
 def load_eval_turns(ds: DatasetConfig, limit: int | None = None) -> tuple[list[list[str]], int]:
     """The user turns 1..``ds.turn`` of each record, in order, at most ``limit`` (else ``ds.limit``) records, and
-    how many records were skipped for having fewer user turns (a record without any is an error). A file cut off
-    mid-record (the ShareGPT wheel's copy) ends at its last whole record."""
+    how many records were skipped for having fewer user turns (a record without any is an error). The builtin
+    ShareGPT copy, cut off mid-record in its wheel, ends at its last whole record; any other file cut off so is an
+    error like every unreadable record: the prompt lost with it would leave the report measuring fewer."""
     limit = limit or ds.limit
     out: list[list[str]] = []
     short = 0
     where, records = open_source(ds, f"eval dataset {ds.name!r}")
     with closing(records):
         for rec in records:
-            if rec.tail:
+            if rec.tail and ds.path == "builtin":
                 break
             if rec.skip:
-                raise PromptError(f"{rec.where}: {rec.skip} ({rec.detail})")
+                cut = "; the file is cut off: copy it again, or end it after its last whole record" if rec.tail else ""
+                raise PromptError(f"{rec.where}: {rec.skip} ({rec.detail}){cut}")
             turns = [m["content"] for m in rec.messages or () if m["role"] == "user"]
             if not turns:
                 raise PromptError(f"{rec.where}: messages: no user turn")

@@ -18,6 +18,7 @@ batched passes. ``bench/drafter_quality.py`` records the same figures in ``bench
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -55,8 +56,8 @@ def parse_settings(settings: Sequence[str]) -> list[tuple[int, float]]:
             out.append((int(k), float(t)))
         except ValueError:
             raise QualityError(f"--settings {s}: expected k:T, e.g. 3:0 (k drafts per cycle, temperature T)") from None
-        if not sep or out[-1][0] < 1 or out[-1][1] < 0:
-            raise QualityError(f"--settings {s}: expected k:T with k >= 1 and T >= 0, e.g. 3:0")
+        if not sep or out[-1][0] < 1 or not 0 <= out[-1][1] < math.inf:  # float() takes nan and inf
+            raise QualityError(f"--settings {s}: expected k:T with k >= 1 and T a finite number >= 0, e.g. 3:0")
     if not out:
         raise QualityError("--settings: give at least one k:T pair")
     return out

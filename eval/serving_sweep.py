@@ -97,19 +97,47 @@ def recommend(costs: Sequence[Cost], decode_ms: Mapping[int, float],
 
 def read_table(path: Path) -> tuple[list[Cost], dict[int, float], list[float] | None]:
     """A cost table file: ``{"decode_ms": {"1": 12.1}, "alpha_conditional": [..] (optional), "settings":
-    [{"num_steps", "topk", "draft_tokens", "concurrency", "cycle_ms", "tau" (optional)}]}``."""
+    [{"num_steps", "topk", "draft_tokens", "concurrency", "cycle_ms", "tau" (optional)}]}``. Every count and time
+    is checked here: a zero time divides by zero in ``recommend``, and a negative or NaN one ranks nonsense."""
     try:
         t = json.loads(path.read_text())
-        decode = {int(c): float(ms) for c, ms in t["decode_ms"].items()}
-        costs = [Cost(ServingSetting(int(e["num_steps"]), int(e["topk"]), int(e["draft_tokens"])),
-                      int(e.get("concurrency", 1)), float(e["cycle_ms"]),
-                      float(e["tau"]) if e.get("tau") is not None else None) for e in t["settings"]]
+        decode = {_count(path, "decode_ms key (a concurrency)", c):
+                  _number(path, f'decode_ms["{c}"]', ms, 0, strict=True) for c, ms in t["decode_ms"].items()}
+        costs = [_cost(path, f"settings[{i}]", e) for i, e in enumerate(t["settings"])]
         alpha = [float(a) for a in t["alpha_conditional"]] if t.get("alpha_conditional") else None
     except FileNotFoundError:
         raise SweepError(f"{path}: no such cost table") from None
+    except SweepError:
+        raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SweepError(f"{path}: not a cost table ({type(e).__name__}: {e}); see eval/serving_sweep.py") from None
+    if not costs:
+        raise SweepError(f"{path}: settings: empty; give at least one serving setting to rank")
     return costs, decode, alpha
+
+
+def _cost(path: Path, where: str, e: Mapping[str, Any]) -> Cost:
+    """One ``settings`` entry; tau counts the target's own token too, so a measured one is at least 1."""
+    setting = ServingSetting(*(_count(path, f"{where}.{k}", e[k]) for k in ("num_steps", "topk", "draft_tokens")))
+    tau = _number(path, f"{where}.tau", e["tau"], 1) if e.get("tau") is not None else None
+    return Cost(setting, _count(path, f"{where}.concurrency", e.get("concurrency", 1)),
+                _number(path, f"{where}.cycle_ms", e["cycle_ms"], 0, strict=True), tau)
+
+
+def _number(path: Path, field: str, value: Any, low: float, strict: bool = False) -> float:
+    """A finite float >= ``low`` (> with ``strict``): float() also takes NaN and infinities."""
+    x = float(value)
+    if not math.isfinite(x) or x < low or (strict and x == low):
+        raise SweepError(f"{path}: {field} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+    return x
+
+
+def _count(path: Path, field: str, value: Any) -> int:
+    """A count of steps, drafts or requests in flight: 0 or fewer is no setting."""
+    n = int(value)
+    if n < 1:
+        raise SweepError(f"{path}: {field} must be >= 1, got {value!r}")
+    return n
 
 
 def measure_table(cfg: RunConfig, prompts: Mapping[str, Sequence[Sequence[int]]]) -> tuple[list[Cost], dict[int, float],

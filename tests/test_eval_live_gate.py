@@ -405,6 +405,28 @@ def test_sweep_picks_the_best_flags_on_a_hand_made_cost_table():
     assert out[64]["recommended"] is None and "serve without speculation" in out[64]["why"]
 
 
+@pytest.mark.parametrize(("table", "says"), [
+    ({"decode_ms": {"1": 0}}, 'decode_ms["1"] must be a finite number > 0, got 0'),  # a ZeroDivisionError
+    ({"decode_ms": {"1": -12}}, 'decode_ms["1"] must be a finite number > 0, got -12'),
+    ({"decode_ms": {"0": 12.1}}, "decode_ms key (a concurrency) must be >= 1, got '0'"),
+    ({"settings": [{"num_steps": 3, "topk": 1, "draft_tokens": 4, "cycle_ms": float("nan"), "tau": 2.5}]},
+     "settings[0].cycle_ms must be a finite number > 0, got nan"),
+    ({"settings": [{"num_steps": 3, "topk": 1, "draft_tokens": 4, "cycle_ms": 30, "tau": -1}]},
+     "settings[0].tau must be a finite number >= 1, got -1"),
+    ({"settings": [{"num_steps": 0, "topk": 1, "draft_tokens": 4, "cycle_ms": 30}]},
+     "settings[0].num_steps must be >= 1, got 0"),
+    ({"settings": []}, "settings: empty; give at least one serving setting to rank"),
+])
+def test_sweep_refuses_a_table_that_would_rank_nonsense(table, says, tmp_path, capsys):
+    """A zero, negative or NaN time (or count) is one line naming the file and the field, exit 2, and no sweep."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"decode_ms": {"1": 12.1}, "settings": [
+        {"num_steps": 3, "topk": 1, "draft_tokens": 4, "cycle_ms": 29.8, "tau": 2.5}]} | table))
+    assert sweep_command(table=path, out=tmp_path / "out") == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {path}: {says}"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_sweep_cli_on_a_table_file(tmp_path, capsys):
     table = tmp_path / "costs.json"
     table.write_text(json.dumps({"decode_ms": {"1": 12.1}, "settings": [

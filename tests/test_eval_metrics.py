@@ -72,6 +72,27 @@ def test_breakeven_cli_prints_json(capsys):
     assert r.returncode == 0 and json.loads(r.stdout)["alpha_required"] == out["alpha_required"]
 
 
+@pytest.mark.parametrize(("args", "line"), [
+    (["--decode-ms", "nan", "--cycle-ms", "10"], "argument --decode-ms: must be a finite number > 0, got nan"),
+    (["--decode-ms", "10", "--cycle-ms", "inf"], "argument --cycle-ms: must be a finite number > 0, got inf"),
+    (["--decode-ms", "10", "--cycle-ms", "30", "--steps", "-3"],
+     "argument --steps: must be a whole number >= 1, got -3"),
+    (["--decode-ms", "10", "--cycle-ms", "30", "--steps", "0"],
+     "argument --steps: must be a whole number >= 1, got 0"),
+    (["--decode-ms", "10", "--cycle-ms", "30", "--target-tps", "-5"],
+     "argument --target-tps: must be a finite number > 0, got -5"),
+])
+def test_breakeven_cli_refuses_timings_that_give_meaningless_figures(args, line, capsys):
+    """float() takes nan and inf, int() takes -3: each must be a one-line error naming the flag, exit 2."""
+    from eval.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["breakeven", *args])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == ""
+    assert captured.err.strip().splitlines()[-1] == f"python -m eval breakeven: error: {line}"
+
+
 def test_accept_greedy_prefix_and_bonus():
     logits = torch.full((4, 10), -1.0)
     for i, tok in enumerate([3, 5, 7, 9]):

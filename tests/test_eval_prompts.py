@@ -43,3 +43,19 @@ def test_files_and_errors(tmp_path):
 def test_truncated_sharegpt_wheel_ends_at_its_last_whole_record():
     prompts = load_eval_prompts(ds("sharegpt"), limit=40)
     assert len(prompts) == 40 and all(isinstance(p, str) and p for p in prompts)
+
+
+def test_a_file_cut_off_mid_record_is_an_error_naming_the_record(tmp_path):
+    """Only the builtin ShareGPT copy may end in a broken record: in any other file the cut-off prompt would be
+    lost without a word and the report would measure fewer prompts than the file holds."""
+    array = tmp_path / "trunc.json"
+    array.write_text('[{"task_id": "a", "prompt": "def f():"}, {"task_id": "b", "prompt": "def g():"}, '
+                     '{"task_id": "c", "prompt": "def h(')
+    with pytest.raises(PromptError, match=r"^trunc.json\[2\]: bad_json \(record #2 at byte \d+ .*; 2 whole records "
+                                          r"before it\); the file is cut off: copy it again"):
+        load_eval_prompts(ds("humaneval", str(array)))
+    assert load_eval_prompts(ds("humaneval", str(array)), limit=2) == ["def f():", "def g():"]
+    lines = tmp_path / "trunc.jsonl"
+    lines.write_text('{"prompt": "def f():"}\n{"prompt": "def g(')
+    with pytest.raises(PromptError, match=r"^trunc.jsonl:2: bad_json"):
+        load_eval_prompts(ds("humaneval", str(lines)))

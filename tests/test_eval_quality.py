@@ -33,7 +33,7 @@ def write_config(tmp_path: Path) -> Path:
 
 def test_settings_are_k_colon_t_pairs():
     assert parse_settings(["3:0", "5:0.7"]) == [(3, 0.0), (5, 0.7)]
-    for bad in (["3"], ["x:0"], ["0:0"], ["3:-1"], []):
+    for bad in (["3"], ["x:0"], ["0:0"], ["3:-1"], ["3:nan"], ["3:inf"], []):
         with pytest.raises(QualityError, match="--settings"):
             parse_settings(bad)
 
@@ -44,6 +44,35 @@ def test_bad_settings_are_one_line_and_exit_2(tmp_path, tiny_drafter):
                         "--checkpoint", str(ckpt), "--settings", "3"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--settings 3: expected k:T, e.g. 3:0 "
                                                                             "(k drafts per cycle, temperature T)")
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--limit", "-1"], "python -m eval quality: error: argument --limit: must be a whole number >= 1, got -1"),
+    (["--timing-prompts", "-5"],
+     "python -m eval quality: error: argument --timing-prompts: must be a whole number >= 1, got -5"),
+    (["--timing-prompts", "0"],
+     "python -m eval quality: error: argument --timing-prompts: must be a whole number >= 1, got 0"),
+    (["--context-prompts", "-1"],
+     "python -m eval quality: error: argument --context-prompts: must be a whole number >= 0, got -1"),
+    (["--settings", "3:nan"], "error: --settings 3:nan: expected k:T with k >= 1 and T a finite number >= 0, e.g. 3:0"),
+    (["--settings", "3:inf"], "error: --settings 3:inf: expected k:T with k >= 1 and T a finite number >= 0, e.g. 3:0"),
+])
+def test_bad_counts_and_temperatures_are_refused_before_the_target_loads(args, line, tmp_path, monkeypatch, capsys):
+    """--limit -1 would measure one prompt per dataset, a negative --timing-prompts all but the last few, T = nan
+    nothing meaningful: each is one line and exit 2, and no model is loaded."""
+    from eval import commands
+    from eval.__main__ import main
+
+    def no_target(*_a, **_k):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(commands, "target_and_prompts", no_target)
+    argv = ["quality", "--config", str(write_config(tmp_path)), "--checkpoint", str(tmp_path / "ckpt"), *args]
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == line
 
 
 @pytest.mark.real
