@@ -37,7 +37,7 @@ from common.files import json_text, named_errors, write_text_atomic
 from common.locking import inherit_env, run_lock
 from common.wheels import BUILTIN_TARGET, MissingWheelError, builtin_data_path, builtin_gguf
 from eval.gate import read_history
-from target_model.hf_model import resolve_source
+from target_model.hf_model import target_text_config
 
 
 class PipelineError(ValueError):
@@ -54,10 +54,7 @@ def preflight(cfg: RunConfig) -> None:
     for src in [*cfg.data.sources, *cfg.eval.datasets]:
         if src.path == "builtin":
             builtin_data_path(src.kind)
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
-                                    trust_remote_code=cfg.target.trust_remote_code)
+    hf = target_text_config(cfg.target)  # an unknown name is the one-line error every stage gives
     n = cfg.regenerate.num_prompts
     # Upper bound of one round's store (every sample at max_length; per token aux 3H + last hidden H,
     # rounded up to 5H) plus 1 GiB for checkpoints.

@@ -143,6 +143,10 @@ def hash_weight_files(h: Any, source_dir: Path) -> None:
             h.update(fh.read())
 
 
+# What a saved HF tokenizer writes; a directory with neither holds no tokenizer transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 def load_tokenizer(source: Path | str, trust_remote_code: bool) -> Any:
     """The target's tokenizer, with a pad token (its EOS when it has none)."""
     from transformers import AutoTokenizer
@@ -197,6 +201,25 @@ def resolve_source(name: str, gguf_file: str | None) -> Path | str:
     return path if path.exists() else name
 
 
+def _load_error(name: str, e: Exception) -> TargetError:
+    """transformers' error on loading ``name`` as one line naming the key and what to give instead: its own
+    message names neither and may run to several lines."""
+    return TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local directory, a "
+                       f".gguf file or the builtin {BUILTIN_TARGET!r}")
+
+
+def _tokenizer_error(name: str, source: Path | str, e: Exception) -> TargetError:
+    """``_load_error`` for the tokenizer of a local directory, naming it: transformers' several lines there say
+    which tokenizer kinds it tried, not that the directory lacks the files."""
+    if not isinstance(source, Path):
+        return _load_error(name, e)
+    where = repr(name) if name == str(source) else f"{name!r} ({source})"
+    found = any((source / f).is_file() for f in TOKENIZER_FILES)
+    why = " ".join(str(e).split()) if found else f"no {' or '.join(TOKENIZER_FILES)} in it"
+    return TargetError(f"target.name: cannot load the tokenizer of {where} ({why}); copy the model's tokenizer "
+                       "files beside its config.json")
+
+
 def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "auto",
                 trust_remote_code: bool = False, seconds: dict[str, float] | None = None) -> TargetModel:
     """``seconds``: filled with where the load's seconds went (imports, source, tokenizer, weights, device): a
@@ -211,15 +234,17 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
     dev = pick_device(device)
     try:
         tok = load_tokenizer(source, trust_remote_code)
-        clock.mark()
+    except (OSError, ValueError) as e:  # transformers raises ValueError for a directory without tokenizer files
+        raise _tokenizer_error(name, source, e) from None
+    clock.mark()
+    try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype),
                                                      trust_remote_code=trust_remote_code)
         clock.mark()
         model = model.to(dev)
         clock.mark()
     except OSError as e:
-        raise TargetError(f"target.name: cannot load {name!r} ({str(e).splitlines()[0]}); give a local "
-                          f"directory, a .gguf file or the builtin {BUILTIN_TARGET!r}") from None
+        raise _load_error(name, e) from None
     if seconds is not None:
         parts = ("imports_s", "source_s", "tokenizer_s", "weights_s", "to_device_s")
         seconds.update({n: round(ms / 1e3, 2) for n, ms in zip(parts, clock.spans_ms(), strict=True)})
@@ -232,7 +257,11 @@ def target_text_config(cfg: TargetConfig) -> Any:
     from transformers import AutoConfig
 
     source = resolve_source(cfg.name, cfg.gguf_file)
-    return AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code).get_text_config()
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except OSError as e:
+        raise _load_error(cfg.name, e) from None
+    return config.get_text_config()
 
 
 def load_target_from_config(cfg: TargetConfig, seconds: dict[str, float] | None = None) -> TargetModel:

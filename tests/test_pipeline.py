@@ -38,6 +38,18 @@ def test_config_typo_names_file_and_key(tmp_path):
     assert f"{bad}: train.epoch: unknown key" in r.stderr
 
 
+def test_an_unknown_hub_id_is_the_one_line_error_data_prep_gives(tmp_path):
+    """The preflight reads the target's config before any stage: an id it cannot load is the stages' own error."""
+    r = subprocess.run([sys.executable, "-m", "pipeline", "--config", str(DEMO), "--set", f"run_dir={tmp_path / 'run'}",
+                        "--set", "target.name=nosuchorg/nosuchmodel"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fails at once, with no network
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.splitlines()
+    assert line.startswith("error: target.name: cannot load 'nosuchorg/nosuchmodel' (") and line.endswith(
+        "); give a local directory, a .gguf file or the builtin 'smollm2-135m-instruct'"), line
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_model_wheel_says_how_to_install(monkeypatch, capsys):
     real = wheels.importlib.util.find_spec
     monkeypatch.setattr(wheels.importlib.util, "find_spec",

@@ -16,7 +16,7 @@ from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import legacy_aux_layer_ids, save_checkpoint
 from drafter.vocab_map import build_vocab_map
 from target_model.aux_layers import TargetError, default_aux_layer_ids, resolve_aux_layer_ids, sglang_captured_outputs
-from target_model.hf_model import TargetModel, resolve_source
+from target_model.hf_model import TargetModel, load_target, resolve_source
 
 TINY_IDS = (0, 2, 4)
 
@@ -290,3 +290,13 @@ def test_a_missing_local_path_is_a_missing_directory_not_a_hub_id(name: str, tmp
         resolve_source(name, None)
     assert str(e.value) == f"target.name: no such directory {name}; point it at the local checkpoint"
     assert resolve_source("HuggingFaceTB/SmolLM2-135M-Instruct", None) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_directory_without_tokenizer_files_is_one_line_naming_the_key_and_the_directory(tmp_path: Path) -> None:
+    """transformers raises a ValueError of several lines there that names neither."""
+    LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                vocab_size=32).save_pretrained(tmp_path)
+    with pytest.raises(TargetError) as e:
+        load_target(str(tmp_path), device="cpu")
+    assert one_line(e) == (f"target.name: cannot load the tokenizer of '{tmp_path}' (no tokenizer.json or "
+                           "tokenizer_config.json in it); copy the model's tokenizer files beside its config.json")
