@@ -33,6 +33,7 @@ median_answer_tokens and seconds (that dataset's greedy pass).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -44,7 +45,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import command_line, measured_here, record, recorded  # noqa: E402
+from common.cli import one_line_errors  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
+from data_prep.capture import read_conversations  # noqa: E402
 from data_prep.regenerate import answer_text, load_prompt_records, regenerate  # noqa: E402
 from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
 
@@ -54,8 +57,23 @@ CHAR_WINDOW = 64  # the issue's window
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The conversations regenerate wrote to ``path`` (a bad line is an error naming it), each with a finish reason
+    per answer: the capped and loop-cut shares are counted from them, so a file without them cannot be measured."""
+    records = read_conversations(path)
+    for i, rec in enumerate(records):
+        answers = sum(m["role"] == "assistant" for m in rec["messages"])
+        reasons = rec.get("finish_reasons")
+        if reasons is None or len(reasons) < answers:
+            got = "no finish_reasons" if reasons is None else f"{len(reasons)} finish_reasons for {answers} answers"
+            raise ValueError(f"{path}:{line_number(path, i)}: {got}; measure a conversations.jsonl regenerate wrote "
+                             "(one finish reason per answer)")
+    return records
+
+
+def line_number(path: Path, index: int) -> int:
+    """The line of record ``index`` as ``read_conversations`` counts them: blank lines hold no record."""
+    with open(path, "rb") as f:
+        return next(itertools.islice((n for n, raw in enumerate(f, 1) if raw.strip()), index, None))
 
 
 def token_figures(lengths: list[int], loop_tokens: int) -> dict[str, Any]:
@@ -174,6 +192,7 @@ def save(measured: dict[str, dict[str, Any]]) -> None:
     record(NAME, labels)
 
 
+@one_line_errors()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -202,11 +221,11 @@ def main() -> int:
             ap.error("--label before|after is needed to measure a file")
         from target_model.hf_model import load_tokenizer, resolve_source
 
-        tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
         path = args.conversations or cfg.conversations_path
+        records = read_records(path)  # before the tokenizer loads: a bad file fails at once
+        tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
         r = cfg.regenerate
-        save({args.label: {"source": str(path), **measure(read_records(path), tok, r.loop_min_repeat_tokens,
-                                                          r.loop_max_period)}})
+        save({args.label: {"source": str(path), **measure(records, tok, r.loop_min_repeat_tokens, r.loop_max_period)}})
         return 0
 
     from data_prep.backends import HFChatBackend

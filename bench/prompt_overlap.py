@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
+from common.cli import one_line_errors  # noqa: E402
 from common.config import DatasetConfig, load_config  # noqa: E402
 from data_prep.decontaminate import first_shared_ngram, ngram_index  # noqa: E402
 from data_prep.sources import open_source  # noqa: E402
@@ -67,6 +68,7 @@ def overlaps(evals: dict[str, list[str]], training: dict[str, list[str]], n: int
     return out
 
 
+@one_line_errors()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="Run config whose eval.datasets are checked.")

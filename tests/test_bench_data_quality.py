@@ -1,8 +1,10 @@
-"""bench/data_quality.py: its figures on hand-made conversations, and a label written beside the other."""
+"""bench/data_quality.py: its figures on hand-made conversations, a label written beside the other, and bad input as
+one line naming the file (and line) with exit 2."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +79,35 @@ def test_eval_sets_smoke_writes_eval_greedy_beside_the_other_labels(bench_result
         assert d["answers"] == 2 and 0 < d["answer_tokens"] <= 2 * 8
         assert 0 <= d["loop_tokens"] <= d["answer_tokens"] and d["loop_answers"] <= d["answers"]
         assert 0 <= d["capped_share"] <= 1 and d["seconds"] >= 0
+
+
+
+GOOD = json.dumps(conv(0, ["Paris."], ["stop"]))
+NO_REASONS = json.dumps({k: v for k, v in conv(1, ["Hi."], []).items() if k != "finish_reasons"})
+
+
+@pytest.mark.parametrize(("lines", "error"), [
+    (None, ": not found; "),
+    ([GOOD, '{"id": "c1", "mess'], ":2: not valid JSON"),
+    ([GOOD, "", NO_REASONS], ":3: no finish_reasons; "),  # counted as read_conversations counts: line 2 is blank
+    ([json.dumps(conv(0, ["Paris.", "Rome."], ["stop"]))], ":1: 1 finish_reasons for 2 answers; "),
+], ids=["missing", "torn-line", "no-reasons", "short-reasons"])
+def test_a_bad_conversations_file_is_one_line_naming_it_and_exit_2(lines: list[str] | None, error: str, tmp_path: Path,
+                                                                  bench_results, monkeypatch, capsys) -> None:
+    """Before the tokenizer loads, and nothing is recorded."""
+    path = tmp_path / "conversations.jsonl"
+    if lines is not None:
+        path.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr("sys.argv", ["data_quality.py", "--config", "configs/smollm2-135m.yaml", "--label", "before",
+                                     "--conversations", str(path)])
+    assert data_quality.main() == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {path}{error}"), line
+    assert not bench_results.exists()
+
+
+def test_a_missing_config_is_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr("sys.argv", ["data_quality.py", "--config", str(tmp_path / "none.yaml"), "--label", "before"])
+    assert data_quality.main() == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {tmp_path / 'none.yaml'}: no such config file"), line

@@ -1,5 +1,6 @@
 """bench/prompt_overlap.py: an eval prompt reworded around a copied passage is found by its shared run of words,
-per training file, while prompts that only share short phrases are not; a bad line names its file and line."""
+per training file, while prompts that only share short phrases are not; a bad line or config is one line naming
+it, exit 2."""
 
 from __future__ import annotations
 
@@ -57,4 +58,18 @@ def test_a_line_that_is_not_a_conversation_names_its_file_and_line(tmp_path: Pat
     bad = tmp_path / "bad.jsonl"
     bad.write_text(chat("Hello there.") + '{"id": "x"}\n')
     done = run(tmp_path, bad)
-    assert done.returncode != 0 and f"{bad}:2: not a conversation with messages" in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: {bad}:2: not a conversation with messages"), line
+
+
+def test_a_missing_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Exit 2 with one line, as every command errs: not a traceback and exit 1."""
+    conversations = tmp_path / "c.jsonl"
+    conversations.write_text(chat("Hello there."))
+    done = subprocess.run([sys.executable, "bench/prompt_overlap.py", "--config", str(tmp_path / "none.yaml"),
+                           "--conversations", str(conversations)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "BENCH_RESULTS": str(tmp_path / "r.json")})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"error: {tmp_path / 'none.yaml'}: no such config file"), line
