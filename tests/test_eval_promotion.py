@@ -131,8 +131,8 @@ def _setup(root: Path, scenario: str, old: Path) -> tuple[Path, Path]:
         reconcile(promoted, history)
         promote(old, fingerprint(old), promoted, history, {"checkpoint": str(old)})
     elif scenario.startswith("legacy"):
-        shutil.copytree(old, promoted)  # what the old swap-two-renames promotion left
-        with open(history, "w") as f:  # an older version's record: no "previous", no promotions/
+        shutil.copytree(old, promoted)  # the legacy layout: a real directory at promoted
+        with open(history, "w") as f:  # a legacy record: no "previous", no promotions/
             f.write(json.dumps({"decision": "promoted", "fingerprint": fingerprint(old), "time": "then"}) + "\n")
     return promoted, history
 
