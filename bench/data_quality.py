@@ -49,6 +49,7 @@ from common.cli import one_line_errors  # noqa: E402
 from common.config import RunConfig, load_config  # noqa: E402
 from data_prep.capture import read_conversations  # noqa: E402
 from data_prep.regenerate import answer_text, load_prompt_records, regenerate  # noqa: E402
+from data_prep.step_failed import over_failure_share  # noqa: E402
 from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
 
 NAME = "data_quality"
@@ -170,8 +171,9 @@ def regenerate_and_measure(cfg: RunConfig, prompts: list[dict[str, Any]], backen
     summary = regenerate(run_cfg, prompts, backend, out)
     seconds = time.perf_counter() - started
     failed = sum(summary.failed.values())
-    if failed > len(prompts) * cfg.regenerate.max_failure_share:  # a few (a prompt longer than the context) are counted
-        raise SystemExit(f"{failed} of {len(prompts)} prompts failed: {dict(summary.failed)}")
+    if over_failure_share(failed, len(prompts), cfg.regenerate.max_failure_share):  # a few are counted, not fatal
+        raise ValueError(f"{failed} of {len(prompts)} prompts failed ({dict(summary.failed)}), more than "
+                         f"regenerate.max_failure_share={cfg.regenerate.max_failure_share}: nothing recorded")
     figures = measure(read_records(out), backend.tok, regen.loop_min_repeat_tokens, regen.loop_max_period)
     generated = figures["answer_tokens"] + summary.loop_tokens_generated - summary.loop_tokens_kept
     return figures | {
