@@ -118,6 +118,23 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, (json_text(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
+def read_json_object(path: Path, fix: str, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The JSON object a stage wrote to ``path``. One that is unreadable, not UTF-8, not JSON or not an object
+    raises ``error`` naming the file (and the line) and ending in ``fix``, what to do: json's own messages name no
+    file."""
+    try:
+        obj = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.start}); {fix}") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {fix}") from None
+    except OSError as e:
+        raise error(f"{path}: unreadable ({e.strerror}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: a JSON {type(obj).__name__}, not an object; {fix}")
+    return obj
+
+
 def json_line(record: dict[str, Any], sort_keys: bool = False) -> str:
     """One JSONL line (UTF-8 text kept readable) that every line splitter sees as exactly one line."""
     return json_text(record, ensure_ascii=False, sort_keys=sort_keys).translate(_LINE_BREAKS) + "\n"

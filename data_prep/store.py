@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from common.files import named_errors, sha256_file, temp_path, write_json_atomic
+from common.files import named_errors, read_json_object, sha256_file, temp_path, write_json_atomic
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -111,10 +111,7 @@ def read_manifest(store_dir: str | Path, require_complete: bool = True) -> dict[
     path = store / MANIFEST
     if not path.is_file():
         raise StoreError(f"{path}: no manifest; run `python -m data_prep capture` first")
-    try:
-        m = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise StoreError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); delete {store} and capture again") from None
+    m = read_json_object(path, f"delete {store} and capture again", StoreError)
     missing = [k for k in REQUIRED if k not in m]
     if missing:
         raise StoreError(f"{path}: missing keys {missing}; delete {store} and capture again")

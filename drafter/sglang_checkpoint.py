@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
-from common.files import fresh_tmp_dir, json_text, named_errors, swap_dir
+from common.files import fresh_tmp_dir, json_text, named_errors, read_json_object, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
 from target_model.aux_layers import ascending_problem
@@ -200,16 +200,7 @@ def read_config(ckpt_dir: str | Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing, so {d} is not a drafter checkpoint; point at one (a directory "
                               f"holding config.json and {WEIGHTS_NAME}, such as checkpoints/best)")
-    try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); {_REDO}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {_REDO}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: unreadable ({e.strerror}); make it readable, or {_REDO}") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: a JSON {type(cfg).__name__}, not an object; {_REDO}")
+    cfg = read_json_object(path, _REDO, CheckpointError)
     for key in ("eagle_config", "rope_parameters", "rope_scaling"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise CheckpointError(f"{path}: {key} is a JSON {type(cfg[key]).__name__}, not an object; {_REDO}")

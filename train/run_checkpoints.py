@@ -10,7 +10,6 @@ named with its value in ``best.json``; pruning keeps the last ``keep_last`` and 
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import Any
 from common.files import (
     json_text,
     named_errors,
+    read_json_object,
     remove_temps,
     replace_symlink,
     sha256_file,
@@ -54,23 +54,9 @@ def latest(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
-def _read_record(path: Path, fix: str) -> dict[str, Any]:
-    """A JSON object this module wrote. A damaged one (a disk error, a hand edit) is a CheckpointError naming the
-    file, the line and ``fix``: json's own message names no file."""
-    try:
-        record = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: not UTF-8 text (byte {e.start}); {fix}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}:{e.lineno}: invalid JSON ({e.msg}); {fix}") from None
-    if not isinstance(record, dict):
-        raise CheckpointError(f"{path}: a JSON {type(record).__name__}, not an object; {fix}")
-    return record
-
-
 def read_trainer_state(ckpt: Path) -> dict[str, Any]:
-    return _read_record(ckpt / STATE_DIR / TRAINER_FILE,
-                        f"delete {ckpt} to resume from an older checkpoint, or pass --resume never")
+    fix = f"delete {ckpt} to resume from an older checkpoint, or pass --resume never"
+    return read_json_object(ckpt / STATE_DIR / TRAINER_FILE, fix, CheckpointError)
 
 
 def _state_digests(state_dir: Path) -> dict[str, str]:
@@ -115,7 +101,7 @@ def save(accelerator: Any, model: Eagle3Drafter, root: Path, step: int, trainer:
 def best_record(root: Path) -> dict[str, Any] | None:
     path = root / "best.json"
     fix = "delete it; training then records the next checkpoint it saves as the best"
-    return _read_record(path, fix) if path.is_file() else None
+    return read_json_object(path, fix, CheckpointError) if path.is_file() else None
 
 
 def update_best(root: Path, ckpt: Path, step: int, metric: str, value: float | None) -> bool:
