@@ -86,8 +86,11 @@ def _arrays(*columns: Sequence[float]) -> list[np.ndarray]:
 
 
 def ratio_estimate(num: Sequence[float], den: Sequence[float], boot: Bootstrap, stream: int = PROMPTS) -> Estimate:
-    """sum(num) / sum(den) over prompts (tau: tokens over verify cycles), resampling prompts."""
+    """sum(num) / sum(den) over prompts (tau: tokens over verify cycles), resampling prompts. A prompt with no
+    denominator (an answer that ended at its prefill token: no verify cycle) says nothing about the ratio: it is
+    left out, so it neither counts as a prompt measured nor thins the resamples."""
     n_, d_ = _arrays(num, den)
+    n_, d_ = n_[d_ > 0], d_[d_ > 0]
     if not n_.size:
         return constant(float("nan"), boot)
     idx = boot.indices(n_.size, stream)
@@ -100,6 +103,8 @@ def paired_difference(a: tuple[Sequence[float], Sequence[float]], b: tuple[Seque
     prompt indices. ``a``, ``b``: (tokens, cycles) per prompt, in the same prompt order."""
     if len(a[0]) != len(b[0]):
         raise ValueError(f"a paired comparison needs the same prompts: {len(a[0])} vs {len(b[0])}")
+    both = (np.asarray(a[1], dtype=float) > 0) & (np.asarray(b[1], dtype=float) > 0)  # prompts both measured
+    a, b = ((np.asarray(t, dtype=float)[both], np.asarray(c, dtype=float)[both]) for t, c in (a, b))
     return ratio_estimate(*a, boot) - ratio_estimate(*b, boot)
 
 

@@ -38,6 +38,7 @@ def dataset_stats(gens: Sequence[Generation], k: int) -> dict:
             "alpha_conditional": metrics.conditional_rates(hist),
             "alpha_unconditional": metrics.unconditional_rates(hist),
             "tokens": sum(len(g.tokens) for g in gens), "prompts": len(gens),
+            "prompts_without_cycles": sum(not g.accepted for g in gens),  # ended at the prefill token: no tau
             "per_prompt": {"tokens": [g.cycle_tokens for g in gens], "cycles": [len(g.accepted) for g in gens]}}
 
 

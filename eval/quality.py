@@ -92,7 +92,8 @@ def load_drafter(target: TargetModel, cfg: RunConfig, checkpoint: str | Path) ->
 def summary(stats: dict, k: int, temperature: float, boot: Bootstrap) -> dict:
     """Per dataset: tau with its interval and prompts, alpha, histogram and, at T = 0, how many prompts differ from
     greedy."""
-    out = {name: {"tau": s["tau"], "ci": tau_ci(s, boot), "prompts": s["prompts"], "k": k,
+    out = {name: {"tau": s["tau"], "ci": tau_ci(s, boot), "prompts": s["prompts"],
+                  "prompts_without_cycles": s["prompts_without_cycles"], "k": k,
                   "temperature": temperature, "alpha": s["alpha_conditional"], "histogram": s["histogram"]}
            for name, s in stats.items()}
     for name, s in stats.items():

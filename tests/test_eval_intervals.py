@@ -43,10 +43,23 @@ def gate_on(n: int, gain: float, tau_star: float = 1.2, **kw):
 def test_tau_is_a_ratio_of_sums_and_its_interval_holds_it():
     est = ratio_estimate([30, 10, 0], [10, 10, 0], BOOT)  # the third prompt ended at its prefill token
     iv = est.interval(0.95)
-    assert est.point == 2.0 and iv.prompts == 3 and iv.low <= 2.0 <= iv.high
+    assert est.point == 2.0 and iv.prompts == 2 and iv.low <= 2.0 <= iv.high  # a prompt without a cycle is none
     assert 1.0 <= iv.low and iv.high <= 3.0  # every resample's ratio lies between the prompts' own taus
     same = ratio_estimate([20] * 8, [10] * 8, BOOT).interval(0.95)
     assert (same.low, same.high) == (2.0, 2.0)  # no spread between prompts: no width
+
+
+def test_prompts_without_a_verify_cycle_neither_count_nor_thin_the_resamples():
+    """An answer that ended at its prefill token says nothing about a drafter: the interval, the prompts it names
+    and the prompts said to resolve it are those of the prompts measured, paired ones dropped from both sides."""
+    cand, inc = pair(12, 0.1)
+    padded = [tuple(np.concatenate([col, np.zeros(5)]) for col in side) for side in (cand, inc)]
+    for got, want in ((ratio_estimate(*padded[0], BOOT), ratio_estimate(*cand, BOOT)),
+                      (paired_difference(*padded, BOOT), paired_difference(cand, inc, BOOT))):
+        assert got.interval(0.95) == want.interval(0.95) and got.prompts == 12
+        assert prompts_to_resolve(got.interval(0.95), 0.0) == prompts_to_resolve(want.interval(0.95), 0.0)
+    one_sided = (np.append(cand[0], 7.0), np.append(cand[1], 3)), (np.append(inc[0], 0.0), np.append(inc[1], 0))
+    assert paired_difference(*one_sided, BOOT).interval(0.95) == paired_difference(cand, inc, BOOT).interval(0.95)
 
 
 def test_the_bootstrap_is_seeded():

@@ -130,3 +130,15 @@ def test_crop_cache_and_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_a_datasets_stats_count_the_prompts_that_ended_at_their_prefill_token():
+    """Measured, but with no verify cycle: counted apart, and their per-prompt rows hold no tokens either."""
+    from eval.measure import dataset_stats
+    from eval.speculative import Generation
+
+    gens = [Generation([5, 6, 7, 8], accepted=[2, 0]), Generation([2]), Generation([4, 9], accepted=[1])]
+    stats = dataset_stats(gens, k=3)
+    assert stats["prompts"] == 3 and stats["prompts_without_cycles"] == 1
+    assert stats["per_prompt"] == {"tokens": [4, 0, 2], "cycles": [2, 0, 1]}
+    assert stats["tau"] == pytest.approx(6 / 3)
