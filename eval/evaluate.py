@@ -21,13 +21,13 @@ from eval.prompts import rendered_datasets
 from eval.report import PLOTS, log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
-from eval.turns import eval_prompts
+from eval.turns import eval_prompts, records_skipped_short
 from target_model.hf_model import load_target_from_config, resolve_source, stop_token_ids
 
 
 def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
     """Load the target and each drafter (role -> checkpoint dir), decode every eval prompt, and assemble
-    the report."""
+    the report (with the records each dataset skipped for too few user turns: prompts it does not measure)."""
     target = load_target_from_config(cfg.target)
     proposers = {}
     for role, path in checkpoints.items():
@@ -40,6 +40,7 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
                  cfg.eval.acceptance, cfg.eval.tie_epsilon)
     report = {"name": name, "target": cfg.target.name, "device": str(target.device), **measure(engine, prompts,
                                                                                                 proposers, s)}
+    report["records_skipped_short"] = records_skipped_short(prompts)  # per dataset, beside report["prompts"]
     report["checkpoints"] = {role: {"path": str(Path(p).resolve()), "fingerprint": fingerprint(p)}
                              for role, p in checkpoints.items()}
     if cfg.eval.timings:  # a cycle with k drafts costs its own time: the entry for this k (checked at load)

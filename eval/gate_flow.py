@@ -122,6 +122,7 @@ def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving:
     record = {"incumbent": report["checkpoints"].get("incumbent"), "tau": tau, "incumbent_tau": inc_tau,
               "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
               "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"],
+              "records_skipped_short": {ds: report["records_skipped_short"][ds] for ds in gate_ds},
               "intervals": evidence_record(evidence, d)}
     report["intervals"] = record["intervals"]
     return Measured(report, d.promote, d.reasons + notes, record, d.verdict == "unresolved")

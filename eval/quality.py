@@ -37,7 +37,7 @@ from eval.intervals import Bootstrap, Estimate
 from eval.measure import Settings, measure
 from eval.oracle_cache import oracle_acceptance
 from eval.speculative import Eagle3Proposer, Engine
-from eval.turns import eval_prompts
+from eval.turns import EvalPrompts, eval_prompts, records_skipped_short
 from target_model.hf_model import TargetModel, load_target_from_config, stop_token_ids
 
 DEFAULT_SETTINGS = ("3:0", "3:1", "5:0")  # k:T; the first one is the one the gate's decision reads
@@ -64,9 +64,9 @@ def parse_settings(settings: Sequence[str]) -> list[tuple[int, float]]:
 
 
 def setup(config: str | Path, limit: int | None = None, dtype: str = "float32", overrides: Sequence[str] = (),
-          ) -> tuple[RunConfig, TargetModel, dict[str, list[list[int]]]]:
+          ) -> tuple[RunConfig, TargetModel, EvalPrompts]:
     """The config (``target.dtype`` set to ``dtype`` before ``overrides``), the target and every eval prompt
-    (``limit`` per dataset: smoke runs only)."""
+    (``limit`` per dataset: smoke runs only), with the records each dataset skipped as short."""
     cfg = quality_config(config, dtype, overrides)
     return (cfg, *target_and_prompts(cfg, limit))
 
@@ -76,8 +76,9 @@ def quality_config(config: str | Path, dtype: str = "float32", overrides: Sequen
     return load_config(config, [f"target.dtype={dtype}", *overrides])
 
 
-def target_and_prompts(cfg: RunConfig, limit: int | None = None) -> tuple[TargetModel, dict[str, list[list[int]]]]:
-    """The target and every prompt of the eval datasets, their limits lifted (``limit``: smoke runs only)."""
+def target_and_prompts(cfg: RunConfig, limit: int | None = None) -> tuple[TargetModel, EvalPrompts]:
+    """The target and every prompt of the eval datasets, their limits lifted (``limit``: smoke runs only), with the
+    records each dataset skipped for too few user turns (``quality`` reports them)."""
     target = load_target_from_config(cfg.target)
     datasets = [ds.model_copy(update={"limit": limit}) for ds in cfg.eval.datasets]
     return target, eval_prompts(target, datasets, cfg.eval.max_new_tokens, cfg.target.chat_template_kwargs)
@@ -89,10 +90,11 @@ def load_drafter(target: TargetModel, cfg: RunConfig, checkpoint: str | Path) ->
                            device=target.device, dtype=target.dtype)
 
 
-def summary(stats: dict, k: int, temperature: float, boot: Bootstrap) -> dict:
-    """Per dataset: tau with its interval and prompts, alpha, histogram and, at T = 0, how many prompts differ from
-    greedy."""
+def summary(stats: dict, k: int, temperature: float, boot: Bootstrap, skipped: Mapping[str, int]) -> dict:
+    """Per dataset: tau with its interval and prompts, the records skipped for too few user turns (``skipped``:
+    prompts never measured), alpha, histogram and, at T = 0, how many prompts differ from greedy."""
     out = {name: {"tau": s["tau"], "ci": tau_ci(s, boot), "prompts": s["prompts"],
+                  "records_skipped_short": skipped.get(name, 0),
                   "prompts_without_cycles": s["prompts_without_cycles"], "k": k,
                   "temperature": temperature, "alpha": s["alpha_conditional"], "histogram": s["histogram"]}
            for name, s in stats.items()}
@@ -149,16 +151,19 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
     tau and alpha beside the drafter's (``add_oracle``; measured once per target, prompts and setting:
     ``eval.oracle_cache``), and the gate's decision at the first setting against break-even (and the
-    ``incumbent``'s tau on the same prompts, when given), read through the intervals. ``per_prompt_columns``: the
-    first setting's datasets keep their (tokens, cycles) per prompt too, for a paired comparison with another
-    drafter on the same prompts."""
+    ``incumbent``'s tau on the same prompts, when given), read through the intervals. ``prompts``: as
+    ``eval_prompts`` gives them, whose records skipped as short each dataset's summary counts.
+    ``per_prompt_columns``: the first setting's datasets keep their (tokens, cycles) per prompt too, for a paired
+    comparison with another drafter on the same prompts."""
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     boot = bootstrap(cfg.gate)
     max_new = cfg.eval.max_new_tokens
     refs = greedy_references(target, prompts, max_new)
     stats = {f"k{k}_T{t:g}": setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, t, refs)
              for k, t in settings}
-    results = {name: summary(st, k, t, boot) for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
+    skipped = records_skipped_short(prompts)
+    results = {name: summary(st, k, t, boot, skipped)
+               for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
     for (k, t), per_dataset in zip(settings, results.values(), strict=True):
         if t > 0:
             add_oracle(per_dataset, oracle_acceptance(target, aux_ids, prompts, k, t, max_new, cfg.eval.acceptance,

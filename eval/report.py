@@ -24,6 +24,14 @@ def ci_text(ci: Any, places: int = 3) -> str:
     return f"[{decimals(ci[0], places)}, {decimals(ci[1], places)}]" if ci else "–"
 
 
+def prompt_counts(r: dict) -> str:
+    """``80 mtbench, 79 mtbench_turn2 (1 record with too few user turns skipped)``: each dataset's prompts, and the
+    records it skipped for fewer user turns than its ``turn``, where there were any."""
+    skipped = r.get("records_skipped_short") or {}
+    return ", ".join(f"{n} {d}" + (f" ({k} record{'s' * (k != 1)} with too few user turns skipped)"
+                                   if (k := skipped.get(d)) else "") for d, n in r["prompts"].items())
+
+
 def markdown(r: dict) -> str:
     s, be = r["settings"], r["breakeven"]
     k = s["num_steps"]
@@ -34,7 +42,7 @@ def markdown(r: dict) -> str:
              f"(up to {k + 1} tokens per cycle), T = {s['temperature']}"
              + (f" (acceptance: {s.get('acceptance')})" if s["temperature"] > 0 else "")
              + f", max_new_tokens = {s['max_new_tokens']}, "
-             f"prompts: " + ", ".join(f"{n} {d}" for d, n in r["prompts"].items()) + ".", "",
+             f"prompts: " + prompt_counts(r) + ".", "",
              "## Break-even", "",
              f"- tau* = {decimals(be['tau_star'])} = cycle {decimals(be['cycle_ms'], 2)} ms / decode "
              f"{decimals(be['decode_ms'], 2)} ms "

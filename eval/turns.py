@@ -10,7 +10,7 @@ serve every k:T setting, so the history is greedy whatever the setting's T.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from data_prep.loss_mask import prompt_text
@@ -18,6 +18,23 @@ from engine.batched import BatchedTarget
 from engine.continuous_batching import generate
 from eval.prompts import load_eval_turns, render
 from target_model.hf_model import TargetModel, stop_token_ids
+
+
+class EvalPrompts(dict[str, list[list[int]]]):
+    """Dataset name -> its prompts as token ids, as every caller of ``eval_prompts`` takes them, with
+    ``records_skipped_short``: dataset name -> its records skipped for having fewer user turns than its ``turn``,
+    which the reports carry beside the prompts (a skipped record is a prompt not measured)."""
+
+    def __init__(self, prompts: Mapping[str, list[list[int]]], records_skipped_short: Mapping[str, int]):
+        super().__init__(prompts)
+        self.records_skipped_short = dict(records_skipped_short)
+
+
+def records_skipped_short(prompts: Mapping[str, Any]) -> dict[str, int]:
+    """Per dataset of ``prompts``, how many records ``eval_prompts`` skipped as short (0 where it did not load
+    them: prompts given as a plain mapping skipped none)."""
+    skipped = getattr(prompts, "records_skipped_short", {})
+    return {name: skipped.get(name, 0) for name in prompts}
 
 
 def chat_ids(tokenizer: Any, messages: list[dict], template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -44,15 +61,16 @@ def with_history(target: TargetModel, turns: Sequence[Sequence[str]], max_new: i
 
 
 def eval_prompts(target: TargetModel, datasets: Sequence[Any], max_new: int,
-                 template_kwargs: dict[str, Any] | None = None) -> dict[str, list[list[int]]]:
+                 template_kwargs: dict[str, Any] | None = None) -> EvalPrompts:
     """Dataset name -> its prompts as token ids, for ``eval.datasets`` entries of any turn (their own limits);
-    records with fewer user turns than the dataset's ``turn`` are skipped, and said so on stderr."""
-    out = {}
+    records with fewer user turns than the dataset's ``turn`` are skipped, said so on stderr and counted
+    (``EvalPrompts.records_skipped_short``)."""
+    out, skipped = {}, {}
     for ds in datasets:
-        turns, short = load_eval_turns(ds)
-        if short:
-            print(f"note: eval dataset {ds.name!r}: {short} records have fewer than {ds.turn} user turns; skipped",
-                  file=sys.stderr)
+        turns, skipped[ds.name] = load_eval_turns(ds)
+        if skipped[ds.name]:
+            print(f"note: eval dataset {ds.name!r}: {skipped[ds.name]} records have fewer than {ds.turn} user turns; "
+                  "skipped", file=sys.stderr)
         out[ds.name] = ([render(target.tokenizer, t[0], template_kwargs) for t in turns] if ds.turn == 1
                         else with_history(target, turns, max_new, template_kwargs))
-    return out
+    return EvalPrompts(out, skipped)

@@ -181,7 +181,8 @@ def test_an_unwritable_history_is_exit_2_before_anything_is_promoted(tmp_path, t
     report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 9.0, "alpha_conditional": [1.0],
                                                                      "per_prompt": {"tokens": [90], "cycles": [10]}}},
                                          "lossless": {"ok": True}}},
-              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {}}
+              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
+              "records_skipped_short": {"mtbench": 0}}
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *_a: report)
     monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
     ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
@@ -242,7 +243,8 @@ def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_agains
     report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "alpha_conditional": [0.9],
                                                                      "per_prompt": {"tokens": [30], "cycles": [10]}}},
                                          "lossless": {"ok": True}}},
-              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {}}
+              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
+              "records_skipped_short": {"mtbench": 0}}
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: calls.append(a) or report)
     monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
     ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
@@ -257,7 +259,8 @@ def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_agains
 
 def test_an_unresolved_gate_exits_1_records_it_and_promotes_nothing(tmp_path, tiny_drafter, monkeypatch, capsys):
     """The candidate and the incumbent differ by less than 5 prompts can tell: nothing is promoted, the history
-    records "unresolved" with the dataset's line, the exit code is 1 (a CI job reads it as not shipped)."""
+    records "unresolved" with the dataset's line and the records skipped for too few user turns, the exit code is
+    1 (a CI job reads it as not shipped)."""
     import eval.gate_flow
 
     def ds(tokens: list[int]) -> dict:
@@ -266,7 +269,8 @@ def test_an_unresolved_gate_exits_1_records_it_and_promotes_nothing(tmp_path, ti
 
     report = {"drafters": {"candidate": {"datasets": {"mtbench": ds([26, 18, 31, 21, 27])}, "lossless": {"ok": True}},
                            "incumbent": {"datasets": {"mtbench": ds([25, 21, 29, 23, 24])}}},
-              "breakeven": {"tau_star": 1.2, "source": "config"}, "checkpoints": {"incumbent": {"path": "x"}}}
+              "breakeven": {"tau_star": 1.2, "source": "config"}, "checkpoints": {"incumbent": {"path": "x"}},
+              "records_skipped_short": {"mtbench": 3}}
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: report)
     monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
     cand = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
@@ -275,5 +279,6 @@ def test_an_unresolved_gate_exits_1_records_it_and_promotes_nothing(tmp_path, ti
     assert capsys.readouterr().out.strip().endswith("UNRESOLVED") and not (tmp_path / "promoted").exists()
     row = json.loads((tmp_path / "promotions.jsonl").read_text())
     assert row["decision"] == "unresolved" and row["intervals"]["mtbench"]["vs_incumbent"]["prompts"] == 5
+    assert row["records_skipped_short"] == {"mtbench": 3}  # records the measured prompts leave out
     assert row["reasons"][0].startswith("mtbench: UNRESOLVED (5 prompts, 95% intervals)")
     assert report["intervals"] == row["intervals"]  # the report carries them too

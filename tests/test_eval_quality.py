@@ -75,6 +75,28 @@ def test_bad_counts_and_temperatures_are_refused_before_the_target_loads(args, l
     assert code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == line
 
 
+def test_records_skipped_as_short_stand_beside_each_datasets_prompts(tmp_path, monkeypatch):
+    """quality.json counts, per dataset and setting, the records ``eval_prompts`` skipped for too few user turns
+    (a tiny target and drafter, the drafter's load and fingerprint stubbed)."""
+    from tiny_speculative import TinyTokenizer, tiny_target_and_drafter
+
+    import eval.quality as q
+    from eval.turns import EvalPrompts
+    from target_model.hf_model import TargetModel
+
+    aux = (0, 1, 2)
+    model, drafter = tiny_target_and_drafter(12, aux)
+    monkeypatch.setattr(q, "load_drafter", lambda *_a: (drafter, aux))
+    monkeypatch.setattr(q, "fingerprint", lambda _p: "0" * 64)
+    prompts = EvalPrompts({"mtbench": [[2, 3, 4], [5, 6, 7, 8]], "mt2": [[9, 10, 11]]}, {"mtbench": 0, "mt2": 3})
+    target = TargetModel(model, TinyTokenizer(None), "tiny", None)  # no stop token: the timings get decode steps
+    figures = q.quality(q.quality_config(write_config(tmp_path)), target, prompts, tmp_path / "ckpt",
+                        [(3, 0.0), (2, 0.0)], timing_prompts=1, context_prompts=0)
+    assert (figures["mt2"]["prompts"], figures["mt2"]["records_skipped_short"]) == (1, 3)
+    assert figures["mtbench"]["records_skipped_short"] == 0
+    assert {s["mt2"]["records_skipped_short"] for s in figures["settings"].values()} == {3}
+
+
 @pytest.mark.real
 def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys):
     from drafter.factory import fresh_drafter, shape_for_target

@@ -18,6 +18,7 @@ from eval.intervals import Bootstrap
 from eval.measure import Settings, measure
 from eval.report import PLOTS, markdown, prompt_taus, write_report
 from eval.speculative import Eagle3Proposer, Engine
+from eval.turns import EvalPrompts
 from target_model.hf_model import TargetModel
 
 V, AUX, K = 12, (0, 1, 2), 3
@@ -65,7 +66,10 @@ def test_the_report_carries_the_intervals_and_the_plots(report, tmp_path):
     r = dict(report, intervals=evidence_record(ev, d), gate={"decision": d.verdict, "reasons": d.reasons})
     out = write_report(r, tmp_path / "rep")
     written = json.loads((out / "report.json").read_text())
-    assert written["intervals"]["mtbench"]["vs_incumbent"]["prompts"] == 6
+    cycled = [c and i for c, i in zip(*(report["drafters"][n]["datasets"]["mtbench"]["per_prompt"]["cycles"]
+                                         for n in ("candidate", "incumbent")), strict=True)]
+    assert 0 < sum(map(bool, cycled)) < 6  # one of the random prompts ends at its prefill token: no cycle to pair
+    assert written["intervals"]["mtbench"]["vs_incumbent"]["prompts"] == sum(map(bool, cycled))
     assert written["intervals"]["humaneval"]["line"] == d.lines["humaneval"]
     md = (out / "report.md").read_text()
     assert "| dataset | prompts | cycles | tau | interval | alpha_1 |" in md
@@ -79,3 +83,27 @@ def test_the_report_carries_the_intervals_and_the_plots(report, tmp_path):
 def test_prompt_taus_leave_prompts_without_cycles_out():
     taus = prompt_taus({"per_prompt": {"tokens": [6, 0, 4], "cycles": [3, 0, 4]}})
     assert taus[0] == 2.0 and taus[1] != taus[1] and taus[2] == 1.0
+
+
+def test_records_skipped_as_short_reach_report_json_and_md(tmp_path, monkeypatch):
+    """``evaluate`` on a tiny target (the model loads stubbed): the records a dataset skipped for too few user
+    turns stand beside its prompts in report.json and report.md."""
+    import eval.evaluate as ev
+    from common.config import parse_config
+
+    target, drafter = tiny_target_and_drafter(V, AUX)
+    prompts = EvalPrompts({"mtbench": [[2, 3, 4], [5, 6]], "mt2": [[7, 8, 9]]}, {"mtbench": 0, "mt2": 2})
+    monkeypatch.setattr(ev, "load_target_from_config", lambda _cfg: TargetModel(target, TinyTokenizer(), "tiny", None))
+    monkeypatch.setattr(ev, "load_for_target", lambda *_a, **_k: (drafter, AUX))
+    monkeypatch.setattr(ev, "eval_prompts", lambda *_a: prompts)
+    monkeypatch.setattr(ev, "fingerprint", lambda _p: "0" * 64)
+    cfg = parse_config({"run_dir": str(tmp_path / "run"), "target": {"name": "tiny", "device": "cpu"},
+                        "data": {"sources": [{"kind": "lines", "path": "unused.txt"}]},
+                        "eval": {"num_steps": K, "max_new_tokens": 6,
+                                 "datasets": [{"name": "mtbench", "kind": "mtbench"},
+                                              {"name": "mt2", "kind": "mtbench", "turn": 2}]}})
+    r = ev.evaluate(cfg, {"candidate": str(tmp_path / "ckpt")}, "t")
+    assert r["prompts"] == {"mtbench": 2, "mt2": 1} and r["records_skipped_short"] == {"mtbench": 0, "mt2": 2}
+    out = write_report(r, tmp_path / "rep")
+    assert json.loads((out / "report.json").read_text())["records_skipped_short"] == {"mtbench": 0, "mt2": 2}
+    assert "prompts: 2 mtbench, 1 mt2 (2 records with too few user turns skipped)." in (out / "report.md").read_text()

@@ -13,7 +13,7 @@ from common.config import DatasetConfig
 from engine.batched import BatchedTarget
 from engine.continuous_batching import generate
 from eval.prompts import PromptError, load_eval_turns, render, rendered_datasets
-from eval.turns import eval_prompts
+from eval.turns import EvalPrompts, eval_prompts, records_skipped_short
 from target_model.hf_model import TargetModel, load_tokenizer, resolve_source, stop_token_ids
 
 
@@ -58,3 +58,16 @@ def test_turn_2_follows_the_targets_own_greedy_answer(target):
                                           add_generation_prompt=True)
         assert text == history and text.endswith(f"{t[1]}<|im_end|>\n<|im_start|>assistant\n")
         assert len(ids) > len(prompts["mtbench"][0])
+
+
+def test_records_skipped_as_short_are_counted_per_dataset_and_noted(target, tmp_path, capsys):
+    """A record with fewer user turns than the dataset's turn is a prompt not measured: the count travels with the
+    prompts to the reports (``records_skipped_short``), and stderr still says so."""
+    f = tmp_path / "q.jsonl"
+    f.write_text("".join(json.dumps({"turns": t}) + "\n" for t in (["a", "b"], ["c"], ["d", "e"])))
+    prompts = eval_prompts(target, [DatasetConfig(name="t1", kind="mtbench", path=str(f)),
+                                    DatasetConfig(name="t2", kind="mtbench", path=str(f), turn=2)], max_new=2)
+    assert isinstance(prompts, EvalPrompts) and {k: len(v) for k, v in prompts.items()} == {"t1": 3, "t2": 2}
+    assert prompts.records_skipped_short == records_skipped_short(prompts) == {"t1": 0, "t2": 1}
+    assert "note: eval dataset 't2': 1 records have fewer than 2 user turns; skipped" in capsys.readouterr().err
+    assert records_skipped_short({"given": [[1, 2]]}) == {"given": 0}  # prompts not loaded here skipped none
