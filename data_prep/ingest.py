@@ -4,8 +4,9 @@ Records are cut to ``data.max_turns`` user turns and checked once here, so regen
 input. Ids are ``<source>-<sha1[:16]>`` of the prompt turns (system and user, not the source's
 answers, which regeneration replaces): the same prompt gets the same id in every run and every file,
 and a second copy of it is a duplicate. A record with a user turn that an eval dataset measures (case and whitespace
-aside) is kept out of training. Every dropped record is counted under one reason. The records
-come from ``data_prep.sources`` (files, `datasets` sources, hub ids, column mappings).
+aside) is kept out of training. Every dropped record is counted under one reason, and every kept record that lost
+turns under the change that dropped them (``SourceReport``'s columns). The records come from ``data_prep.sources``
+(files, `datasets` sources, hub ids, column mappings).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class SourceReport:
     kept: int = 0
     cut_to_max_turns: int = 0
     leading_assistant_dropped: int = 0  # kept records that opened with an assistant turn (that turn dropped)
+    # kept records that had an empty system turn (dropped: the chat template's default system prompt renders instead)
+    empty_system_dropped: int = 0
+    # kept records that ended in a system turn after their last user turn or tool result (dropped: no answer follows)
+    trailing_system_dropped: int = 0
     stopped_at_limit: bool = False
     skipped: Counter[str] = field(default_factory=Counter)
     first_skip: dict[str, str] = field(default_factory=dict)  # reason -> "where: detail" of its first case
@@ -67,11 +72,12 @@ class IngestSummary:
     def to_markdown(self) -> str:
         lines = [f"## Ingest: {self.kept} prompts -> {self.output}", "",
                  "| source | path | read | kept | cut to max_turns | opening assistant turn dropped | "
-                 + " | ".join(SKIP_REASONS) + " |", "|---" * (6 + len(SKIP_REASONS)) + "|"]
+                 "empty system turn dropped | trailing system turn dropped | "
+                 + " | ".join(SKIP_REASONS) + " |", "|---" * (8 + len(SKIP_REASONS)) + "|"]
         for s in self.sources:
             read = f"{s.read} (stopped at limit)" if s.stopped_at_limit else str(s.read)
             lines.append(f"| {s.source} | {Path(s.path).name} | {read} | {s.kept} | {s.cut_to_max_turns} | "
-                         f"{s.leading_assistant_dropped} | "
+                         f"{s.leading_assistant_dropped} | {s.empty_system_dropped} | {s.trailing_system_dropped} | "
                          + " | ".join(str(s.skipped[r]) for r in SKIP_REASONS) + " |")
         notes = [f"- {s.source}: broken tail: {s.broken_tail}" for s in self.sources if s.broken_tail]
         notes += [f"- {s.source}: first {r}: {w}" for s in self.sources for r, w in s.first_skip.items()
@@ -81,17 +87,28 @@ class IngestSummary:
     __str__ = to_markdown
 
 
-def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messages, bool]:
-    """Strip, drop empty system turns, keep up to the ``max_turns``-th user turn and its answer.
-    An assistant's reasoning_content and tool_calls and a tool turn's tool_call_id/name are kept; a tool
-    result must answer an assistant's tool calls. Returns the messages and whether they were cut; raises
-    Skip for a record that is no prompt."""
+@dataclass
+class Normalised:
+    """A record's turns as ingest keeps them, and which counted changes made them so (``SourceReport``'s columns)."""
+
+    messages: Messages
+    cut: bool  # cut after its max_turns-th user turn
+    empty_system: bool  # an empty system turn dropped
+    trailing_system: bool  # a system turn after the last user turn or tool result dropped (not one the cut took)
+
+
+def normalise(messages: Messages, max_turns: int, max_chars: int) -> Normalised:
+    """Strip, drop empty system turns, keep up to the ``max_turns``-th user turn and its answer, drop system turns
+    that no answer follows (``drop_unanswered``). An assistant's reasoning_content and tool_calls and a tool turn's
+    tool_call_id/name are kept; a tool result must answer an assistant's tool calls. Raises Skip for a record that
+    is no prompt."""
     out: Messages = []
     users = 0
-    cut = False
+    cut = empty_system = False
     for m in messages:
         content = m["content"].strip()
         if m["role"] == "system" and not content:
+            empty_system = True
             continue
         if m["role"] == "user":
             if users == max_turns:
@@ -105,10 +122,22 @@ def normalise(messages: Messages, max_turns: int, max_chars: int) -> tuple[Messa
         out.append({**m, "content": content})
     if users == 0:
         raise Skip("empty", "no user turn")
+    out, unanswered = drop_unanswered(out)
     prompt_chars = sum(len(m["content"]) for m in out if m["role"] != "assistant")
     if prompt_chars > max_chars:
         raise Skip("too_long", f"{prompt_chars} prompt chars > data.max_prompt_chars {max_chars}")
-    return out, cut
+    # after a cut, those system turns led into the user turn it dropped: counted with the cut
+    return Normalised(out, cut, empty_system, unanswered and not cut)
+
+
+def drop_unanswered(messages: Messages) -> tuple[Messages, bool]:
+    """Regeneration answers after a user turn or a run of tool results, nothing else: a system turn after the last
+    of those gets no answer, and kept it would give the prompt another id than the same chat without it, which
+    regenerates the same, so it is dropped (the source's assistant turns after it stay: placeholders that
+    regeneration replaces). ``messages`` holds a user turn. Returns the messages and whether any were dropped."""
+    last = max(i for i, m in enumerate(messages) if m["role"] in ("user", "tool"))
+    kept = messages[: last + 1] + [m for m in messages[last + 1:] if m["role"] == "assistant"]
+    return kept, len(kept) < len(messages)
 
 
 def drop_leading_assistant(messages: Messages) -> tuple[Messages, bool]:
@@ -153,7 +182,8 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
                     report.broken_tail = f"{rec.where}: {rec.detail}"
                 raise Skip(rec.skip, rec.detail)
             messages, dropped = drop_leading_assistant(rec.messages or [])
-            messages, cut = normalise(messages, max_turns, max_chars)
+            norm = normalise(messages, max_turns, max_chars)
+            messages = norm.messages
             if (turn := held_out_turn(messages, eval_keys)) is not None:
                 raise Skip("eval_prompt", f"user turn {turn} is a prompt of eval.datasets")
             digest = content_hash(messages, rec.tools)
@@ -164,8 +194,10 @@ def ingest_source(records: Any, report: SourceReport, limit: int | None, max_tur
             continue
         seen.add(digest)
         report.kept += 1
-        report.cut_to_max_turns += cut
+        report.cut_to_max_turns += norm.cut
         report.leading_assistant_dropped += dropped
+        report.empty_system_dropped += norm.empty_system
+        report.trailing_system_dropped += norm.trailing_system
         out.append({"id": f"{report.source}-{digest[:16]}", "source": report.source, "messages": messages}
                    | ({"tools": rec.tools} if rec.tools else {}))
 

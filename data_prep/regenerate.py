@@ -92,11 +92,22 @@ def load_prompt_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
                 raise RegenerateError(f"{path}:{lineno}: id {pid} appears twice; rerun ingest")
             if "user" not in roles:
                 raise RegenerateError(f"{path}:{lineno}: prompt {pid} has no user turn; rerun ingest")
+            if (unanswered := unanswered_role(roles)) is not None:
+                raise RegenerateError(f"{path}:{lineno}: prompt {pid} has a {unanswered} turn after its last user "
+                                      "turn or tool result, which no answer would follow; rerun ingest")
             seen.add(pid)
             prompts.append(p)
     if not prompts:
         raise RegenerateError(f"{path}: no prompts in it; rerun ingest with data.sources that hold some")
     return prompts
+
+
+def unanswered_role(roles: list[str]) -> str | None:
+    """The role of a turn after the last user turn or tool result other than the source's answers, else None:
+    ``Conversation`` answers only after those, so such a turn would be left out of the conversation (ingest drops
+    and counts it, ``data_prep.ingest.drop_unanswered``). ``roles`` holds a user turn."""
+    last = max(i for i, r in enumerate(roles) if r in ("user", "tool"))
+    return next((r for r in roles[last + 1:] if r != "assistant"), None)
 
 
 def resume(path: Path) -> tuple[set[str], int]:

@@ -139,6 +139,34 @@ def test_an_opening_assistant_turn_goes_with_its_tool_results(tmp_path: Path) ->
                                   {"role": "assistant", "content": "42.", "reasoning_content": "the tool said so"}]
 
 
+def test_empty_and_trailing_system_turns_are_dropped_and_counted(tmp_path: Path) -> None:
+    """An empty system turn is dropped (the template's default system prompt renders instead: another prompt), a
+    system turn after the last user turn is dropped (regeneration answers nothing after it): each kept record
+    that lost one is counted in its column, in the table and the JSON. A system turn that led into a user turn
+    the max_turns cut took goes with the cut, counted there."""
+    def turn(role: str, text: str) -> dict[str, str]:
+        return {"role": role, "content": text}
+
+    answer = turn("assistant", "hello")
+    path = tmp_path / "oa.jsonl"
+    path.write_bytes(jsonl_bytes([
+        {"messages": [turn("system", ""), turn("user", "hi"), answer]},  # empty
+        {"messages": [turn("system", "  "), turn("user", "yo"), turn("system", "French."), answer]},  # both
+        {"messages": [turn("user", "hey"), answer, turn("system", "From now on answer in French.")]},  # trailing
+        {"messages": [turn("user", "u1"), answer, turn("system", "Be brief."), turn("user", "u2"), answer]},  # cut
+    ]))
+    cfg = make_cfg(tmp_path, [{"kind": "openai", "path": str(path)}], max_turns=1)
+    summary = run_ingest(cfg)
+    report = summary.sources[0]
+    assert report.kept == 4 and not report.skipped
+    assert (report.empty_system_dropped, report.trailing_system_dropped, report.cut_to_max_turns) == (2, 2, 1)
+    assert [[m["role"] for m in p["messages"]] for p in read_prompts(cfg)] == [["user", "assistant"]] * 4
+    md = summary.to_markdown()
+    assert "| empty system turn dropped | trailing system turn dropped |" in md
+    assert "| openai | oa.jsonl | 4 | 4 | 1 | 0 | 2 | 2 | 0 |" in md
+    assert summary.to_dict()["sources"][0].items() >= {"empty_system_dropped": 2, "trailing_system_dropped": 2}.items()
+
+
 def test_mtbench_builtin_two_user_turns_and_max_turns(tmp_path: Path) -> None:
     # measured on HumanEval: MT-Bench as a training source would otherwise be kept out as the eval's own prompts
     cfg = make_cfg(tmp_path, [{"kind": "mtbench", "path": "builtin"}], "humaneval", max_turns=2)

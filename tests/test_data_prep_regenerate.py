@@ -330,6 +330,24 @@ def test_a_prompt_field_of_the_wrong_type_is_an_error_naming_the_line(tmp_path: 
     assert str(e.value) == f"{cfg.prompts_path}:2: {problem}; rerun ingest"
 
 
+def test_a_turn_no_answer_would_follow_is_an_error_not_left_out(tmp_path: Path) -> None:
+    """A system turn after a prompt's last user turn gets no answer, so the conversation would lose it uncounted:
+    ingest drops and counts it, and a prompts file that still has one is refused before any model loads."""
+    from data_prep.regenerate import load_prompt_records, unanswered_role
+
+    assert unanswered_role(["system", "user", "assistant", "tool", "assistant"]) is None  # answered: the tool results
+    assert unanswered_role(["user", "system", "assistant"]) == "system"
+    cfg = make_cfg(tmp_path)
+    write_prompts(cfg, [[user("fine"), {"role": "assistant", "content": "ok"}],
+                        [user("hi"), {"role": "assistant", "content": "hello"},
+                         {"role": "system", "content": "From now on answer in French."}]])
+    with pytest.raises(RegenerateError) as e:
+        load_prompt_records(cfg.prompts_path, None)
+    assert str(e.value) == (f"{cfg.prompts_path}:2: prompt test-0001 has a system turn after its last user turn or "
+                            "tool result, which no answer would follow; rerun ingest")
+    assert len(load_prompt_records(cfg.prompts_path, 1)) == 1
+
+
 def test_failure_share_and_consecutive_failures(tmp_path: Path, fake: Any) -> None:
     # 1 failure in 30 prompts (3 %) is within the default 5 %: done, and the rerun retries it.
     cfg = openai_cfg(tmp_path / "share", [fake.url], concurrency=4, batch_size=4)
