@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,7 +38,7 @@ from common.files import sha256_file, write_bytes_atomic, write_json_atomic
 from common.parent_death import die_with_parent
 from data_prep.capture_sample import CaptureError, Sample
 from data_prep.capture_sglang import SGLangCaptureBackend
-from data_prep.loss_mask import LossMaskError, render_many
+from data_prep.loss_mask import Cuts, LossMaskError, render_many
 from data_prep.specforge_import import (
     ServerRendering,
     SpecForgeImport,
@@ -70,6 +70,32 @@ def end_of_turn_rule(backend: str) -> str:
     return "specforge" if backend == "specforge" else "ended_answers"
 
 
+def counts_text(counts: Mapping[str, int]) -> str:
+    """Counts by reason as a summary prints them."""
+    return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none"
+
+
+@dataclass
+class LeftOut:
+    """What ``render_all`` left out: conversations skipped, by reason, and what the caps took from the samples it
+    kept (None where the samples were rendered elsewhere: SpecForge's)."""
+
+    skipped: Counter = field(default_factory=Counter)
+    cuts: Cuts | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"skipped": dict(sorted(self.skipped.items())), "cuts": None if self.cuts is None else asdict(self.cuts)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LeftOut:
+        """From ``to_dict``'s keys (a store manifest holds them); ``cuts`` absent or None: not counted there."""
+        cuts = d.get("cuts")
+        return cls(Counter(d.get("skipped") or {}), None if cuts is None else Cuts(**cuts))
+
+    def __str__(self) -> str:
+        return f"skipped: {counts_text(self.skipped)}" + ("" if self.cuts is None else f"; {self.cuts}")
+
+
 @dataclass
 class CaptureSummary:
     store_dir: str
@@ -85,18 +111,20 @@ class CaptureSummary:
     skipped: dict[str, int] = field(default_factory=dict)
     tail_tokens_dropped: int = 0  # specforge: positions after a sample's last loss token (its batch padding)
     unlocated_ends: int = 0  # cut answers whose text end was not found: their end-of-turn kept in the loss
+    cuts: dict[str, int] | None = None  # ``Cuts`` of the kept samples; None for SpecForge's samples
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
-        skipped = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        skipped = counts_text(self.skipped)
         return (f"capture -> {self.store_dir}\n"
                 f"  samples {self.samples}, tokens {self.tokens}, loss tokens {self.loss_tokens}\n"
                 f"  shards {self.shards} ({self.shards_reused} kept, {self.shards_written} written), "
                 f"{self.bytes / 1e6:.1f} MB, {self.bytes_per_token:.0f} bytes/token, "
                 f"{self.captured_tokens_per_s:.0f} tokens/s\n"
                 f"  skipped: {skipped}"
+                + (f"\n  {Cuts(**self.cuts)}" if self.cuts is not None else "")
                 + (f"\n  dropped {self.tail_tokens_dropped} positions after the last loss tokens (SpecForge's "
                    "padding among them; no loss reads them)" if self.tail_tokens_dropped else "")
                 + (f"\n  {self.unlocated_ends} cut answers (finish reason not stop/tool_calls) keep the loss on their "
@@ -140,11 +168,11 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
 
 
 def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], list[Any], int, dict[str, Any], int | None]
-                  ) -> list[tuple[list[int], list[int], int] | str]:
-    """A worker's share: (ids, mask, unlocated ends) per chat, or the LossMaskError reason (exceptions with extra
-    arguments do not survive pickling)."""
+                  ) -> list[tuple[list[int], list[int], int, Cuts] | str]:
+    """A worker's share: (ids, mask, unlocated ends, cuts) per chat, or the LossMaskError reason (exceptions with
+    extra arguments do not survive pickling)."""
     tokenizer, chats, tools, reasons, max_length, template_kwargs, max_answer_tokens = job
-    return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask, r.unlocated_ends)
+    return [r.reason if isinstance(r, LossMaskError) else (r.input_ids, r.loss_mask, r.unlocated_ends, r.cuts)
             for r in render_many(tokenizer, chats, max_length, template_kwargs, tools,
                                  max_answer_tokens=max_answer_tokens, finish_reasons=reasons)]
 
@@ -162,15 +190,16 @@ def render_pool_context() -> Any:
 
 def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
                template_kwargs: dict[str, Any] | None = None, workers: int | None = None,
-               max_answer_tokens: int | None = None) -> tuple[list[Sample], Counter]:
+               max_answer_tokens: int | None = None) -> tuple[list[Sample], LeftOut]:
     """Samples in conversation order (first of each id), each conversation rendered as the server renders it:
     its tools and the target's chat_template_kwargs (thinking on/off) reach the template; reasoning and tool
     calls are part of the assistant turns. Its ``finish_reasons`` (regenerate's) decide which answers keep their
     end-of-turn marker in the loss (``loss_mask``: not a cut one's). ``max_answer_tokens`` (train.max_answer_tokens):
     only each assistant turn's first N tokens carry loss. The one rendering of training samples, for the store
-    (capture) and online training (train.data). Many chats are rendered by a pool of workers (``workers``,
-    default: the cores, at most 16; started as ``render_pool_context`` says): the chat template is Python, one
-    core a chat."""
+    (capture) and online training (train.data), so both report the same ``LeftOut``: skipped conversations by
+    reason (``loss_past_max_length``: every loss token lay past ``max_length``) and the kept samples' ``Cuts``.
+    Many chats are rendered by a pool of workers (``workers``, default: the cores, at most 16; started as
+    ``render_pool_context`` says): the chat template is Python, one core a chat."""
     skipped: Counter = Counter()
     seen: set[str] = set()
     unique = []
@@ -193,15 +222,16 @@ def render_all(convs: list[dict[str, Any]], tokenizer: Any, max_length: int,
             rendered = [r for part in pool.map(_render_chunk, jobs) for r in part]
     else:
         rendered = _render_chunk((tokenizer, chats, tools, reasons, max_length, kwargs, max_answer_tokens))
-    samples = []
+    samples, cuts = [], Cuts()
     for rec, r in zip(unique, rendered, strict=True):
         if isinstance(r, str):
             skipped[r] += 1
         elif sum(r[1]) == 0:
-            skipped["no_loss_tokens"] += 1
+            skipped["loss_past_max_length" if r[3].truncated_loss_tokens else "no_loss_tokens"] += 1
         else:
             samples.append(Sample(rec["id"], r[0], r[1], r[2]))
-    return samples, skipped
+            cuts += r[3]
+    return samples, LeftOut(skipped, cuts)
 
 
 def plan_sha256(samples: Sequence[Sample]) -> str:
@@ -368,8 +398,8 @@ def load_capture_target(cfg: RunConfig) -> CaptureTarget:
 
 
 def capture_inputs(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int],
-                   convs: list[dict[str, Any]] | None) -> tuple[list[Sample], Counter, CaptureBackend]:
-    """The samples to store, what was skipped, and the backend that gives their states."""
+                   convs: list[dict[str, Any]] | None) -> tuple[list[Sample], LeftOut, CaptureBackend]:
+    """The samples to store, what was left out, and the backend that gives their states."""
     cap = cfg.capture
     if cap.backend == "specforge":
         root = Path(cap.specforge_dir)
@@ -385,10 +415,10 @@ def capture_inputs(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int]
         rendering = ServerRendering(data_path, target.tokenizer, cfg.target.chat_template_kwargs, cap.max_length)
         source = SpecForgeImport(root, target.hidden_size, cap.max_length, rendering)
         samples, skipped = source.samples()
-        return samples, skipped, source
-    samples, skipped = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs,
-                                  max_answer_tokens=cfg.train.max_answer_tokens)
-    return samples, skipped, make_capture_backend(cfg, target, aux_ids)
+        return samples, LeftOut(skipped), source
+    samples, left_out = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs,
+                                   max_answer_tokens=cfg.train.max_answer_tokens)
+    return samples, left_out, make_capture_backend(cfg, target, aux_ids)
 
 
 def make_capture_backend(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int]) -> CaptureBackend:
@@ -413,22 +443,22 @@ def run_capture(cfg: RunConfig, target: CaptureTarget | None = None) -> CaptureS
     for tmp in [*store.glob("*.tmp"), *store.glob(".*.tmp-*")]:  # leftovers of a killed write
         tmp.unlink()
 
-    samples, skipped, backend = capture_inputs(cfg, target, aux_ids, convs)
+    samples, left_out, backend = capture_inputs(cfg, target, aux_ids, convs)
     if not samples:
         source = (f"capture.specforge_dir: none of the samples in {cap.specforge_dir}" if cap.backend == "specforge"
                   else f"{cfg.conversations_path}: none of its {len(convs or [])} conversations")
-        raise CaptureError(f"{source} gives a training sample (skipped: {dict(skipped)}); check "
+        raise CaptureError(f"{source} gives a training sample (skipped: {counts_text(left_out.skipped)}); check "
                            "capture.max_length and the chat template")
     plan = [samples[i:i + cap.shard_samples] for i in range(0, len(samples), cap.shard_samples)]
     # The loss mask's cap on each answer (train.max_answer_tokens; SpecForge's samples keep SpecForge's mask):
     # training from the store checks it against its config
     answer_cap = cfg.train.max_answer_tokens if cap.backend != "specforge" else None
     unlocated = sum(s.unlocated_ends for s in samples)
+    left = left_out.to_dict()  # skipped {reason: n}, cuts (Cuts of the kept samples)
     manifest = {**header, "target_head_sha256": write_target_head(store, target, old_head),
-                "max_answer_tokens": answer_cap, "end_of_turn_loss": end_of_turn_rule(cap.backend),
-                "skipped": dict(sorted(skipped.items())), "unlocated_ends": unlocated, "shards": [],
-                "complete": False}
-    summary = CaptureSummary(str(store), skipped=dict(skipped),
+                "max_answer_tokens": answer_cap, "end_of_turn_loss": end_of_turn_rule(cap.backend), **left,
+                "unlocated_ends": unlocated, "shards": [], "complete": False}
+    summary = CaptureSummary(str(store), skipped=left["skipped"], cuts=left["cuts"],
                              tail_tokens_dropped=getattr(backend, "dropped_tail_tokens", 0), unlocated_ends=unlocated)
     lm_head = target.lm_head_weight().detach()
     total = sum(len(s.input_ids) for s in samples)

@@ -12,7 +12,8 @@ import copy
 import hashlib
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,12 +91,31 @@ class ShardDataset(Dataset):
         return out
 
 
+@dataclass(frozen=True)
+class LeftOutBatches:
+    """The batches of an epoch that no process reads, of the ``formed`` ones, and their samples and (unpadded)
+    tokens, so a summary can say what they hold."""
+
+    batches: int
+    samples: int
+    tokens: int
+    formed: int
+
+    @classmethod
+    def of(cls, batches: Sequence[Sequence[int]], lengths: Sequence[int], formed: int) -> LeftOutBatches:
+        return cls(len(batches), sum(map(len, batches)), sum(lengths[i] for b in batches for i in b), formed)
+
+    def __str__(self) -> str:
+        return f"{self.batches} of {self.formed} batches: {self.samples} samples, {self.tokens} tokens"
+
+
 class TokenBudgetSampler(Sampler[list[int]]):
     """Batches of indices whose padded size (n * longest) stays within ``batch_tokens``.
 
     Shuffled each epoch (``set_epoch``), sorted by length within windows of ``window`` samples so that
     neighbours have similar lengths; a sample longer than the budget is a batch of its own. With
-    ``num_replicas`` > 1 each rank takes every n-th batch (all ranks get the same count).
+    ``num_replicas`` > 1 each rank takes every n-th batch (all ranks get the same count: the last
+    ``len % num_replicas`` batches of the epoch go to none; ``left_out`` says which).
     """
 
     def __init__(self, lengths: list[int], batch_tokens: int, shuffle: bool = True, seed: int = 0,
@@ -106,7 +126,8 @@ class TokenBudgetSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def batches(self) -> list[list[int]]:
+    def _epoch_batches(self) -> list[list[int]]:
+        """Every batch of the epoch, in order, before the ranks share them out."""
         order = list(range(len(self.lengths)))
         rng = random.Random(self.seed + self.epoch)
         if self.shuffle:
@@ -116,8 +137,21 @@ class TokenBudgetSampler(Sampler[list[int]]):
             out += length_batches(self.lengths, self.batch_tokens, order[w:w + self.window])
         if self.shuffle:
             rng.shuffle(out)
-        usable = len(out) - len(out) % self.num_replicas if self.num_replicas > 1 else len(out)
-        return out[self.rank:usable:self.num_replicas]
+        return out
+
+    def batches(self) -> list[list[int]]:
+        out = self._epoch_batches()
+        return out[self.rank:len(out) - len(out) % self.num_replicas:self.num_replicas]
+
+    def left_out(self, per_process: int | None = None) -> LeftOutBatches:
+        """The epoch's batches no process reads: those past an even share among the processes and, when each
+        process reads only its first ``per_process`` batches (training: whole accumulation windows), those after
+        them. Rank r reads batches r, r + n, ..., so together the processes read a prefix of the epoch's."""
+        out = self._epoch_batches()
+        read = len(out) - len(out) % self.num_replicas
+        if per_process is not None:
+            read = min(read, per_process * self.num_replicas)
+        return LeftOutBatches.of(out[read:], self.lengths, len(out))
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.batches())

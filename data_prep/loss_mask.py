@@ -12,7 +12,8 @@ a chat whose reasons do not match its answers is refused (``finish_reasons_misma
 Character spans map to tokens through the whole text's offsets (one tokenization per conversation: a
 prefix tokenization per turn made long chats quadratic); a token straddling a boundary is counted.
 ``max_answer_tokens`` (``train.max_answer_tokens``) keeps the loss on each turn's first N tokens only: the
-rest of a long answer (often a loop's copies) stays in the sample as context.
+rest of a long answer (often a loop's copies) stays in the sample as context. What the two caps take is counted
+where they apply (``Cuts``), so the stages that render can report it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import bisect
 import copy
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 ENDED = frozenset({"stop", "tool_calls"})  # finish reasons of an answer that ended in its end-of-turn marker
@@ -38,12 +39,35 @@ class LossMaskError(ValueError):
         self.reason = reason
 
 
+@dataclass(frozen=True)
+class Cuts:
+    """What the two caps took from rendered samples, summed with ``+``: ``capture.max_length`` cut the tail of
+    ``truncated_samples`` (``truncated_tokens`` tokens, ``truncated_loss_tokens`` of them under the capped mask),
+    and ``train.max_answer_tokens`` took ``capped_loss_tokens`` answer tokens out of the loss (anywhere in the
+    rendering; they stay as context where they are kept). So a sample's loss tokens plus the last two are what
+    it would carry under neither cap."""
+
+    truncated_samples: int = 0
+    truncated_tokens: int = 0
+    truncated_loss_tokens: int = 0
+    capped_loss_tokens: int = 0
+
+    def __add__(self, other: Cuts) -> Cuts:
+        return Cuts(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    def __str__(self) -> str:
+        return (f"samples cut at capture.max_length: {self.truncated_samples} ({self.truncated_tokens} tokens, "
+                f"{self.truncated_loss_tokens} loss tokens); tokens out of the loss by train.max_answer_tokens: "
+                f"{self.capped_loss_tokens}")
+
+
 @dataclass
 class Rendered:
     input_ids: list[int]
     loss_mask: list[int]
     prefix_fallbacks: int  # turn boundaries that needed the offsets mapping
     unlocated_ends: int = 0  # cut answers whose text end was not found: loss on their whole span, marker too
+    cuts: Cuts = field(default_factory=Cuts)  # what max_length and max_answer_tokens took from this chat
 
     @property
     def num_loss_tokens(self) -> int:
@@ -168,18 +192,21 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
 def mask_tokens(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
                 max_length: int, max_answer_tokens: int | None = None, unlocated_ends: int = 0) -> Rendered:
     """Ids and mask (cut at ``max_length``) with 1 on the tokens of each assistant span, only its first
-    ``max_answer_tokens`` when given."""
+    ``max_answer_tokens`` when given; ``cuts`` counts what each cap took."""
     starts = [a for a, _ in offsets]
-    mask = [0] * len(ids)
+    mask, uncapped = [0] * len(ids), [0] * len(ids)
     fallbacks = 0
     for a, b in spans:
         start, f1 = _boundary(offsets, starts, a, "start")
         end, f2 = _boundary(offsets, starts, b, "end")
         fallbacks += f1 + f2
+        uncapped[start:end] = [1] * (end - start)
         if max_answer_tokens is not None:
             end = min(end, start + max_answer_tokens)
         mask[start:end] = [1] * (end - start)
-    return Rendered(ids[:max_length], mask[:max_length], fallbacks, unlocated_ends)
+    cut = max(0, len(ids) - max_length)
+    cuts = Cuts(int(cut > 0), cut, sum(mask[max_length:]), sum(uncapped) - sum(mask))
+    return Rendered(ids[:max_length], mask[:max_length], fallbacks, unlocated_ends, cuts)
 
 
 def render_with_mask(tokenizer: Any, messages: list[dict], max_length: int,

@@ -228,3 +228,52 @@ def test_conversations_that_are_empty_or_not_utf8_are_errors_naming_file_and_lin
     path.write_bytes(good + b"\n" + good.replace(b"hi", b"h\xffi") + b"\n")
     with pytest.raises(CaptureError, match=r"conversations\.jsonl:2: invalid UTF-8 at byte \d+ of the line"):
         read_conversations(path)
+
+
+def test_capture_reports_what_max_length_and_the_answer_cap_take(tmp_path, monkeypatch, capsys):
+    """A stub target (the real tokenizer, zero states): the printed summary, data_prep_summary.json and the manifest
+    count the chat cut at capture.max_length (its tokens and loss tokens), the answer tokens train.max_answer_tokens
+    takes out of the loss, and the chat skipped because every loss token lay past max_length."""
+    import types
+
+    from data_prep import capture
+    from data_prep.loss_mask import Cuts
+    from data_prep.steps import run_steps
+    from target_model.hf_model import load_tokenizer, resolve_source
+
+    tok = load_tokenizer(resolve_source("smollm2-135m-instruct", None), False)
+    count = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"},
+             {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"}]
+    late = [{"role": "user", "content": " ".join(["word"] * 60)}, {"role": "assistant", "content": "Yes."}]
+    short = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello there, friend."}]
+    (tmp_path / "conversations.jsonl").write_text("".join(
+        json.dumps({"id": i, "messages": m}) + "\n" for i, m in (("count", count), ("late", late), ("short", short))))
+    h, v = 8, len(tok)
+
+    def forward(ids: torch.Tensor, aux_ids: list[int]) -> types.SimpleNamespace:
+        return types.SimpleNamespace(aux=torch.zeros(*ids.shape, 3 * h), last_hidden=torch.zeros(*ids.shape, h))
+
+    stub = types.SimpleNamespace(tokenizer=tok, name="stub", num_layers=30, hidden_size=h, vocab_size=v,
+                                 fingerprint=lambda: "stub", embed_weight=lambda: torch.zeros(v, h),
+                                 lm_head_weight=lambda: torch.zeros(v, h), forward_right_padded=forward)
+    monkeypatch.setattr(capture, "load_capture_target", lambda cfg: stub)
+    tree = _tree(tmp_path, max_length=64) | {"train": {"max_answer_tokens": 5}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(tree))
+    assert run_steps("capture", tmp_path / "cfg.yaml") == 0
+
+    kept = [(render_with_mask(tok, m, 4096), render_with_mask(tok, m, 4096, max_answer_tokens=5))
+            for m in (count, short)]
+    want = Cuts(1, len(kept[0][0].input_ids) - 64, sum(kept[0][1].loss_mask[64:]),
+                sum(full.num_loss_tokens - capped.num_loss_tokens for full, capped in kept))
+    assert want.truncated_tokens > 0 and want.truncated_loss_tokens > 0 and want.capped_loss_tokens > 0
+    out = capsys.readouterr().out
+    assert "skipped: loss_past_max_length: 1\n" in out and f"  {want}\n" in out
+    summary = json.loads((tmp_path / "data_prep_summary.json").read_text())["capture"]
+    manifest = read_manifest(tmp_path / "store")
+    for record in (summary, manifest):
+        assert record["skipped"] == {"loss_past_max_length": 1} and record["cuts"] == {
+            "truncated_samples": 1, "truncated_tokens": want.truncated_tokens,
+            "truncated_loss_tokens": want.truncated_loss_tokens, "capped_loss_tokens": want.capped_loss_tokens}
+    # what was stored plus what the two caps took is the uncapped, uncut loss of the stored samples
+    assert summary["loss_tokens"] + want.truncated_loss_tokens + want.capped_loss_tokens == sum(
+        full.num_loss_tokens for full, _ in kept)

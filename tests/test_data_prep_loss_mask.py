@@ -138,8 +138,8 @@ def test_an_opening_assistant_turn_has_no_finish_reason(tok) -> None:
     assert masked_spans(tok, r) == ["Rain falls.\nRain falls.", "Snow is cold.<|im_end|>"]
     recs = [{"id": "ok", "messages": chat, "finish_reasons": ["loop", "stop"]},
             {"id": "bad", "messages": chat, "finish_reasons": ["stop", "loop", "stop"]}]
-    samples, skipped = render_all(recs, tok, 4096, workers=1)
-    assert [s.id for s in samples] == ["ok"] and skipped == {"finish_reasons_mismatch": 1}
+    samples, left_out = render_all(recs, tok, 4096, workers=1)
+    assert [s.id for s in samples] == ["ok"] and left_out.skipped == {"finish_reasons_mismatch": 1}
 
 
 def test_a_cut_answer_whose_text_the_template_changes_keeps_its_span_and_is_counted(tok) -> None:
@@ -177,3 +177,42 @@ def test_training_refuses_a_store_captured_before_cut_answers_lost_their_end_of_
     with pytest.raises(StoreError, match="captured with end_of_turn_loss specforge, capture.backend hf wants "
                                          "ended_answers; rerun"):
         data.store_data(cfg)
+
+
+COUNT = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"},
+         {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "1 2 3 4 5 6 7 8 9 10"}]
+LATE = [{"role": "user", "content": " ".join(["word"] * 60)}, {"role": "assistant", "content": "Yes."}]
+
+
+def test_the_rendering_counts_what_max_length_and_the_answer_cap_take(tok) -> None:
+    """Cut at 64 tokens (the second answer runs to 89) with a 5-token answer cap: the tokens past 64 and the loss
+    tokens among them (under the cap), and the answer tokens the cap takes out of the loss, so the three loss
+    figures add up to the uncapped, uncut loss."""
+    from data_prep.loss_mask import Cuts
+
+    full, capped = render_with_mask(tok, COUNT, 4096), render_with_mask(tok, COUNT, 4096, max_answer_tokens=5)
+    r = render_with_mask(tok, COUNT, 64, max_answer_tokens=5)
+    assert len(full.input_ids) == 89 and full.cuts == Cuts()
+    want = Cuts(1, 89 - 64, sum(capped.loss_mask[64:]), full.num_loss_tokens - capped.num_loss_tokens)
+    assert r.cuts == want and want.truncated_loss_tokens > 0 and want.capped_loss_tokens > 0
+    assert r.num_loss_tokens + want.truncated_loss_tokens + want.capped_loss_tokens == full.num_loss_tokens
+    assert render_with_mask(tok, COUNT, 64).cuts == Cuts(1, 25, sum(full.loss_mask[64:]), 0)
+
+
+def test_render_all_reports_the_cuts_of_its_samples_and_why_it_skipped(tok) -> None:
+    from data_prep.capture import render_all
+    from data_prep.loss_mask import Cuts
+
+    recs = [{"id": "count", "messages": COUNT}, {"id": "late", "messages": LATE},
+            {"id": "short", "messages": CONV}, {"id": "none", "messages": CONV[:2]}]
+    samples, left_out = render_all(recs, tok, 64, workers=1, max_answer_tokens=5)
+    assert [s.id for s in samples] == ["count", "short"]
+    # every loss token of "late" lay past max_length; "none" has no answer
+    assert left_out.skipped == {"loss_past_max_length": 1, "no_loss_tokens": 1}
+    parts = [render_with_mask(tok, c, 64, max_answer_tokens=5).cuts for c in (COUNT, CONV)]
+    assert left_out.cuts == parts[0] + parts[1] and left_out.cuts.truncated_samples == 1
+    assert left_out.cuts.capped_loss_tokens > parts[0].capped_loss_tokens  # the short chat's answers are capped too
+    assert str(left_out) == (f"skipped: loss_past_max_length: 1, no_loss_tokens: 1; samples cut at capture.max_length: "
+                             f"1 (25 tokens, {left_out.cuts.truncated_loss_tokens} loss tokens); tokens out of the "
+                             f"loss by train.max_answer_tokens: {left_out.cuts.capped_loss_tokens}")
+    assert render_all(recs[2:3], tok, 4096, workers=1)[1].cuts == Cuts()
