@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.cli import ignore_stop_signals
 from common.config import RunConfig
-from data_prep.capture import end_of_turn_rule, read_conversations, render_all, teacher_signal
+from data_prep.capture import LeftOut, end_of_turn_rule, read_conversations, render_all, teacher_signal
 from data_prep.dataset import ShardDataset, collate, in_holdout
 from data_prep.store import StoreError, load_target_head, read_manifest, token_counts
 from drafter.factory import drafter_aux_ids
@@ -67,6 +67,7 @@ class TrainingData:
     head: dict[str, Tensor]  # the target's embed_tokens.weight and lm_head.weight
     token_counts: Callable[[int], Tensor]  # vocab_size -> counts of input ids at loss positions
     complete: Callable[[dict[str, Tensor]], dict[str, Tensor]]  # a batch on the device -> the model's inputs
+    left_out: LeftOut  # what rendering skipped and cut (online: this run's; store: capture's, from the manifest)
 
     def loader(self, ds: Dataset, batches: list[list[int]], device: torch.device, pad_to_multiple: int) -> DataLoader:
         """Collated batches in ``batches`` order, prepared ahead in worker processes and pinned on a GPU, so
@@ -117,7 +118,7 @@ def store_data(cfg: RunConfig) -> TrainingData:
         source=f"store {store}", train=ShardDataset(store, "train", frac), holdout=ShardDataset(store, "holdout", frac),
         target=manifest["target"], aux_layer_ids=tuple(manifest["aux_layer_ids"]), teacher=manifest["teacher"],
         head=load_target_head(store), token_counts=lambda vocab: token_counts(store, vocab),
-        complete=_model_inputs)
+        complete=_model_inputs, left_out=LeftOut.from_dict(manifest))
 
 
 def online_data(cfg: RunConfig, device: torch.device) -> TrainingData:
@@ -125,8 +126,9 @@ def online_data(cfg: RunConfig, device: torch.device) -> TrainingData:
     target = load_target_from_config(cfg.target.model_copy(update={"device": str(device)}))
     aux_ids = resolve_aux_layer_ids(cfg.target.aux_layer_ids,
                                     drafter_aux_ids(cfg.drafter.init_from, target.num_layers), target.num_layers)
-    samples, _ = render_all(read_conversations(cfg.conversations_path), target.tokenizer, cfg.capture.max_length,
-                            cfg.target.chat_template_kwargs, max_answer_tokens=cfg.train.max_answer_tokens)
+    samples, left_out = render_all(read_conversations(cfg.conversations_path), target.tokenizer,
+                                   cfg.capture.max_length, cfg.target.chat_template_kwargs,
+                                   max_answer_tokens=cfg.train.max_answer_tokens)
     frac = cfg.train.holdout_fraction
     split = [in_holdout(s.id, frac) for s in samples]
     head = {"embed_tokens.weight": target.embed_weight().detach(), "lm_head.weight": target.lm_head_weight().detach()}
@@ -155,7 +157,8 @@ def online_data(cfg: RunConfig, device: torch.device) -> TrainingData:
         source=f"online from {cfg.conversations_path}" + (note if unlocated else ""),
         train=SampleDataset([s for s, h in zip(samples, split, strict=True) if not h]),
         holdout=SampleDataset([s for s, h in zip(samples, split, strict=True) if h]),
-        target=info, aux_layer_ids=aux_ids, teacher="hidden", head=head, token_counts=counts, complete=complete)
+        target=info, aux_layer_ids=aux_ids, teacher="hidden", head=head, token_counts=counts, complete=complete,
+        left_out=left_out)
 
 
 def training_data(cfg: RunConfig, device: torch.device) -> TrainingData:

@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from common.queued_copy import queued_to_device, queued_to_host
 from common.step_clock import StepClock
 from common.tracking import flat_config, make_trackers
 from common.wheels import MissingWheelError
-from data_prep.dataset import TokenBudgetSampler
+from data_prep.dataset import LeftOutBatches, TokenBudgetSampler
 from train import run_checkpoints
 from train.build import build_drafter, scale_aux_inputs, teacher_rows
 from train.data import TrainingData, to_device, training_data
@@ -67,14 +67,15 @@ def configure_deepspeed(accelerator: Accelerator, train_cfg: TrainConfig) -> Non
 
 
 class JsonlLog:
-    """Per-step records for machines (run_dir/train_log.jsonl). On resume, records past the resumed
-    step are dropped so that the file reads as one uninterrupted run, and so is the half line a kill can leave."""
+    """Per-step records for machines (run_dir/train_log.jsonl), after a step-0 record of the run's setup. On resume,
+    records past the resumed step are dropped so that the file reads as one uninterrupted run, and so is the half
+    line a kill can leave; a fresh start (``resume_step`` 0) starts the file over."""
 
     def __init__(self, path: Path, enabled: bool, resume_step: int):
         self.path, self.enabled = path, enabled
         if enabled and path.is_file():
             cut_torn_tail(path)
-            keep = [rec for rec in read_train_log(path.parent) if rec.get("step", 0) <= resume_step]
+            keep = [rec for rec in read_train_log(path.parent) if 0 < resume_step and rec.get("step", 0) <= resume_step]
             write_text_atomic(path, "".join(json_text(rec) + "\n" for rec in keep))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -197,6 +198,11 @@ def setup(cfg: RunConfig, resume: str) -> Run:
         raise TrainingAborted(f"{data.source}: {len(train_ds)} training samples make {len(sampler)} batches per "
                               f"process, fewer than train.grad_accum={train_cfg.grad_accum}; capture more data")
     total_steps = min(train_cfg.max_steps or math.inf, train_cfg.epochs * windows_per_epoch)
+    # the batches of an epoch no process reads: training ones after each process's whole accumulation windows
+    left_out = {"train": sampler.left_out(windows_per_epoch * train_cfg.grad_accum),
+                "holdout": holdout_sampler.left_out()}
+    setup_facts = {"train_samples": len(train_ds), "holdout_samples": len(holdout_ds), **data.left_out.to_dict(),
+                   "left_out_per_epoch": {k: asdict(v) for k, v in left_out.items()}}
     milestones = sorted({max(1, round(f * total_steps)) for f in train_cfg.save_at})
 
     # -- drafter ---------------------------------------------------------------------------------
@@ -222,13 +228,14 @@ def setup(cfg: RunConfig, resume: str) -> Run:
     n_train = sum(p.numel() for p in trainable(model))
     accelerator.print(f"drafter: {how}; {n_train / 1e6:.1f}M trainable parameters; {accelerator.num_processes} "
                       f"process{'es' if accelerator.num_processes > 1 else ''}; "
-                      f"{len(train_ds)} train / {len(holdout_ds)} held-out samples ({data.source}); "
+                      f"{len(train_ds)} train / {len(holdout_ds)} held-out samples ({data.source}; {data.left_out}); "
                       f"{total_steps} steps")
+    accelerator.print(left_out_line(left_out, train_cfg.grad_accum, accelerator.num_processes))
 
     # -- optimizer, schedule, state ----------------------------------------------------------------
     optimizer = make_optimizer(model, train_cfg.lr, train_cfg.weight_decay, fused=accelerator.device.type == "cuda")
     scheduler = make_scheduler(optimizer, train_cfg.warmup_ratio, int(total_steps))
-    accelerator.init_trackers(cfg.tracking.project, config=flat_config(dump_config(cfg)))
+    accelerator.init_trackers(cfg.tracking.project, config=flat_config({**dump_config(cfg), "setup": setup_facts}))
     configure_deepspeed(accelerator, train_cfg)
     model, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)  # stepped once per update, not once per process
@@ -238,10 +245,21 @@ def setup(cfg: RunConfig, resume: str) -> Run:
         accelerator.load_state(str(resume_from / run_checkpoints.STATE_DIR))
         state.update(run_checkpoints.read_trainer_state(resume_from)["position"])
     log = JsonlLog(cfg.root / LOG_NAME, accelerator.is_main_process, state["step"])
+    if resume_from is None:  # a resumed log keeps this record from the run's start
+        log.write({"step": 0, "setup": setup_facts})
     run_config = dump_config(cfg)
     serve_dtype = "bfloat16" if compute_dtype == torch.bfloat16 else "float32"
     return Run(accelerator, data, sampler, holdout_sampler, windows_per_epoch, total_steps, milestones, model,
                optimizer, scheduler, state, log, ckpt_root, run_config, serve_dtype)
+
+
+def left_out_line(left_out: dict[str, LeftOutBatches], grad_accum: int, processes: int) -> str:
+    """The set-up line on the batches each epoch forms that no process reads (``left_out``: "train", "holdout"):
+    the training order is reshuffled each epoch, so only their count stays the same."""
+    share = f"past an even share over {processes} processes" if processes > 1 else ""
+    return (f"left out of each epoch: training {left_out['train']} (after each process's last whole window of "
+            f"train.grad_accum={grad_accum}{'; ' + share if share else ''}; reshuffled each epoch: epoch 0's samples "
+            f"and tokens); held-out {left_out['holdout']}" + (f" ({share})" if share else ""))
 
 
 def save_step(run: Run, train_cfg: TrainConfig, last_eval: dict[str, float] | None) -> None:
