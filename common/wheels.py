@@ -6,12 +6,15 @@ so the first use converts it once into a cached safetensors folder that later lo
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from common.files import fresh_tmp_dir
+from common.files import fresh_tmp_dir, fsync_dir, remove_temps, swap_dir
 
 BUILTIN_TARGET = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,16 +68,58 @@ def cache_root() -> Path:
 
 
 def converted_gguf_dir(gguf_path: Path) -> Path:
-    """A safetensors copy of a GGUF model, converted on first use (atomic: temp dir + rename)."""
+    """A safetensors copy of a GGUF model, converted on first use and reused after. The conversion runs under a
+    per-output lock in the cache: a second process waits and reuses the first one's copy, and the holder may
+    remove what a killed converter left (a ~0.5 GB temp dir) without touching a live one's."""
+    out = cache_root() / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    if _complete(out):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _waiting_lock(out.with_name(f".{out.name}.lock")):
+        if not _complete(out):  # re-checked: the holder this process waited on may have finished it
+            remove_temps(out.parent, of=out.name)
+            _convert_atomic(gguf_path, out)
+    return out
+
+
+def _complete(out: Path) -> bool:
+    """The folder appears only by a rename once whole, so its config marks a finished conversion."""
+    return (out / "config.json").is_file()
+
+
+@contextmanager
+def _waiting_lock(path: Path) -> Iterator[None]:
+    """An flock that waits for its holder (a shared cache is no run dir's to refuse); the kernel drops it when
+    the holder dies, even by ``kill -9``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process to finish converting (lock {path})", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+def _convert_atomic(gguf_path: Path, out: Path) -> None:
+    """Convert into a temp dir and rename it into place; a failed conversion (a full disk) removes its temp."""
+    tmp = fresh_tmp_dir(out)
+    try:
+        convert_gguf(gguf_path, tmp)
+        swap_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(out.parent)
+
+
+def convert_gguf(gguf_path: Path, dst: Path) -> None:
+    """Dequantize the GGUF with transformers and save the model and tokenizer as safetensors into ``dst``."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    st = gguf_path.stat()
-    out = cache_root() / f"{gguf_path.stem}-{st.st_size}"
-    if (out / "config.json").is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = fresh_tmp_dir(out)
     kwargs = {"gguf_file": gguf_path.name}
     tok = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
@@ -82,12 +127,5 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, out)
-    except OSError:  # another process finished the same conversion first: keep its copy
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():
-            raise
-    return out
+    model.save_pretrained(dst)
+    tok.save_pretrained(dst)
