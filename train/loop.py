@@ -133,11 +133,17 @@ def train(cfg: RunConfig, resume: str) -> int:
         run.accelerator.end_training()
         return EXIT_STOPPED
     run.accelerator.print(f"done: {run.state['step']} steps, {run.state['nonfinite_total']} skipped as non-finite; "
-                          f"checkpoints in {run.ckpt_root} (best: {run.ckpt_root / 'best'})")
+                          f"checkpoints in {run.ckpt_root} ({best_line(run.ckpt_root)})")
     if run.accelerator.is_main_process:
         run.accelerator.print(held_out_curve(cfg.root))
     run.accelerator.end_training()
     return 0
+
+
+def best_line(ckpt_root: Path) -> str:
+    """Where ``best`` is, only when it is there: the next stage (eval gate) takes that path."""
+    best = ckpt_root / "best"
+    return f"best: {best}" if best.exists() else "no best checkpoint: none was saved after a held-out pass"
 
 
 def held_out_curve(run_dir: Path) -> str:
@@ -244,6 +250,8 @@ def setup(cfg: RunConfig, resume: str) -> Run:
         run_checkpoints.verify_state(resume_from)
         accelerator.load_state(str(resume_from / run_checkpoints.STATE_DIR))
         state.update(run_checkpoints.read_trainer_state(resume_from)["position"])
+        if accelerator.is_main_process:  # the best update and pruning a kill may have cut from its save
+            run_checkpoints.finish_save(ckpt_root, resume_from, train_cfg.keep_last, milestones)
     log = JsonlLog(cfg.root / LOG_NAME, accelerator.is_main_process, state["step"])
     if resume_from is None:  # a resumed log keeps this record from the run's start
         log.write({"step": 0, "setup": setup_facts})
@@ -266,14 +274,14 @@ def save_step(run: Run, train_cfg: TrainConfig, last_eval: dict[str, float] | No
     """A checkpoint of the current step (every process takes part), then, on rank 0, best and pruning.
     ``last_eval`` None: a stop's save, made without a held-out pass, so it is no candidate for best."""
     accelerator, state, ckpt_root = run.accelerator, run.state, run.ckpt_root
-    trainer = {"position": dict(state), "metrics": last_eval or {}, "store": run.data.target["fingerprint"]}
+    claim = run_checkpoints.candidate(last_eval)
+    trainer = {"position": dict(state), "metrics": last_eval or {}, "candidate": claim,
+               "store": run.data.target["fingerprint"]}
     ckpt = run_checkpoints.save(accelerator, accelerator.unwrap_model(run.model).drafter, ckpt_root, state["step"],
                                 trainer, run.run_config, run.serve_dtype)
-    if accelerator.is_main_process:
-        if last_eval is not None:
-            metric = last_eval.get("holdout/accept_length")
-            run_checkpoints.update_best(ckpt_root, ckpt, state["step"], "holdout/accept_length" if metric is not None
-                                        else "latest (no held-out split)", metric)
+    if accelerator.is_main_process:  # run_checkpoints.finish_save redoes this when a kill cuts it short
+        if claim is not None:
+            run_checkpoints.update_best(ckpt_root, ckpt, state["step"], claim["metric"], claim["value"])
         run_checkpoints.prune(ckpt_root, train_cfg.keep_last, run.milestones)
     accelerator.wait_for_everyone()
 
