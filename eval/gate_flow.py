@@ -7,9 +7,12 @@ A candidate that is not a readable, finite drafter checkpoint is an error (``Che
 is recorded, since no drafter was judged. One that ``check_checkpoint`` finds SGLang would serve wrongly is
 rejected without measuring; an incumbent that is either is dropped, and the candidate held to break-even only.
 
-A promotion's side effects come in the order that keeps what the gate says true of what serves: the record is
-appended (fsynced), ``promoted`` is switched, and only then does the report say "promoted" and the gate print
-PROMOTED. A kill before the switch leaves the old drafter serving and no output claiming otherwise.
+The decision's side effects come in the order that keeps a recorded decision backed by its report, and what
+serves backed by a record: the report (the measurement and the decision it leads to) is written, then the record
+is appended (fsynced), then a promotion switches ``promoted``, and only then does the gate print the decision. The
+history is what says a decision was taken: a kill before the record leaves a report of a decision that was never
+recorded, and the rerun measures again and overwrites it; a kill after the record leaves its report on disk (and a
+switch that ``reconcile`` completes).
 
 The whole gate holds the promotions lock (``promotions/.lock``): the incumbent it measures stays the
 incumbent until its decision is recorded, and no second gate promotes in between. It first reconciles the
@@ -73,11 +76,12 @@ def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
         if decision == "promoted":
             reasons.append(f"{cfg.gate.promoted_dir} -> {promotion_path(cfg.gate.promoted_dir, record['fingerprint'])}")
         record |= measured.record | {"decision": decision, "reasons": reasons}
-        record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)  # a promotion switches here
         report = measured.report
         report["gate"] = {"decision": decision, "reasons": reasons, "datasets": gate_datasets(cfg),
-                          "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta}
-        save(cfg, report)
+                          "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta,
+                          "history_file": str(cfg.gate.history_file)}
+        save(cfg, report)  # before the record: a recorded decision always has its report
+        record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)  # a promotion switches here
         print(decision.upper())
         return decision
 

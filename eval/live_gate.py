@@ -26,8 +26,8 @@ passes at every concurrency. The servers' own settings
 baseline must not, all must serve one target, and a server must serve the checkpoint it is gated as.
 
 The gate's frame is the HF gate's (``eval.gate_flow.run_gate``), with this measurement: the whole gate holds the
-promotions lock after ``reconcile``, the decision record is appended (for a promotion, before ``promoted`` switches
-to its immutable copy), then the report is saved and the decision printed.
+promotions lock after ``reconcile``, the report is saved, the decision record is appended (for a promotion, before
+``promoted`` switches to its immutable copy), then the decision printed.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from eval.gate_flow import Measured, gate_datasets, run_gate
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, timed_tau_star
 from eval.intervals import constant
 from eval.prompts import rendered_datasets
-from eval.report import decimals
+from eval.report import decimals, gate_lines
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
 from target_model.hf_model import load_tokenizer, resolve_source
 
@@ -344,8 +344,7 @@ def markdown(r: dict) -> str:
     lines += context_markdown(r.get("tau_by_context"))
     lines += ["", "Lossless: not checked on live servers (compare outputs with `eval gate` on the HF target)."]
     if "gate" in r:
-        g = r["gate"]
-        lines += ["", f"## Gate: **{g['decision'].upper()}**", "", *[f"- {x}" for x in g["reasons"]]]
+        lines += ["", *gate_lines(r["gate"])]
     return "\n".join(lines) + "\n"
 
 

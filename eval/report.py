@@ -4,11 +4,12 @@ experiment trackers (``tracking:``)."""
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import Any
 
-from common.files import json_safe, json_text, write_text_atomic
+from common.files import json_safe, json_text, remove_temps, write_bytes_atomic, write_text_atomic
 from common.tracking import flat_config, make_trackers
 
 PLOTS = ("alpha", "tau", "tau_per_prompt")  # the PNGs beside report.json, by stem
@@ -91,9 +92,17 @@ def markdown(r: dict) -> str:
             lines.append(f"- lossless: not checked ({ll['reason']})")
         lines.append("")
     if "gate" in r:
-        g = r["gate"]
-        lines += [f"## Gate: **{g['decision'].upper()}**", "", *[f"- {x}" for x in g["reasons"]], ""]
+        lines += [*gate_lines(r["gate"]), ""]
     return "\n".join(lines)
+
+
+def gate_lines(g: dict) -> list[str]:
+    """The gate's section of a report: its decision and reasons. The report is written before the decision is
+    recorded, so it names the history that says whether the decision took effect."""
+    lines = [f"## Gate: **{g['decision'].upper()}**", "", *[f"- {x}" for x in g["reasons"]]]
+    if g.get("history_file"):
+        lines.append(f"- takes effect once recorded in `{g['history_file']}`, which says what serves")
+    return lines
 
 
 def plots(r: dict, out_dir: Path) -> list[Path]:
@@ -115,9 +124,7 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
            xticks=range(1, k + 1), title="Conditional acceptance per draft position")
     ax.legend(fontsize=7)
     alpha_png, tau_png, per_prompt_png = (out_dir / f"{p}.png" for p in PLOTS)
-    fig.tight_layout()
-    fig.savefig(alpha_png, dpi=100)
-    plt.close(fig)
+    save_png(fig, alpha_png)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     names = list(r["drafters"])
@@ -134,11 +141,23 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
     ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(datasets))], datasets)
     ax.set(ylabel="tau (tokens / verify cycle)", title="Acceptance length against break-even (bars: intervals)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(tau_png, dpi=100)
-    plt.close(fig)
+    save_png(fig, tau_png)
     per_prompt_plot(r, per_prompt_png)
     return [alpha_png, tau_png, per_prompt_png]
+
+
+def save_png(fig: Any, path: Path) -> None:
+    """Close ``fig`` and write it as ``path`` rendered in memory, with one rename: a kill mid-write leaves the
+    previous plot or none, never a torn PNG that a reader or a tracker would choke on."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    try:
+        fig.tight_layout()
+        fig.savefig(buf, dpi=100, format="png")
+    finally:
+        plt.close(fig)
+    write_bytes_atomic(path, buf.getvalue())
 
 
 def prompt_taus(stats: dict) -> list[float]:
@@ -181,9 +200,7 @@ def per_prompt_plot(r: dict, path: Path) -> None:
             title += f"\ndelta tau {iv['point']:+.3f} {ci_text(iv['ci'])} ({100 * iv['level']:g}%)"
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def figures(r: dict) -> dict[str, float]:
@@ -222,8 +239,11 @@ def log_to_trackers(r: dict, tracking: Any, logging_dir: Path, images: list[Path
 
 
 def write_report(r: dict, out_dir: str | Path) -> Path:
+    """Every file atomically; temps of a killed earlier write are cleared first (the caller holds the run's lock,
+    so no live writer owns them)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_temps(out)
     r = json_safe(r)
     write_text_atomic(out / "report.json", json_text(r, indent=2) + "\n")
     write_text_atomic(out / "report.md", markdown(r))

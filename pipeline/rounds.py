@@ -11,7 +11,9 @@ kill at any point resumes where it stopped when the command is run again.
 
 Exit codes: 0 the round finished (the gate promoted, rejected, or left it unresolved: the verdict says which and
 why, one line per dataset with its intervals), 2 an error; a round is marked done only after its gate exited 0 or
-1 and recorded its decision. The pipeline holds the
+1 and recorded its decision. A round's config (its incumbent included) is fixed when the round starts, and a rerun
+of a round whose gate already recorded a decision for its candidate goes on to the verdict without gating again:
+a second measurement (τ* is timed anew) could record a second, contradicting decision. The pipeline holds the
 locks of the run's root and of the round's dir (``common.locking``) for the whole round, so a second
 pipeline on the same run fails at once naming this one's pid; its stages run under those locks and die
 with it (``common.parent_death``), so a killed pipeline leaves no stage writing behind it.
@@ -36,7 +38,9 @@ from common.dtypes import torch_dtype
 from common.files import json_text, named_errors, write_text_atomic
 from common.locking import inherit_env, run_lock
 from common.wheels import BUILTIN_TARGET, MissingWheelError, builtin_data_path, builtin_gguf
-from eval.gate import read_history
+from drafter.sglang_checkpoint import CheckpointError, fingerprint
+from eval.gate import promotions_held, read_history
+from eval.report import decimals
 from target_model.hf_model import target_text_config
 
 
@@ -99,22 +103,43 @@ def run_stage(cmd: list[str], log: Path, env: dict[str, str] | None = None, gate
     return rc
 
 
-def verdict(history: Path, round_no: int, eval_dir: Path) -> str:
-    """The last gate decision, for people: τ* with its interval, then one line per dataset (τ, the paired
+def round_decision(history: Path, candidate: Path) -> dict | None:
+    """The last decision a gate recorded for ``candidate``'s weights (its fingerprint; a checkpoint rejected
+    unmeasured has none on record, and is matched by its path)."""
+    path = str(candidate.resolve())
+    try:
+        fp = fingerprint(candidate)
+    except (CheckpointError, OSError):  # not a readable drafter: only an unmeasured rejection can be its decision
+        fp = None
+
+    def decides(r: dict) -> bool:
+        if r.get("decision") == "reconciled":
+            return False
+        return r["fingerprint"] == fp if r.get("fingerprint") else r.get("checkpoint") == path
+
+    return next((r for r in reversed(read_history(history)) if decides(r)), None)
+
+
+def settle_promotions(cfg: RunConfig) -> None:
+    """Reconcile the history with ``promoted`` as a gate does first (``eval.gate.reconcile``): a kill between a
+    promotion's record and its switch leaves the switch to complete before the next round picks its incumbent."""
+    with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, "pipeline"):
+        pass
+
+
+def verdict(rec: dict, round_no: int, eval_dir: Path) -> str:
+    """A gate decision record, for people: τ* with its interval, then one line per dataset (τ, the paired
     difference to the incumbent and the gap to break-even, each with its interval, and why the verdict follows;
-    α_k), then any other reason."""
-    rec = next((r for r in reversed(read_history(history)) if r.get("decision") != "reconciled"), None)
-    if rec is None:
-        raise PipelineError(f"{history}: the gate exited without recording a decision; rerun the same command")
+    α_k, a dash where none was measured), then any other reason."""
     lines = [f"## Round {round_no} verdict: {rec['decision'].upper()}", ""]
     intervals = rec.get("intervals") or {}
     star = next(iter(intervals.values()), {}).get("tau_star")
     if rec.get("tau_star") is not None:
-        spread = (f", {100 * star['level']:g}% interval [{star['ci'][0]:.3f}, {star['ci'][1]:.3f}] from "
+        spread = (f", {100 * star['level']:g}% interval [{decimals(star['ci'][0])}, {decimals(star['ci'][1])}] from "
                   f"{star['prompts']} timing prompts" if star and star["prompts"] else "")
         lines.append(f"- break-even τ* = {rec['tau_star']:.3f}{spread} (timings: {rec.get('timings_source', '?')})")
     for name, iv in intervals.items():
-        alphas = ", ".join(f"{a:.2f}" for a in rec.get("alpha", {}).get(name, []))
+        alphas = ", ".join(decimals(a, 2) for a in (rec.get("alpha") or {}).get(name) or [])
         lines.append(f"- {iv['line']}; α_k = [{alphas}]")
     shown = {iv["line"] for iv in intervals.values()}
     lines += [f"- why: {r}" for r in rec.get("reasons", []) if r not in shown]
@@ -151,38 +176,65 @@ def run_round(config: str | Path, overrides: Sequence[str] = ()) -> int:
             return _round(config, overrides, base, round_no, round_dir, inherit_env([root_lock, round_lock]))
 
 
+def round_config(base: RunConfig, round_no: int, round_dir: Path) -> tuple[Path, Path | None, bool]:
+    """The round's config.yaml and its incumbent (which it warm-starts from and is gated against), and whether
+    the file was already there. It is written once, when the round starts: a rerun keeps it, since picking again
+    could pick what this round's own gate promoted."""
+    path = round_dir / "config.yaml"
+    if path.is_file():
+        init_from = load_config(path).drafter.init_from
+        return path, Path(init_from) if init_from else None, True
+    incumbent = pick_incumbent(base, round_no)
+    tree = dump_config(base)
+    tree["run_dir"] = str(round_dir)
+    if incumbent is not None:
+        tree["drafter"]["init_from"] = str(incumbent)
+    write_text_atomic(path, yaml.safe_dump(tree, sort_keys=False))
+    return path, incumbent, False
+
+
+def _gate(cfg: RunConfig, round_cfg: Path, incumbent: Path | None, log: Path, env: dict[str, str]) -> dict:
+    """The decision on this round's best checkpoint: gated now, or, when its gate already recorded one, that
+    one, with the promotions reconciled as the gate would have done."""
+    best = cfg.checkpoints_dir / "best"
+    history = Path(cfg.gate.history_file)
+    rec = round_decision(history, best)
+    if rec is not None:
+        print(f"\nthe gate already decided on {best}: {rec['decision']} at {rec.get('time')} ({history}); not "
+              "measured again")
+        settle_promotions(cfg)
+        return rec
+    gate = [sys.executable, "-m", "eval", "gate", "--config", str(round_cfg), "--checkpoint", str(best), "--promote"]
+    if incumbent is not None:
+        gate += ["--incumbent", str(incumbent)]
+    run_stage(gate, log, env, gate=True)
+    rec = round_decision(history, best)
+    if rec is None:
+        raise PipelineError(f"{history}: the gate exited without recording a decision; rerun the same command")
+    return rec
+
+
 def _round(config: str | Path, overrides: Sequence[str], base: RunConfig, round_no: int, round_dir: Path,
            env: dict[str, str]) -> int:
     t0 = time.time()
     root, py = base.root, sys.executable
-    incumbent = pick_incumbent(base, round_no)
-    init_from = incumbent
-    tree = dump_config(base)
-    tree["run_dir"] = str(round_dir)
-    if init_from is not None:
-        tree["drafter"]["init_from"] = str(init_from)
-    round_cfg = round_dir / "config.yaml"
-    write_text_atomic(round_cfg, yaml.safe_dump(tree, sort_keys=False))
-    start = f"warm start from {init_from}" if init_from else "from scratch"
-    print(f"round {round_no}: {start}; incumbent: {incumbent or 'none'}; config {round_cfg}")
+    round_cfg, incumbent, kept = round_config(base, round_no, round_dir)
+    start = f"warm start from {incumbent}" if incumbent else "from scratch"
+    print(f"round {round_no}: {start}; incumbent: {incumbent or 'none'}; config {round_cfg}"
+          + (" (kept from the round's start: edit it to change this round's settings)" if kept else ""))
     log = round_dir / "stages.jsonl"
 
     pool = root / "prompts.jsonl"
     if not pool.is_file():
         sets = [arg for s in overrides for arg in ("--set", s)]
         run_stage([py, "-m", "data_prep", "ingest", "--config", str(config), *sets], log, env)
-    n = base.regenerate.num_prompts
     cfg = load_config(round_cfg)
+    n = cfg.regenerate.num_prompts
     slice_prompts(pool, cfg.prompts_path, (round_no - 1) * n, n)
     for step in ("regenerate", "capture"):
         run_stage([py, "-m", "data_prep", step, "--config", str(round_cfg)], log, env)
     run_stage([py, "-m", "train", "--config", str(round_cfg)], log, env)
-    best = cfg.checkpoints_dir / "best"
-    gate = [py, "-m", "eval", "gate", "--config", str(round_cfg), "--checkpoint", str(best), "--promote"]
-    if incumbent is not None:
-        gate += ["--incumbent", str(incumbent)]
-    run_stage(gate, log, env, gate=True)
-    summary = verdict(Path(cfg.gate.history_file), round_no, cfg.eval_dir)
+    summary = verdict(_gate(cfg, round_cfg, incumbent, log, env), round_no, cfg.eval_dir)
     write_text_atomic(round_dir / "ROUND_DONE", f"{time.time() - t0:.0f} s\n")  # only after a recorded decision
     print("\n" + summary)
     print(f"\nround {round_no} took {time.time() - t0:.0f} s. Run the same command again for round {round_no + 1} "

@@ -282,3 +282,85 @@ def test_an_unresolved_gate_exits_1_records_it_and_promotes_nothing(tmp_path, ti
     assert row["records_skipped_short"] == {"mtbench": 3}  # records the measured prompts leave out
     assert row["reasons"][0].startswith("mtbench: UNRESOLVED (5 prompts, 95% intervals)")
     assert report["intervals"] == row["intervals"]  # the report carries them too
+
+
+class Killed(BaseException):
+    """A kill, simulated: raised where the kill hits, and caught by nothing in the code under test."""
+
+
+def test_a_decision_on_disk_has_its_report_and_a_rerun_after_a_kill_at_the_switch_records_nothing_more(
+        tmp_path, tiny_drafter, monkeypatch, capsys):
+    """The report is written before the decision is recorded and before ``promoted`` switches, so a kill at the
+    switch leaves a recorded promotion with its report; the rerun completes the switch, measures nothing and
+    records nothing more."""
+    import eval.gate
+    import eval.gate_flow
+
+    calls, saved = [], []
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "alpha_conditional": [0.9],
+                                                                     "per_prompt": {"tokens": [30], "cycles": [10]}}},
+                                         "lossless": {"ok": True}}},
+              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
+              "records_skipped_short": {"mtbench": 0}}
+    history, promoted = tmp_path / "promotions.jsonl", tmp_path / "promoted"
+
+    def save(_cfg, r):
+        saved.append((r["gate"]["decision"], history.exists(), promoted.exists()))
+
+    real_switch, switches = eval.gate._switch, []
+
+    def switch_killed_once(*a):
+        switches.append(a)
+        if len(switches) == 1:
+            raise Killed
+        real_switch(*a)
+
+    monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: calls.append(a) or report)
+    monkeypatch.setattr(eval.gate_flow, "save_report", save)
+    monkeypatch.setattr(eval.gate, "_switch", switch_killed_once)
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    cfg = write_config(tmp_path)
+    with pytest.raises(Killed):
+        gate_command(cfg, ckpt, promote=True)
+    assert saved == [("promoted", False, False)]  # the report came before the record and the switch
+    assert [json.loads(x)["decision"] for x in history.read_text().splitlines()] == ["promoted"]
+    assert not promoted.exists()
+    assert gate_command(cfg, ckpt, promote=True) == 0
+    out = capsys.readouterr().out
+    assert "completed the promotion of" in out and "PROMOTED (already: serving since" in out
+    assert len(calls) == 1 and len(saved) == 1
+    assert [json.loads(x)["decision"] for x in history.read_text().splitlines()] == ["promoted"]
+    assert (promoted / "config.json").is_file() and promoted.resolve().parent.name == "promotions"
+
+
+def test_a_kill_before_the_record_leaves_no_decision_and_the_rerun_decides_once(tmp_path, tiny_drafter,
+                                                                               monkeypatch):
+    """A kill between the report and the record: nothing is recorded (the report's decision never took effect);
+    the rerun measures again, rewrites the report and records one decision."""
+    import eval.gate_flow
+
+    saved = []
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 0.5, "alpha_conditional": [0.1],
+                                                                     "per_prompt": {"tokens": [5], "cycles": [10]}}},
+                                         "lossless": {"ok": True}}},
+              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
+              "records_skipped_short": {"mtbench": 0}}
+    real_record = eval.gate_flow.record_decision
+
+    def record_killed_once(*a):
+        if len(saved) == 1:
+            raise Killed
+        real_record(*a)
+
+    monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: report)
+    monkeypatch.setattr(eval.gate_flow, "save_report", lambda _c, r: saved.append(r["gate"]["decision"]))
+    monkeypatch.setattr(eval.gate_flow, "record_decision", record_killed_once)
+    ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
+    cfg = write_config(tmp_path)
+    with pytest.raises(Killed):
+        gate_command(cfg, ckpt, promote=True)
+    assert saved == ["rejected"] and not (tmp_path / "promotions.jsonl").exists()
+    assert gate_command(cfg, ckpt, promote=True) == 1
+    assert saved == ["rejected", "rejected"]
+    rows = [json.loads(x) for x in (tmp_path / "promotions.jsonl").read_text().splitlines()]
+    assert [r["decision"] for r in rows] == ["rejected"]

@@ -195,10 +195,11 @@ def test_live_gate_promotes_k25_drafter_over_k2_drafter(tmp_path, serve, ckpts):
 
 
 def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatch, capsys):
-    """The live gate promotes as the HF gate does: the record (fsynced), then ``promoted`` switched to an immutable
-    copy, and only then the report's "promoted" and the printed PROMOTED, so a kill before the switch leaves no
-    output claiming a promotion while the old drafter serves. The next gate finishes the switch and does not
-    measure a drafter that is already serving; a second gate fails at once on the promotions lock."""
+    """The live gate promotes as the HF gate does: the report (which says its decision takes effect once recorded),
+    the record (fsynced), then ``promoted`` switched to an immutable copy, and only then the printed PROMOTED, so a
+    decision on record always has its report and a kill before the switch prints no promotion. The next gate
+    finishes the switch and does not measure a drafter that is already serving; a second gate fails at once on the
+    promotions lock."""
     urls = three_servers(serve, ckpts, CAND_GOOD, INC_K2)
     cand, _, _ = urls.pop("_servers")
     cfg = parse_config(cfg_tree(tmp_path, urls))
@@ -212,8 +213,10 @@ def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatc
     capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):
         live_gate(cfg, k25, None, True, "k25", prompts=PROMPTS)
-    assert not (tmp_path / "run" / "eval" / "k25" / "report.json").exists()  # no "promoted" before the switch
-    assert "PROMOTED" not in capsys.readouterr().out
+    report = json.loads((tmp_path / "run" / "eval" / "k25" / "report.json").read_text())
+    assert report["gate"]["decision"] == "promoted"  # the report precedes the record it names
+    out = capsys.readouterr().out
+    assert "PROMOTED" not in out.splitlines() and "takes effect once recorded in" in out  # the report, no verdict
     assert [(r["decision"], r["fingerprint"], r["mode"]) for r in read_history(history)] == [("promoted", fp, "live")]
     assert not promoted.exists()  # the record is on disk, the switch never happened
     monkeypatch.undo()

@@ -107,3 +107,35 @@ def test_records_skipped_as_short_reach_report_json_and_md(tmp_path, monkeypatch
     out = write_report(r, tmp_path / "rep")
     assert json.loads((out / "report.json").read_text())["records_skipped_short"] == {"mtbench": 0, "mt2": 2}
     assert "prompts: 2 mtbench, 1 mt2 (2 records with too few user turns skipped)." in (out / "report.md").read_text()
+
+
+class Killed(BaseException):
+    """A kill, simulated: raised where the kill hits, and caught by nothing in the code under test."""
+
+
+def test_a_kill_while_a_plot_is_written_leaves_the_previous_plot_whole(report, tmp_path, monkeypatch):
+    """The plots are written whole or not at all: a kill while a PNG is being written leaves the earlier one as it
+    was, and the temp a killed write left behind is cleared by the next report."""
+    from matplotlib.figure import Figure
+
+    out = write_report(report, tmp_path / "rep")
+    before = {stem: (out / f"{stem}.png").read_bytes() for stem in PLOTS}
+
+    def torn(_fig, fname, *_a, **_k):
+        if hasattr(fname, "write"):
+            fname.write(b"\x89PNG torn")
+        else:
+            open(fname, "wb").write(b"\x89PNG torn")
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(Figure, "savefig", torn)
+        with pytest.raises(Killed):
+            write_report(report, out)
+    assert {stem: (out / f"{stem}.png").read_bytes() for stem in PLOTS} == before
+    left = out / f".{PLOTS[0]}.png.tmp-999999999"  # what a write killed before its rename leaves
+    left.write_bytes(b"\x89PNG torn")
+    write_report(dict(report, gate={"decision": "promoted", "reasons": [], "history_file": "h.jsonl"}), out)
+    assert not left.exists() and sorted(p.name for p in out.iterdir()) == sorted(
+        ["report.json", "report.md", *(f"{s}.png" for s in PLOTS)])
+    assert "- takes effect once recorded in `h.jsonl`, which says what serves" in (out / "report.md").read_text()

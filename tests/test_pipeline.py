@@ -67,6 +67,34 @@ def test_missing_data_wheel_says_how_to_install(monkeypatch):
         wheels.builtin_data_path("sharegpt")
 
 
+def test_gguf_conversion_removes_a_killed_converters_temp_and_is_reused(monkeypatch, tmp_path):
+    """A converter killed mid-way leaves its pid's temp dir (~0.5 GB for SmolLM2): the next one, holding the
+    conversion lock, removes it before converting, and a finished copy is reused without converting again."""
+    import fcntl
+
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(12))
+    out = tmp_path / "cache" / "tiny.Q4_1-16"
+    stale = out.with_name(f".{out.name}.tmp-999999999")
+    (stale / "model.safetensors").parent.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(bytes(1024))
+    calls = []
+
+    def fake_convert(src: Path, dst: Path) -> None:
+        with open(out.with_name(f".{out.name}.lock")) as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the converter holds the lock
+        assert not stale.exists()
+        (dst / "config.json").write_text("{}")
+        calls.append(src)
+
+    monkeypatch.setattr(wheels, "convert_gguf", fake_convert)
+    assert wheels.converted_gguf_dir(gguf) == out
+    assert (out / "config.json").is_file() and not stale.exists() and calls == [gguf]
+    assert wheels.converted_gguf_dir(gguf) == out and calls == [gguf]
+    assert sorted(p.name for p in out.parent.iterdir()) == [f".{out.name}.lock", out.name]
+
+
 def test_no_disk_space_names_the_fix(monkeypatch, tmp_path):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(10 << 30, 10 << 30, 100 << 20))
@@ -109,7 +137,7 @@ def test_the_verdict_gives_one_line_per_dataset_with_its_intervals_and_why(tmp_p
            "alpha": {"mtbench": [0.3, 0.2, 0.1], "humaneval": [0.4, 0.3, 0.2]}, "reasons": d.reasons,
            "intervals": evidence_record(ev, d)}
     history.write_text(json.dumps(json_safe(rec)) + "\n")
-    text = rounds.verdict(history, 2, tmp_path / "eval").splitlines()
+    text = rounds.verdict(rounds.read_history(history)[-1], 2, tmp_path / "eval").splitlines()
     assert text[0] == "## Round 2 verdict: UNRESOLVED"
     iv = tau_star.interval(0.95)
     assert text[2] == (f"- break-even τ* = {tau_star.point:.3f}, 95% interval [{iv.low:.3f}, {iv.high:.3f}] from 4 "
@@ -121,6 +149,15 @@ def test_the_verdict_gives_one_line_per_dataset_with_its_intervals_and_why(tmp_p
     assert "no number of prompts resolves a zero difference" in he  # humaneval: the same tau, 2.000 both
     assert he.startswith("- humaneval: ") and he.endswith("α_k = [0.40, 0.30, 0.20]")
     assert text[5].startswith("- why: unresolved: nothing promoted") and text[6] == f"- report: {tmp_path / 'eval'}"
+
+
+def test_a_null_alpha_renders_as_a_dash():
+    """A drafter that never reached position k has no α_k (null in the record): the verdict shows a dash."""
+    rec = {"decision": "promoted", "tau_star": 0.1, "alpha": {"x": [0.0, None, None]},
+           "intervals": {"x": {"line": "x: PASS", "tau_star": {"level": 0.95, "ci": [None, None], "prompts": 2}}}}
+    text = rounds.verdict(rec, 1, Path("eval")).splitlines()
+    assert text[2] == "- break-even τ* = 0.100, 95% interval [–, –] from 2 timing prompts (timings: ?)"
+    assert text[3] == "- x: PASS; α_k = [0.00, –, –]"
 
 
 def test_rounds_need_num_prompts_the_config_leaves_unset_by_default(tmp_path):
@@ -367,3 +404,71 @@ def test_the_demo_config_starts_from_the_shipped_drafter(monkeypatch):
     monkeypatch.chdir(ROOT)  # the config's paths are relative to where `make demo` runs
     cfg = load_config(DEMO, ["gate.promoted_dir=/nonexistent/promoted", "run_dir=/nonexistent/run"])
     assert rounds.pick_incumbent(cfg, 1) == (ROOT / "drafters" / "smollm2-135m-eagle3").resolve()
+
+
+# ---------------------------------------------------------------- a round rerun after a kill that followed its decision
+_GATE_STUB = """
+import os, signal, sys
+from pathlib import Path
+from drafter.sglang_checkpoint import fingerprint
+from eval import gate
+args = sys.argv[1:]
+ckpt = Path(args[args.index("--checkpoint") + 1])
+with open({calls!r}, "a") as f:
+    f.write(" ".join(args) + "\\n")
+record = {{"checkpoint": str(ckpt.resolve()), "fingerprint": fingerprint(ckpt), "tau_star": 1.5,
+          "timings_source": "config", "alpha": {{"x": [0.0, None, None]}}, "reasons": ["x: stub"],
+          "intervals": {{"x": {{"line": "x: stub", "tau_star": None}}}}}}
+kill = lambda *_a: os.kill(os.getpid(), signal.SIGKILL)
+{body}
+kill()
+"""
+
+_KILLS = {  # what the stub gate does before it is killed
+    "rejected, killed after the record": ("REJECTED", 'gate.append_history({history!r}, record | {{"decision": '
+                                                      '"rejected"}})'),
+    "promoted, killed at the switch": ("PROMOTED", "gate._switch = kill\n"
+                                                   "gate.promote(ckpt, record['fingerprint'], {promoted!r}, "
+                                                   "{history!r}, record)"),
+    "promoted, killed after the switch": ("PROMOTED", "gate.promote(ckpt, record['fingerprint'], {promoted!r}, "
+                                                      "{history!r}, record)"),
+}
+
+
+@pytest.mark.parametrize("case", list(_KILLS))
+def test_a_round_rerun_after_its_gate_recorded_a_decision_keeps_it_and_its_config(case, tmp_path, tiny_drafter,
+                                                                                  monkeypatch, capsys):
+    """Every stage is a stub that succeeds, but the gate: it records a decision on the round's best checkpoint (its
+    α_2 and α_3 null, as for a drafter from scratch) and is killed. The rerun must not gate again (a second
+    measurement could record a contradicting decision), must keep the round's config (its own promotion is not its
+    incumbent), must complete a promotion whose switch was killed, and must close the round with the verdict."""
+    from drafter.sglang_checkpoint import fingerprint, save_checkpoint
+
+    cfg = _tiny_run(tmp_path)
+    root = tmp_path / "run"
+    history, promoted, calls = root / "promotions.jsonl", root / "promoted", tmp_path / "gate-calls"
+    best = save_checkpoint(tiny_drafter, root / "round-1" / "checkpoints" / "step-000001", "float32")
+    (best.parent / "best").symlink_to(best.name)
+    verdict_line, body = _KILLS[case]
+    stub = tmp_path / "gate_stub.py"
+    stub.write_text(_GATE_STUB.format(calls=str(calls), body=body.format(history=str(history),
+                                                                         promoted=str(promoted))))
+    fake_py = tmp_path / "python"
+    fake_py.write_text(f'#!/bin/sh\ncase "$*" in *"-m eval gate"*) exec {sys.executable} {stub} "$@";; esac\nexit 0\n')
+    fake_py.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake_py))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert rounds.run_round(cfg) == 2  # the gate was killed
+    round_cfg = (root / "round-1" / "config.yaml").read_bytes()
+    assert rounds.run_round(cfg) == 0
+    out = capsys.readouterr().out
+    assert len(calls.read_text().splitlines()) == 1  # gated once
+    assert [r["decision"] for r in rounds.read_history(history)] == [verdict_line.lower()]
+    assert (root / "round-1" / "config.yaml").read_bytes() == round_cfg
+    assert "round 1: from scratch; incumbent: none" in out and "(kept from the round's start: " in out
+    assert (root / "round-1" / "ROUND_DONE").is_file()
+    assert f"## Round 1 verdict: {verdict_line}" in out and "- x: stub; α_k = [0.00, –, –]" in out
+    if verdict_line == "PROMOTED":
+        assert promoted.resolve().name == fingerprint(best)[:16]
+    else:
+        assert not promoted.exists()
