@@ -110,6 +110,7 @@ class CaptureSummary:
     captured_tokens_per_s: float = 0.0
     skipped: dict[str, int] = field(default_factory=dict)
     tail_tokens_dropped: int = 0  # specforge: positions after a sample's last loss token (its batch padding)
+    specforge_cut: dict[str, int] | None = None  # specforge: ``SpecForgeCut``, what its --max-length cut
     unlocated_ends: int = 0  # cut answers whose text end was not found: their end-of-turn kept in the loss
     cuts: dict[str, int] | None = None  # ``Cuts`` of the kept samples; None for SpecForge's samples
 
@@ -125,6 +126,9 @@ class CaptureSummary:
                 f"{self.captured_tokens_per_s:.0f} tokens/s\n"
                 f"  skipped: {skipped}"
                 + (f"\n  {Cuts(**self.cuts)}" if self.cuts is not None else "")
+                + (f"\n  SpecForge's --max-length cut {self.specforge_cut['samples']} samples: "
+                   f"{self.specforge_cut['tokens']} tokens of the server's renderings are not in the store"
+                   if self.specforge_cut and self.specforge_cut["samples"] else "")
                 + (f"\n  dropped {self.tail_tokens_dropped} positions after the last loss tokens (SpecForge's "
                    "padding among them; no loss reads them)" if self.tail_tokens_dropped else "")
                 + (f"\n  {self.unlocated_ends} cut answers (finish reason not stop/tool_calls) keep the loss on their "
@@ -413,7 +417,7 @@ def capture_inputs(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int]
                                f"{str(data_path) + ' and ' if wrote else ''}{draft_config}; run SpecForge there, "
                                f"then capture again:\n    {specforge_command(cfg, data_path, draft_config)}")
         rendering = ServerRendering(data_path, target.tokenizer, cfg.target.chat_template_kwargs, cap.max_length)
-        source = SpecForgeImport(root, target.hidden_size, cap.max_length, rendering)
+        source = SpecForgeImport(root, target.hidden_size, rendering)
         samples, skipped = source.samples()
         return samples, LeftOut(skipped), source
     samples, left_out = render_all(convs or [], target.tokenizer, cap.max_length, cfg.target.chat_template_kwargs,
@@ -459,7 +463,8 @@ def run_capture(cfg: RunConfig, target: CaptureTarget | None = None) -> CaptureS
                 "max_answer_tokens": answer_cap, "end_of_turn_loss": end_of_turn_rule(cap.backend), **left,
                 "unlocated_ends": unlocated, "shards": [], "complete": False}
     summary = CaptureSummary(str(store), skipped=left["skipped"], cuts=left["cuts"],
-                             tail_tokens_dropped=getattr(backend, "dropped_tail_tokens", 0), unlocated_ends=unlocated)
+                             tail_tokens_dropped=getattr(backend, "dropped_tail_tokens", 0), unlocated_ends=unlocated,
+                             specforge_cut=asdict(backend.cut) if isinstance(backend, SpecForgeImport) else None)
     lm_head = target.lm_head_weight().detach()
     total = sum(len(s.input_ids) for s in samples)
     started, computed = time.perf_counter(), 0

@@ -56,7 +56,8 @@ Conversion: ``last_hidden`` = ``hidden_state[0]``, ``aux`` = ``aux_hidden_state[
 ``loss_mask`` as they are, ``target_argmax`` (and top-k for teacher 'topk') from the target's lm_head over
 ``last_hidden``, as for every backend. Positions after a sample's last loss token are dropped (SpecForge's
 batch padding among them): no loss term of ours reads them, so the cut changes no training signal; the
-count is reported. Samples are named ``specforge-<i>`` and kept in ``i`` order.
+count is reported, and so are the samples SpecForge's --max-length cut and the rendering's tokens it cut.
+Samples are named ``specforge-<i>`` and kept in ``i`` order.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ import json
 import re
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,20 @@ def first_difference(got: Sequence[int], want: Sequence[int]) -> int | None:
     return next((p for p in range(len(want), len(got)) if got[p] != 0), None)
 
 
+@dataclass
+class SpecForgeCut:
+    """What SpecForge's --max-length (= capture.max_length) cut from the server's renderings: the samples it cut
+    and their tokens past the cut. SpecForge's files hold no loss mask for those tokens, so unlike the hf
+    capture's ``Cuts`` the loss tokens among them are not known."""
+
+    samples: int = 0
+    tokens: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.samples += int(tokens > 0)
+        self.tokens += tokens
+
+
 class ServerRendering:
     """The server's rendering of the conversation behind each SpecForge sample, to check SpecForge's tokens:
     ``data_path`` is the --data-path SpecForge read (capture's export), in its row order."""
@@ -174,20 +190,31 @@ class ServerRendering:
         self.path, self.order = data_path, capture_order(len(self.rows))
         self.tokenizer, self.kwargs, self.max_length = tokenizer, dict(template_kwargs), max_length
 
-    def check(self, i: int, ids: Sequence[int], path: Path) -> None:
-        """Raise when sample ``i``'s tokens are not the server's rendering of its conversation."""
+    def check(self, i: int, ids: Sequence[int], path: Path) -> int:
+        """Raise when sample ``i``'s tokens are not the server's rendering of its conversation cut at
+        capture.max_length (SpecForge's --max-length); returns how many of the rendering's tokens the cut took."""
         if i >= len(self.rows):
             raise CaptureError(f"{path}: SpecForge sample {i}, but {self.path} has {len(self.rows)} conversations: "
                                "these files come from another --data-path")
         row = self.rows[self.order[i]]
         text = conversation_text(self.tokenizer, row["conversations"], self.kwargs, row.get("tools"))
-        want = self.tokenizer(text, add_special_tokens=False)["input_ids"][: self.max_length]
+        whole = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        want = whole[: self.max_length]
         p = first_difference(ids, want)
         if p is None:
-            return
+            return len(whole) - len(want)
+        sample = f"{path}: SpecForge sample {i} (conversation {row.get('id')})"
+        if p == self.max_length and p < len(whole) and ids[p] == whole[p]:
+            raise CaptureError(f"{sample} runs past capture.max_length {self.max_length}: SpecForge ran with a larger "
+                               f"--max-length; rerun it with --max-length {self.max_length} or set capture.max_length "
+                               "to its value")
+        if p == len(ids) < len(want):
+            raise CaptureError(f"{sample} ends after {p} tokens, where the server's rendering cut at "
+                               f"capture.max_length {self.max_length} goes on: SpecForge ran with --max-length {p}; "
+                               f"set capture.max_length {p} or rerun it with --max-length {self.max_length}")
         a, b = (seq[p] if p < len(seq) else None for seq in (ids, want))
         raise CaptureError(
-            f"{path}: SpecForge sample {i} (conversation {row.get('id')}) differs from the server's rendering at token "
+            f"{sample} differs from the server's rendering at token "
             f"{p}: SpecForge has {self._show(a)}, the server's rendering {self._show(b)}; SpecForge renders with its "
             f"--chat-template entry and never sees target.chat_template_kwargs {self.kwargs}: rerun it with the "
             "template that renders as the server does, or capture with capture.backend hf")
@@ -200,15 +227,16 @@ class SpecForgeImport:
     """The samples SpecForge captured, and their states as a capture backend hands them to the shard writer.
     ``rendering``: the check of every sample's tokens against the server's rendering."""
 
-    def __init__(self, root: Path, hidden_size: int, max_length: int, rendering: ServerRendering):
+    def __init__(self, root: Path, hidden_size: int, rendering: ServerRendering):
         if not root.is_dir():
             raise CaptureError(f"capture.specforge_dir: {root} is not a directory")
-        self.root, self.hidden_size, self.max_length, self.rendering = root, hidden_size, max_length, rendering
+        self.root, self.hidden_size, self.rendering = root, hidden_size, rendering
         self.files = list_files(root)
         if not self.files:
             raise CaptureError(f"capture.specforge_dir: {root} holds no rows_*/data_<i>.ckpt[.gz] files; run "
                                "SpecForge's scripts/prepare_hidden_states.py with --output-path there first")
         self.dropped_tail_tokens = 0
+        self.cut = SpecForgeCut()
         self._paths: dict[bytes, Path] = {}  # digest of a sample's tokens -> its file
 
     @staticmethod
@@ -216,23 +244,21 @@ class SpecForgeImport:
         return f"specforge-{index:08d}"
 
     def samples(self) -> tuple[list[Sample], Counter[str]]:
-        """Every file's tokens and loss mask, cut after the last loss token and to max_length; a sample with
-        no loss token and rows SpecForge did not write (a NaN record; a gap in the indices) are counted."""
+        """Every file's tokens and loss mask, cut after the last loss token; a sample with no loss token and rows
+        SpecForge did not write (a NaN record; a gap in the indices) are counted, and so is what its
+        --max-length cut from the server's rendering (``cut``)."""
         out: list[Sample] = []
         skipped: Counter[str] = Counter()
         skipped["specforge_not_written"] = max(max(self.files) + 1, len(self.rendering.rows)) - len(self.files)
         for i, path in self.files.items():
             ids, mask, _, _ = checked(read_file(path), path, self.hidden_size)
-            self.rendering.check(i, ids.tolist(), path)
+            self.cut.add(self.rendering.check(i, ids.tolist(), path))
             nonzero = mask.nonzero()
             if not len(nonzero):
                 skipped["no_loss_tokens"] += 1
                 continue
-            keep = min(int(nonzero[-1]) + 1, self.max_length)
-            self.dropped_tail_tokens += ids.numel() - int(nonzero[-1]) - 1
-            if int(mask[:keep].sum()) == 0:
-                skipped["no_loss_tokens"] += 1
-                continue
+            keep = int(nonzero[-1]) + 1
+            self.dropped_tail_tokens += ids.numel() - keep
             tokens = ids[:keep].tolist()
             self._paths.setdefault(_digest(tokens), path)  # equal tokens have equal states: either file will do
             out.append(Sample(self.sample_id(i), tokens, [int(m != 0) for m in mask[:keep].tolist()]))

@@ -272,9 +272,11 @@ def test_the_specforge_command_always_passes_the_drafters_config(tmp_path, check
 
 
 def _import_specforge_rendered(tmp_path: Path, checkpoint: Path, convs: list[dict], chats: list[list[dict]],
-                               kwargs: dict | None = None, template_kwargs: dict | None = None) -> dict:
-    """SpecForge's files for ``chats`` (one per conversation, rendered with ``kwargs`` as SpecForge would), then
-    the import of ``convs`` with target.chat_template_kwargs ``template_kwargs``; returns the config tree."""
+                               kwargs: dict | None = None, template_kwargs: dict | None = None,
+                               max_length: int = 64) -> dict:
+    """SpecForge's files for ``chats`` (one per conversation, rendered with ``kwargs`` and cut at ``max_length``
+    as SpecForge would), then the import of ``convs`` with target.chat_template_kwargs ``template_kwargs``;
+    returns the config tree."""
     from target_model.hf_model import load_target
 
     model = load_target(str(checkpoint), dtype="float32", device="cpu")
@@ -282,7 +284,7 @@ def _import_specforge_rendered(tmp_path: Path, checkpoint: Path, convs: list[dic
     run.mkdir(parents=True)
     export_for_specforge(convs, run / "specforge_input.jsonl")
     order = specforge_order(len(convs))
-    rendered = [render_with_mask(model.tokenizer, chats[j], 64, kwargs) for j in order]
+    rendered = [render_with_mask(model.tokenizer, chats[j], max_length, kwargs) for j in order]
     write_specforge(tmp_path / "sf", model, [(r.input_ids, r.loss_mask) for r in rendered])
     t = tree(run, checkpoint, "specforge", specforge_dir=str(tmp_path / "sf"))
     t["target"]["chat_template_kwargs"] = template_kwargs or {}
@@ -329,3 +331,32 @@ def test_chat_template_kwargs_that_never_reach_specforge_are_caught(tmp_path, ch
     t = _import_specforge_rendered(tmp_path / "same", ckpt, convs, [c["messages"] for c in convs],
                                    kwargs={"thinking": False}, template_kwargs={"thinking": False})
     assert run_capture(parse_config(t)).samples == 2
+
+
+def test_what_specforges_max_length_cut_is_counted_and_a_different_cut_is_named(tmp_path, checkpoint):
+    """SpecForge cuts each rendering at its --max-length (the command capture prints passes capture.max_length):
+    the import counts the samples cut and the rendering's tokens they lost; files cut at another length are a
+    one-line error saying which option to change."""
+    from transformers import AutoTokenizer
+
+    convs = conversations(4)
+    convs[1]["messages"][1]["content"] = " ".join(["the cat sat on the mat"] * 20)  # past 64 tokens
+    convs[3]["messages"][0]["content"] = " ".join(["a warm mat"] * 30)  # its answer lies wholly past the cut
+    chats = [c["messages"] for c in convs]
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    lengths = [len(render_with_mask(tok, m, 10_000).input_ids) for m in chats]
+    assert sum(n > 64 for n in lengths) == 2
+    summary = run_capture(parse_config(_import_specforge_rendered(tmp_path / "same", checkpoint, convs, chats)))
+    cut = {"samples": 2, "tokens": sum(n - 64 for n in lengths if n > 64)}
+    assert summary.samples == 3 and summary.skipped == {"no_loss_tokens": 1} and summary.specforge_cut == cut
+    assert "SpecForge's --max-length cut 2 samples" in str(summary)
+
+    longer = _import_specforge_rendered(tmp_path / "longer", checkpoint, convs, chats, max_length=96)
+    with pytest.raises(CaptureError, match=r"^[^\n]*runs past capture.max_length 64: SpecForge ran with a larger "
+                       r"--max-length; rerun it with --max-length 64 or set capture.max_length to its value$"):
+        run_capture(parse_config(longer))
+    shorter = _import_specforge_rendered(tmp_path / "shorter", checkpoint, convs, chats, max_length=48)
+    with pytest.raises(CaptureError, match=r"^[^\n]*ends after 48 tokens, where the server's rendering cut at "
+                       r"capture.max_length 64 goes on: SpecForge ran with --max-length 48; set capture.max_length 48 "
+                       r"or rerun it with --max-length 64$"):
+        run_capture(parse_config(shorter))
