@@ -175,14 +175,20 @@ def test_a_crash_inside_the_gate_exits_2_not_1(tmp_path, tiny_drafter, monkeypat
     assert not (tmp_path / "promotions.jsonl").exists() and not (tmp_path / "promoted").exists()
 
 
+def one_prompt_report(tau: float, alpha: float, tokens: int) -> dict:
+    """An evaluation report of the candidate alone on one MT-Bench prompt of 10 verify cycles (break-even 1.0 from
+    the config), the shape ``eval.gate_flow.evaluate`` returns."""
+    return {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": tau, "alpha_conditional": [alpha],
+                                                                "per_prompt": {"tokens": [tokens], "cycles": [10]}}},
+                                       "lossless": {"ok": True}}},
+            "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
+            "records_skipped_short": {"mtbench": 0}}
+
+
 def test_an_unwritable_history_is_exit_2_before_anything_is_promoted(tmp_path, tiny_drafter, monkeypatch, capsys):
     import eval.gate_flow
 
-    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 9.0, "alpha_conditional": [1.0],
-                                                                     "per_prompt": {"tokens": [90], "cycles": [10]}}},
-                                         "lossless": {"ok": True}}},
-              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
-              "records_skipped_short": {"mtbench": 0}}
+    report = one_prompt_report(tau=9.0, alpha=1.0, tokens=90)
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *_a: report)
     monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
     ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
@@ -240,11 +246,7 @@ def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_agains
     import eval.gate_flow
 
     calls = []
-    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "alpha_conditional": [0.9],
-                                                                     "per_prompt": {"tokens": [30], "cycles": [10]}}},
-                                         "lossless": {"ok": True}}},
-              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
-              "records_skipped_short": {"mtbench": 0}}
+    report = one_prompt_report(tau=3.0, alpha=0.9, tokens=30)
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: calls.append(a) or report)
     monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
     ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
@@ -297,11 +299,7 @@ def test_a_decision_on_disk_has_its_report_and_a_rerun_after_a_kill_at_the_switc
     import eval.gate_flow
 
     calls, saved = [], []
-    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 3.0, "alpha_conditional": [0.9],
-                                                                     "per_prompt": {"tokens": [30], "cycles": [10]}}},
-                                         "lossless": {"ok": True}}},
-              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
-              "records_skipped_short": {"mtbench": 0}}
+    report = one_prompt_report(tau=3.0, alpha=0.9, tokens=30)
     history, promoted = tmp_path / "promotions.jsonl", tmp_path / "promoted"
 
     def save(_cfg, r):
@@ -340,11 +338,7 @@ def test_a_kill_before_the_record_leaves_no_decision_and_the_rerun_decides_once(
     import eval.gate_flow
 
     saved = []
-    report = {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": 0.5, "alpha_conditional": [0.1],
-                                                                     "per_prompt": {"tokens": [5], "cycles": [10]}}},
-                                         "lossless": {"ok": True}}},
-              "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
-              "records_skipped_short": {"mtbench": 0}}
+    report = one_prompt_report(tau=0.5, alpha=0.1, tokens=5)
     real_record = eval.gate_flow.record_decision
 
     def record_killed_once(*a):
