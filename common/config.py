@@ -471,8 +471,9 @@ class GateConfig(Section):
     margin: NonNegativeFloat = Field(0.0, description="tau must clear tau* x (1 + margin), break-even plus a margin.")
     min_delta: NonNegativeFloat = Field(0.0, description="tau must beat the incumbent's by this much.")
     confidence: Annotated[float, Field(gt=0.5, lt=1.0), NotBool] = Field(
-        0.95, description="Two-sided level of the bootstrap intervals: the candidate is promoted when every "
-        "interval's lower end clears its bar, rejected when an upper end is below it, unresolved otherwise.")
+        0.95, description="Two-sided level of each bootstrap interval (expanded for few prompts): the candidate is "
+        "promoted when every interval's lower end lies above its bar, rejected when an upper end is below it, "
+        "unresolved otherwise.")
     bootstrap_samples: Annotated[int, Field(ge=100), NotBool] = Field(
         2000, description="Resamples of the prompts (and of the timing prompts) behind each interval.")
     bootstrap_seed: Int = Field(0, description="Seed of the resampling: the same seed gives the same intervals.")

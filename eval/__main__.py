@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                                                "the first setting, the gate reads the paired difference")
             p.add_argument("--settings", nargs="+", default=list(DEFAULT_SETTINGS), metavar="K:T",
                            help="k:T pairs (drafts per cycle, temperature); the first one is the gate's")
-            p.add_argument("--timing-prompts", type=whole_number(1), default=8,
-                           help="prompts the batch-1 timings run on")
+            p.add_argument("--timing-prompts", type=whole_number(2), default=8,
+                           help="prompts the batch-1 timings run on (at least 2: one gives tau* no interval)")
             p.add_argument("--limit", type=whole_number(1),
                            help="prompts per dataset (smoke runs; the figures are for all)")
             p.add_argument("--context-prompts", type=whole_number(0), default=80,

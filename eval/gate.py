@@ -1,9 +1,9 @@
 """The ship/no-ship decision (``decide``, pure) and what follows it: atomic promotion and the history.
 
-A candidate ships iff, on every gate dataset, tau >= tau* (1 + margin) — speculation must beat plain
-decoding — and tau >= incumbent tau + min_delta — it must beat what is serving now, each comparison read
+A candidate ships iff, on every gate dataset, tau > tau* (1 + margin) — speculation must beat plain
+decoding — and tau > incumbent tau + min_delta — it must beat what is serving now, each comparison read
 through its bootstrap interval (``eval.intervals``: the candidate and the incumbent paired prompt by prompt,
-tau* from its timing prompts): the lower end must clear the bar. An upper end below a bar rejects; an interval
+tau* from its timing prompts): the lower end must lie above the bar. An upper end below a bar rejects; an interval
 that holds a bar is **unresolved**, a third verdict: nothing is promoted, the exit code is 1 as for a
 rejection, and the reason names the comparison and about how many prompts would resolve it. A checkpoint
 SGLang would serve wrongly (``check_checkpoint``: config, dtypes, vocab map) or a T=0
@@ -37,7 +37,7 @@ from common.files import (
 )
 from common.locking import run_lock
 from drafter.sglang_checkpoint import CheckpointError, fingerprint
-from eval.intervals import Interval, prompts_to_resolve
+from eval.intervals import RESOLVE_CAP, RESOLVE_POWER, Interval, prompts_to_resolve
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
 PROMOTIONS = "promotions"
@@ -73,16 +73,20 @@ class Decision:
 
 
 def _status(iv: Interval, bar: float) -> str:
-    """pass: the whole interval clears the bar; fail: its upper end is below it (or nothing finite was measured);
-    unresolved: the interval holds the bar."""
-    if not (math.isfinite(iv.point) and math.isfinite(iv.low) and math.isfinite(iv.high)):
+    """pass: the whole interval lies above the bar; fail: its upper end is below it (or nothing was measured);
+    unresolved: the interval holds the bar (a tie on it included), or there is no interval (under 2 prompts)."""
+    if not math.isfinite(iv.point):
         return "fail"
-    return "pass" if iv.low >= bar else "fail" if iv.high < bar else "unresolved"
+    if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
+        return "unresolved"
+    return "pass" if iv.low > bar else "fail" if iv.high < bar else "unresolved"
 
 
 def _ci(iv: Interval, signed: bool = False) -> str:
+    """``1.234 [1.100, 1.400]``; a bound that is not finite (no interval) as a dash."""
     f = "{:+.3f}" if signed else "{:.3f}"
-    return f"{f.format(iv.point)} [{f.format(iv.low)}, {f.format(iv.high)}]"
+    low, high = ("–" if not math.isfinite(x) else f.format(x) for x in (iv.low, iv.high))
+    return f"{f.format(iv.point)} [{low}, {high}]"
 
 
 def _outcome(status: str, iv: Interval, bar: float, bar_name: str, timing_prompts: int = 0) -> str:
@@ -93,10 +97,17 @@ def _outcome(status: str, iv: Interval, bar: float, bar_name: str, timing_prompt
         return f"clears {bar_name}"
     if status == "fail":
         return f"is below {bar_name} (a real loss)"
+    if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
+        return f"unresolved: fewer than 2 prompts{' or timing prompts' if timing_prompts else ''} give no interval"
     need = prompts_to_resolve(iv, bar)
-    more = (f"about {need} prompts" + (f" (and {math.ceil(timing_prompts * need / iv.prompts)} timing prompts)"
-                                      if timing_prompts else "") + " would resolve the observed difference"
-            if need else "no number of prompts resolves a zero difference")
+    if need:
+        more = (f"about {need} prompts in all" + (f" (and {math.ceil(timing_prompts * need / iv.prompts)} timing "
+                                                 "prompts)" if timing_prompts else "")
+                + f" would resolve the observed difference {RESOLVE_POWER:.0%} of the time")
+    elif iv.point == bar:
+        more = "no number of prompts resolves a zero difference"
+    else:
+        more = f"not even {RESOLVE_CAP}x these prompts would resolve so small a difference: a tie"
     return f"holds {bar_name}: unresolved, {more}"
 
 
@@ -122,11 +133,11 @@ def dataset_line(name: str, e: Evidence, margin: float, min_delta: float) -> tup
 
 def decide(evidence: Mapping[str, Evidence], margin: float, min_delta: float = 0.0,
            checkpoint_problems: Sequence[str] = (), lossless_mismatches: Sequence[str] = ()) -> Decision:
-    """Promote when, on every dataset, every interval's lower end clears its bar (break-even: tau - tau* (1 + margin)
-    >= 0; the incumbent: tau - incumbent tau >= min_delta); reject on a checkpoint or lossless problem, or when an
-    interval's upper end is below its bar on some dataset (a real loss); otherwise unresolved: what serves now keeps
-    serving, and each line says which comparison is unresolved and about how many prompts would resolve it. Every
-    check is run and explained, so the reasons list every cause at once."""
+    """Promote when, on every dataset, every interval's lower end lies above its bar (break-even: tau - tau*
+    (1 + margin) > 0; the incumbent: tau - incumbent tau > min_delta); reject on a checkpoint or lossless problem, or
+    when an interval's upper end is below its bar on some dataset (a real loss); otherwise unresolved: what serves
+    now keeps serving, and each line says which comparison is unresolved and about how many prompts would resolve
+    it. Every check is run and explained, so the reasons list every cause at once."""
     reasons = [f"checkpoint: {p}" for p in checkpoint_problems]
     reasons += [f"lossless: {m}" for m in lossless_mismatches]
     if not evidence:

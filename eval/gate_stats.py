@@ -41,8 +41,10 @@ def timed_tau_star(plain: Mapping, timing: Mapping, boot: Bootstrap) -> Estimate
 
 def evidence(cand: PerPrompt, tau_star: Estimate, margin: float, boot: Bootstrap,
              inc: PerPrompt | None = None) -> Evidence:
-    """One dataset's evidence: tau, tau*, tau - tau* (1 + margin) (tau* resampled over its own timing prompts,
-    independently of the eval prompts) and, with an incumbent on the same prompts, the paired difference."""
+    """One dataset's evidence: tau, tau*, tau - tau* (1 + margin) and, with an incumbent on the same prompts, the
+    paired difference. The gap's interval resamples tau* over its timing prompts apart from the eval prompts, as if
+    the two were independent: an approximation, since the timing prompts are eval prompts (every one in the batch-1
+    engine's gate and on live servers, the first few in ``eval quality``)."""
     tau = ratio_estimate(*cand, boot)
     level = boot.level
     e = Evidence(tau.interval(level), tau_star.interval(level), (tau - tau_star.scaled(1 + margin)).interval(level))

@@ -19,7 +19,7 @@ With the run's regenerated conversations at hand, the held-out turns (``eval.con
 drafter never trained on, rendered as the server renders them) go to the candidate's and incumbent's servers too:
 tau by history length (< 1k, 1-2k, 2-4k tokens), reported beside the gate's figures.
 
-The decision is ``eval.gate.decide`` once per concurrency (tau >= tau* (1 + margin), tau >= incumbent + min_delta
+The decision is ``eval.gate.decide`` once per concurrency (tau > tau* (1 + margin), tau > incumbent + min_delta
 on every gate dataset, each read through its bootstrap interval over the requests); the candidate ships only if it
 passes at every concurrency. The servers' own settings
 (``/server_info``) are checked first: the candidate and incumbent must speculate with the same flags, the

@@ -51,7 +51,8 @@ def point_gate(tau: dict, tau_star: float, margin: float = 0.0, incumbent: dict 
     ("no verify cycle", {"a": float("nan")}, None, [], [], False, "not measured (no verify cycle)"),
 ])
 def test_decision_table(case, tau, incumbent, problems, mismatches, promote_expected, reason):
-    """Without spread between prompts the intervals have no width, and the rule is the point rule."""
+    """Without spread between prompts the intervals have no width, and the rule is the point rule (strict: on a bar
+    is a tie)."""
     d = point_gate(tau, TAU_STAR, 0.0, incumbent, 0.0, problems, mismatches)
     assert d.promote is promote_expected, (case, d.reasons)
     assert d.verdict == ("promote" if promote_expected else "reject")
@@ -60,8 +61,9 @@ def test_decision_table(case, tau, incumbent, problems, mismatches, promote_expe
 
 
 def test_margin_and_min_delta_are_applied():
-    assert not point_gate({"a": 2.05}, 2.0, 0.05).promote  # needs 2.1
-    assert point_gate({"a": 2.1}, 2.0, 0.05).promote
+    assert point_gate({"a": 2.05}, 2.0, 0.05).verdict == "reject"  # needs more than 2.1
+    assert point_gate({"a": 2.1}, 2.0, 0.05).verdict == "unresolved"  # on the bar: a tie decides nothing
+    assert point_gate({"a": 2.11}, 2.0, 0.05).promote
     assert not point_gate({"a": 2.5}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
     assert point_gate({"a": 2.55}, 2.0, 0.0, {"a": 2.48}, 0.05).promote
 
@@ -124,8 +126,9 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
                             d2t, t2d)
     ckpt = save_checkpoint(drafter, tmp_path / "step-1", dtype="float32")
     # Given timings with tau* = 0.5: even a random drafter clears break-even, and there is no incumbent.
+    two = [{"name": "mtbench", "kind": "mtbench", "path": "builtin", "limit": 2}]  # one prompt gives no interval
     easy = write_config(tmp_path, tracking={"report_to": ["tensorboard"], "project": "gate"},
-                        timings={"decode_ms": 100.0, "cycle_ms": {3: 50.0}})
+                        timings={"decode_ms": 100.0, "cycle_ms": {3: 50.0}}, datasets=two)
     assert gate_command(easy, ckpt, promote=True) == 0
     assert (tmp_path / "promoted" / "model.safetensors").is_file()
     report = json.loads((tmp_path / "run" / "eval" / "step-1" / "report.json").read_text())
@@ -151,7 +154,8 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
     other = save_checkpoint(fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)),
                                           smollm2.embed_weight().detach(), d2t, t2d, seed=1),
                             tmp_path / "step-2", dtype="float32")
-    measured = write_config(tmp_path)
+    four = [two[0] | {"limit": 4}]  # four timing prompts: tau* interval narrow enough to call the loss
+    measured = write_config(tmp_path, datasets=four)
     assert gate_command(measured, other, name="again") == 1
     report = json.loads((tmp_path / "run" / "eval" / "again" / "report.json").read_text())
     assert set(report["drafters"]) == {"candidate", "incumbent"} and report["breakeven"]["source"] == "measured"
@@ -175,11 +179,12 @@ def test_a_crash_inside_the_gate_exits_2_not_1(tmp_path, tiny_drafter, monkeypat
     assert not (tmp_path / "promotions.jsonl").exists() and not (tmp_path / "promoted").exists()
 
 
-def one_prompt_report(tau: float, alpha: float, tokens: int) -> dict:
-    """An evaluation report of the candidate alone on one MT-Bench prompt of 10 verify cycles (break-even 1.0 from
-    the config), the shape ``eval.gate_flow.evaluate`` returns."""
+def two_prompt_report(tau: float, alpha: float, tokens: int) -> dict:
+    """An evaluation report of the candidate alone on two MT-Bench prompts of 10 verify cycles and ``tokens`` tokens
+    each (no spread: the point rule), break-even 1.0 from the config; the shape ``eval.gate_flow.evaluate`` returns."""
+    per_prompt = {"tokens": [tokens, tokens], "cycles": [10, 10]}
     return {"drafters": {"candidate": {"datasets": {"mtbench": {"tau": tau, "alpha_conditional": [alpha],
-                                                                "per_prompt": {"tokens": [tokens], "cycles": [10]}}},
+                                                                "per_prompt": per_prompt}},
                                        "lossless": {"ok": True}}},
             "breakeven": {"tau_star": 1.0, "source": "config"}, "checkpoints": {},
             "records_skipped_short": {"mtbench": 0}}
@@ -188,7 +193,7 @@ def one_prompt_report(tau: float, alpha: float, tokens: int) -> dict:
 def test_an_unwritable_history_is_exit_2_before_anything_is_promoted(tmp_path, tiny_drafter, monkeypatch, capsys):
     import eval.gate_flow
 
-    report = one_prompt_report(tau=9.0, alpha=1.0, tokens=90)
+    report = two_prompt_report(tau=9.0, alpha=1.0, tokens=90)
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *_a: report)
     monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
     ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
@@ -246,7 +251,7 @@ def test_a_rerun_of_a_promoting_gate_does_not_measure_the_serving_drafter_agains
     import eval.gate_flow
 
     calls = []
-    report = one_prompt_report(tau=3.0, alpha=0.9, tokens=30)
+    report = two_prompt_report(tau=3.0, alpha=0.9, tokens=30)
     monkeypatch.setattr(eval.gate_flow, "evaluate", lambda *a: calls.append(a) or report)
     monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
     ckpt = save_checkpoint(tiny_drafter, tmp_path / "step-1", dtype="float32")
@@ -299,7 +304,7 @@ def test_a_decision_on_disk_has_its_report_and_a_rerun_after_a_kill_at_the_switc
     import eval.gate_flow
 
     calls, saved = [], []
-    report = one_prompt_report(tau=3.0, alpha=0.9, tokens=30)
+    report = two_prompt_report(tau=3.0, alpha=0.9, tokens=30)
     history, promoted = tmp_path / "promotions.jsonl", tmp_path / "promoted"
 
     def save(_cfg, r):
@@ -338,7 +343,7 @@ def test_a_kill_before_the_record_leaves_no_decision_and_the_rerun_decides_once(
     import eval.gate_flow
 
     saved = []
-    report = one_prompt_report(tau=0.5, alpha=0.1, tokens=5)
+    report = two_prompt_report(tau=0.5, alpha=0.1, tokens=5)
     real_record = eval.gate_flow.record_decision
 
     def record_killed_once(*a):

@@ -260,7 +260,7 @@ def test_one_failing_concurrency_rejects():
     assert any(r.startswith("concurrency 8: mtbench: FAIL") and "is below 0 (a real loss)" in r for r in reasons)
     assert intervals["1"]["mtbench"]["vs_breakeven"]["ci"] == pytest.approx([0.54, 0.54])
     assert decide_live({"by_concurrency": {"1": row(2.46)}}, ["mtbench"], gate)[0] == "promote"
-    assert decide_live({"by_concurrency": {"1": row(3.0)}}, ["mtbench"], gate)[0] == "promote"  # 3.0 >= 3.0
+    assert decide_live({"by_concurrency": {"1": row(3.0)}}, ["mtbench"], gate)[0] == "unresolved"  # on the bar: a tie
 
 
 def test_requests_without_a_verify_cycle_are_counted_not_fatal(tmp_path, serve, ckpts):
@@ -321,7 +321,7 @@ def test_live_gate_reports_tau_by_history_length_on_held_out_turns(tmp_path, ser
     assert {"input_ids": tok(rendered, add_special_tokens=False).input_ids,
             "sampling_params": {"temperature": 0.0, "max_new_tokens": 24}} in cand.requests[-3:]
     text = (out / "report.md").read_text()
-    assert "| 1-2k | 1 | 1 | 1.000 [1.000, 1.000] | 1.500 [1.500, 1.500] |" in text
+    assert "| 1-2k | 1 | 1 | 1.000 [–, –] | 1.500 [–, –] |" in text  # one prompt: no interval
 
 
 def test_no_request_with_a_verify_cycle_is_an_error(tmp_path, serve, ckpts):

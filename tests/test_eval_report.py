@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -52,7 +53,10 @@ def test_per_prompt_columns_add_up_to_the_datasets_figures(report):
             pp = st["per_prompt"]
             assert st["prompts"] == len(pp["tokens"]) == 6 and sum(pp["cycles"]) == st["cycles"]
             assert sum(pp["tokens"]) / sum(pp["cycles"]) == pytest.approx(st["tau"])
-            assert st["ci"][0] <= st["tau"] <= st["ci"][1]
+            if sum(c > 0 for c in pp["cycles"]) >= 2:
+                assert st["ci"][0] <= st["tau"] <= st["ci"][1]
+            else:  # humaneval: the tiny target ends all but one answer at its prefill token; one prompt, no interval
+                assert all(math.isnan(x) for x in st["ci"])
     be = report["breakeven"]
     assert be["timing_prompts"] == 12 and be["level"] == 0.95  # every prompt of both datasets is timed
     assert be["ci"][0] <= be["tau_star"] <= be["ci"][1] and be["ci"][0] < be["ci"][1]  # timings spread
@@ -139,3 +143,4 @@ def test_a_kill_while_a_plot_is_written_leaves_the_previous_plot_whole(report, t
     assert not left.exists() and sorted(p.name for p in out.iterdir()) == sorted(
         ["report.json", "report.md", *(f"{s}.png" for s in PLOTS)])
     assert "- takes effect once recorded in `h.jsonl`, which says what serves" in (out / "report.md").read_text()
+
