@@ -2,8 +2,8 @@
 # The SmolLM2 run at scale on an H200 node (one or two GPUs; no network there), in phases that fit 10-minute
 # device calls.
 # Usage: bash bench/h200_pipeline.sh PHASE [PHASE ...]        (CONFIG=... for another run config)
-# RUN names the run the phases work in: runs/smollm2-h200 (default: the first turns, what the shipped drafter trained
-# on) or runs/smollm2-h200-mt (every turn, with `OVERRIDES=run_dir=runs/smollm2-h200-mt` at derive and
+# RUN names the run the phases work in: runs/smollm2-h200 (default: the first turns, the shipped drafter's first
+# stage) or runs/smollm2-h200-mt (every turn, with `OVERRIDES=run_dir=runs/smollm2-h200-mt` at derive and
 # CONFIG=runs/smollm2-h200-mt/config.yaml after it).
 # What the calls carry (.whl/, .gpu/: the wheels, the GGUF's parts, the prompts, SpecForge's benchmark) is built on
 # a CPU machine by bench/device_assets.sh.
@@ -25,7 +25,7 @@
 #   data-quality bench/data_quality.py: the first 1,200 prompts regenerated without and with stop_loops
 #                                                                   -> "data_quality" (conversations kept in $RUN/dq)
 #   regen-bench  bench/regenerate_throughput.py: the regenerate command end to end (REGEN_CONVERSATIONS, default
-#                every prompt of the file: the shipped config's whole set, the bar's measure, ~330 s on one H200;
+#                every prompt of the file: the shipped config's whole set, the bar's measure, a few minutes on one H200;
 #                REGEN_PROMPTS, default the multi-turn prompts when unpacked, else the first turns; REGEN_BENCH_ARGS
 #                adds options: --shares 2 --share-ranks R, each half of a 2-GPU run alone; --gpus with no count
 #                skips the full run)                                -> "regenerate", with 2 GPUs "ddp_scaling",
