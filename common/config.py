@@ -332,7 +332,8 @@ class TrainConfig(Section):
         default_factory=list, description="Fractions of the run's steps at which to also evaluate and keep a "
         "checkpoint, whatever keep_last says (the points of a learning curve).")
     keep_last: PositiveInt = Field(2, description="Checkpoints kept besides `best` and the save_at ones.")
-    log_every: PositiveInt = Field(10, description="Steps between log lines (train_log.jsonl, trackers).")
+    log_every: PositiveInt = Field(10, description="Steps between the train/ summaries (acc_i) in train_log.jsonl "
+                                   "and the trackers' logs; train_log.jsonl holds every step's record either way.")
     max_nonfinite_in_row: PositiveInt = Field(5, description="Abort after this many steps in a row with a "
                                               "non-finite loss or gradient (each such step is skipped).")
     mixed_precision: Literal["auto", "no", "bf16"] = Field(
@@ -354,8 +355,8 @@ class TrainConfig(Section):
 
 
 class TrackingConfig(Section):
-    """Experiment trackers for training (loss, lr, acc_i, held-out metrics) and eval (tau, alpha_k, tau*),
-    by the names accelerate knows."""
+    """Experiment trackers for training (loss, lr, acc_i, held-out metrics) and for `eval run`/`eval gate` on the
+    HF target (tau, alpha_k, tau*; `eval quality` and --live log nothing), by the names accelerate knows."""
 
     report_to: list[str] = Field(default_factory=list, description=f"Any of {', '.join(TRACKERS)}; "
                                  "[] (or 'none') for none; one name alone is a list of one.")

@@ -1,11 +1,12 @@
 """SGLang capture backend (UNVERIFIED: sglang cannot be installed here; written against its documented
 offline ``sgl.Engine`` API and never run). For a target at Kimi-K2.5's scale prefer ``capture.backend:
-specforge`` (``data_prep/specforge_import.py``): SpecForge had to patch SGLang to get the aux *and* final
+specforge`` (``data_prep/specforge_import.py``): SpecForge patches SGLang to get the aux *and* final
 states out, which the stock engine used here does not do.
 
 Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLang already is one. How:
 - aux states: SGLang captures the drafter's layers when it serves an EAGLE-3 drafter (the target's
-  ``set_eagle3_layers_to_capture(ids)`` records the *outputs* of ``ids``, our convention), and
+  ``set_eagle3_layers_to_capture(ids)`` records what SGLang captures for the architecture:
+  ``target_model.aux_layers.sglang_captured_outputs``), and
   ``return_hidden_states`` then returns those concatenated states (3H) for every prompt token. So the
   engine is started with the warm-start drafter (``drafter.init_from``, whose ids capture resolved).
 - teacher: SGLang does not return the final hidden state next to the aux states, so only teacher

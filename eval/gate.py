@@ -11,7 +11,7 @@ output that differs from the target's own greedy output is rejected whatever its
 
 Promotion layout: ``promoted`` is a symlink to ``promotions/<fingerprint[:16]>/`` beside it, an immutable
 copy of the servable files. The decision record is appended (fsynced) before the link is switched by one
-rename, and ``reconcile`` makes the two agree after a kill (ARCHITECTURE.md, "Promotion").
+rename, and ``reconcile`` makes the two agree after a kill (docs/gate-and-promotion.md, "Promotion").
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def already_serving(history_file: str | Path, fp: str) -> dict | None:
 
 def serving_id(promoted_dir: str | Path) -> str | None:
     """Short fingerprint (``FP_CHARS``) of the drafter at ``promoted_dir``; None when nothing is there. Read
-    from the link for our own layout, hashed for a real directory (older versions) or a foreign link."""
+    from the link for our own layout, hashed for a real directory (not this tool's link) or a foreign link."""
     path = Path(promoted_dir)
     if path.is_symlink():
         target = Path(os.readlink(path))
@@ -250,8 +250,8 @@ def _build(checkpoint: Path, dst: Path) -> None:
 
 
 def _switch(promoted: Path, name: str) -> None:
-    """Point ``promoted`` at ``promotions/<name>`` in one step. A real directory there (an older version's
-    copy) is exchanged with the new link atomically where the kernel can (renameat2); elsewhere it is renamed
+    """Point ``promoted`` at ``promotions/<name>`` in one step. A real directory there (not this tool's
+    link) is exchanged with the new link atomically where the kernel can (renameat2); elsewhere it is renamed
     away first, and a kill between the two renames leaves the history to ``reconcile`` from."""
     target = f"{PROMOTIONS}/{name}"
     if promoted.is_symlink() or not promoted.exists():
@@ -276,7 +276,7 @@ def reconcile(promoted_dir: str | Path, history_file: str | Path) -> list[str]:
 
     - the last serving record names a drafter that ``promoted`` does not serve yet, while it still serves
       the one the record replaced (or nothing): the switch was interrupted, so it is completed;
-    - ``promoted`` serves something no record names (an older version's promotion, a change by hand): a
+    - ``promoted`` serves something no record names (a real directory, not this tool's link; a change by hand): a
       "reconciled" record says so, and that drafter is the incumbent from now on.
     """
     promoted, store = Path(promoted_dir), promotions_dir(promoted_dir)
@@ -292,7 +292,7 @@ def reconcile(promoted_dir: str | Path, history_file: str | Path) -> list[str]:
         _switch(promoted, want)
         return [f"completed the promotion of {want} recorded at {record.get('time')} (it was interrupted)"]
     fp = fingerprint(promoted) if current is not None else None
-    why = (f"{promoted} serves {current}, which no promotion record names (promoted by an older version, or "
+    why = (f"{promoted} serves {current}, which no promotion record names (promoted outside this tool, or "
            "changed by hand); recorded as serving" if current is not None else
            f"{promoted} is empty, and {store / str(want)} is gone; recorded as serving nothing")
     append_history(history_file, {"decision": "reconciled", "fingerprint": fp, "reasons": [why],
@@ -314,7 +314,7 @@ def promote(checkpoint: str | Path, fp: str, promoted_dir: str | Path, history_f
         _build(src, dst)
     previous = serving_id(promoted)
     if previous is not None and not promoted.is_symlink() and not (dst.parent / previous).is_dir():
-        _build(promoted, dst.parent / previous)  # keep an older version's copy, so a rollback can find it
+        _build(promoted, dst.parent / previous)  # keep a real directory's copy, so a rollback can find it
     append_history(history_file, record | {"decision": "promoted", "fingerprint": fp, "previous": previous,
                                            "promoted_path": str(dst)})
     _switch(promoted, dst.name)

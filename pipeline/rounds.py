@@ -6,7 +6,7 @@ Every round fine-tunes the incumbent (``pick_incumbent``: the promoted drafter; 
 config's ``drafter.init_from``, which for the embedded default is the shipped SmolLM2 drafter under
 drafters/; without one, round 1 trains from scratch) on *fresh* prompts (the next slice of the ingested
 pool), and gates the result against the break-even τ* measured on this machine and against the incumbent:
-the mission's loop in miniature. Each stage runs as the same CLI a user would type, in a subprocess, so a
+the production loop in miniature. Each stage runs as the same CLI a user would type, in a subprocess, so a
 kill at any point resumes where it stopped when the command is run again.
 
 Exit codes: 0 the round finished (the gate promoted, rejected, or left it unresolved: the verdict says which and

@@ -101,7 +101,7 @@ def store_data(cfg: RunConfig) -> TrainingData:
     """The capture store under run_dir/store."""
     store, frac = cfg.store_dir, cfg.train.holdout_fraction
     manifest = read_manifest(store)
-    cap = manifest.get("max_answer_tokens")  # absent: a store captured before the setting, without a cap
+    cap = manifest.get("max_answer_tokens")  # absent: a store without the key, read as no cap
     if cap != cfg.train.max_answer_tokens:
         raise StoreError(f"{store}: captured with train.max_answer_tokens={cap}, the config says "
                          f"{cfg.train.max_answer_tokens}; rerun `python -m data_prep capture` (it rewrites the shards "
