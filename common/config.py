@@ -475,8 +475,9 @@ class GateConfig(Section):
         0.95, description="Two-sided level of each bootstrap interval (expanded for few prompts): the candidate is "
         "promoted when every interval's lower end lies above its bar, rejected when an upper end is below it, "
         "unresolved otherwise.")
-    bootstrap_samples: Annotated[int, Field(ge=100), NotBool] = Field(
-        2000, description="Resamples of the prompts (and of the timing prompts) behind each interval.")
+    bootstrap_samples: Annotated[int, Field(ge=1000), NotBool] = Field(
+        2000, description="Resamples of the prompts (and of the timing prompts) behind each interval; at least 1,000 "
+        "(with fewer, a bound near its bar moves with the seed).")
     bootstrap_seed: Int = Field(0, description="Seed of the resampling: the same seed gives the same intervals.")
     datasets: list[str] | None = Field(None, description="Gate datasets; default: all eval ones.")
     promoted_dir: str = Field("promoted", description="The link SGLang serves from: promoted -> "
