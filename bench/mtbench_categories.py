@@ -12,7 +12,6 @@ the order the eval reads its prompts. Recorded as "mtbench_categories".
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.results import record  # noqa: E402
+from common.files import iter_jsonl  # noqa: E402
 from common.wheels import builtin_data_path  # noqa: E402
 from eval.batched_eval import acceptance  # noqa: E402
 from eval.gate_stats import bootstrap  # noqa: E402
@@ -32,15 +32,10 @@ def categories() -> list[str]:
     """Each MT-Bench question's category, in the file's order (the order eval prompts are read in)."""
     path = builtin_data_path("mtbench")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("category"), str):
-                raise ValueError(f"{path}:{n}: no 'category' string")
-            out.append(rec["category"])
+    for n, rec in iter_jsonl(path):
+        if not isinstance(rec.get("category"), str):
+            raise ValueError(f"{path}:{n}: no 'category' string")
+        out.append(rec["category"])
     return out
 
 

@@ -14,7 +14,6 @@ prompts share a run, and for each such prompt its index in the dataset and the f
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from contextlib import closing
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import record  # noqa: E402
 from common.cli import one_line_errors  # noqa: E402
 from common.config import DatasetConfig, load_config  # noqa: E402
+from common.files import iter_jsonl  # noqa: E402
 from data_prep.decontaminate import first_shared_ngram, ngram_index  # noqa: E402
 from data_prep.sources import open_source  # noqa: E402
 
@@ -44,15 +44,11 @@ def measured_turns(ds: DatasetConfig) -> list[str]:
 def training_turns(path: Path) -> list[str]:
     """Every user turn of every conversation in ``path``; a line that is not a conversation is an error naming it."""
     turns = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                messages = json.loads(line)["messages"]
-                turns += [m["content"] for m in messages if m["role"] == "user"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not a conversation with messages ({e})") from None
+    for n, rec in iter_jsonl(path):
+        try:
+            turns += [m["content"] for m in rec["messages"] if m["role"] == "user"]
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a conversation with messages ({e})") from None
     return turns
 
 

@@ -68,6 +68,7 @@ from bench.results import command_line, device_name, measured_here, record, reco
 from bench.runs import run  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
+from common.files import iter_jsonl, json_line  # noqa: E402
 from data_prep.regenerate import device_shares, phase_text  # noqa: E402
 from engine.batched import BatchedTarget  # noqa: E402
 from engine.continuous_batching import generate  # noqa: E402
@@ -78,26 +79,23 @@ from target_model.hf_model import TargetModel, load_target, stop_token_ids  # no
 def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:
     """The first user turn of the first ``n`` records of an ingested prompts.jsonl, chat-templated (prompts
     over 2,048 tokens left out)."""
-    texts = []
-    with open(prompts_file) as f:
-        for line in f:
-            if len(texts) >= n:
-                break
-            texts.append(next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user"))
+    texts = [next(m["content"] for m in p["messages"] if m["role"] == "user") for p in prompt_records(prompts_file, n)]
     return [ids for ids in (render(tok, t) for t in texts) if len(ids) <= 2048]
+
+
+def prompt_records(prompts_file: Path, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` records of ``prompts_file``; a line that is not one is an error naming it."""
+    return [p for _, p in islice(iter_jsonl(prompts_file, fix="give --prompts-file an ingested prompts.jsonl"), n)]
 
 
 def share_lines(prompts_file: Path, n: int, share: tuple[int, int] | None) -> list[bytes]:
     """The first ``n`` records of ``prompts_file``; with ``share`` (rank, devices), only those that
     ``regenerate.device_shares`` gives that device of a run over that many."""
-    with open(prompts_file, "rb") as f:
-        lines = list(islice(f, n))
-    if share is None:
-        return lines
-    rank, devices = share
-    records = [json.loads(line) for line in lines]
-    ids = {p["id"] for p in device_shares(records, devices)[rank]}
-    return [line for line, r in zip(lines, records, strict=True) if r["id"] in ids]
+    records = prompt_records(prompts_file, n)
+    if share is not None:
+        rank, devices = share
+        records = device_shares(records, devices)[rank]
+    return [json_line(p).encode("utf-8") for p in records]
 
 
 def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gpus: int, out: Path,

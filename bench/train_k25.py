@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.results import record  # noqa: E402
 from bench.runs import REPO, run  # noqa: E402
 from bench.train_throughput import bench, shape_figures, shape_named  # noqa: E402
+from common.files import iter_jsonl  # noqa: E402
 
 OURS, PEERS = "k25", "kimi"  # the one shape's name in train_throughput.SHAPES and in bench_specforge.SHAPES
 # bench_specforge.py's row fields -> ours (its row carries its shape's numbers: checked equal to ours)
@@ -71,7 +72,7 @@ def specforge_step(script: Path, batch: int, seq: int, ttt: int, steps: int, war
     run([sys.executable, str(script), "--shapes", PEERS, "--backends", "flex_attention", "--batch", str(batch),
          "--seq", str(seq), "--ttt", str(ttt), "--steps", str(steps), "--warmup", str(warmup), "--no-matmul",
          "--out", str(out)], log=log)
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines() if line.strip()]
+    rows = [r for _, r in iter_jsonl(rows_file, RuntimeError, fix=f"see {log}")]
     step = next((r for r in rows if r.get("kind") == "train_step"), None)
     if step is None or "error" in step:
         raise RuntimeError(f"{script}: {step['error'] if step else 'no train_step row'} (log: {log})")

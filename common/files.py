@@ -135,6 +135,28 @@ def read_json_object(path: Path, fix: str, error: type[Exception] = ValueError) 
     return obj
 
 
+def iter_jsonl(path: Path, error: type[Exception] = ValueError, fix: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-blank line of the JSONL file ``path``, the one reader of the JSONL files the
+    stages pass on: a line that is not UTF-8, not JSON or not an object raises ``error`` as one line naming the file
+    and line and ending in ``fix``, what to do (json's own messages name neither). A torn last line is an error too:
+    a reader of a file a killed append may have left calls ``cut_torn_tail`` first."""
+    end = f"; {fix}" if fix else ""
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                # Without its newline, a cut string reads "Unterminated string", not "Invalid control character".
+                obj = json.loads(raw.rstrip(b"\r\n").decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise error(f"{path}:{n}: invalid UTF-8 at byte {e.start} of the line{end}") from None
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{n}: not JSON ({e.msg}){end}") from None
+            if not isinstance(obj, dict):
+                raise error(f"{path}:{n}: a JSON {type(obj).__name__}, not an object{end}")
+            yield n, obj
+
+
 def json_line(record: dict[str, Any], sort_keys: bool = False) -> str:
     """One JSONL line (UTF-8 text kept readable) that every line splitter sees as exactly one line."""
     return json_text(record, ensure_ascii=False, sort_keys=sort_keys).translate(_LINE_BREAKS) + "\n"

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from common.batching import length_batches
 from common.config import RunConfig
 from common.dtypes import torch_dtype
-from common.files import sha256_file, write_bytes_atomic, write_json_atomic
+from common.files import iter_jsonl, sha256_file, write_bytes_atomic, write_json_atomic
 from common.parent_death import die_with_parent
 from data_prep.capture_sample import CaptureError, Sample
 from data_prep.capture_sglang import SGLangCaptureBackend
@@ -138,34 +138,25 @@ class CaptureSummary:
 
 # ---------------------------------------------------------------- input: conversations -> samples
 def read_conversations(path: Path) -> list[dict[str, Any]]:
+    """The conversations regenerate wrote, each checked for the fields capture reads: a bad one is an error naming
+    its line, not a failure far from it."""
     if not path.is_file():
         raise CaptureError(f"{path}: not found; run `python -m data_prep regenerate` first")
     out = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise CaptureError(f"{path}:{n}: invalid UTF-8 at byte {e.start} of the line; move the file away "
-                                   "and rerun regenerate") from None
-            except json.JSONDecodeError as e:
-                raise CaptureError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            msgs = rec.get("messages") if isinstance(rec, dict) else None
-            if not isinstance(rec.get("id") if isinstance(rec, dict) else None, str) or not isinstance(msgs, list):
-                raise CaptureError(f"{path}:{n}: expected an object with 'id' (str) and 'messages' (list)")
-            for m in msgs:
-                if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                    raise CaptureError(f"{path}:{n}: messages must be {{'role': str, 'content': str}} objects "
-                                       "(an assistant turn may add reasoning_content and tool_calls)")
-                if not isinstance(m.get("reasoning_content", ""), str) or not isinstance(m.get("tool_calls", []),
-                                                                                           list):
-                    raise CaptureError(f"{path}:{n}: reasoning_content must be a string and tool_calls a list")
-            reasons = rec.get("finish_reasons", [])
-            if not (isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)):
-                raise CaptureError(f"{path}:{n}: finish_reasons must be a list of strings (one per answer)")
-            out.append(rec)
+    for n, rec in iter_jsonl(path, CaptureError, fix="move the file away and rerun regenerate"):
+        msgs = rec.get("messages")
+        if not isinstance(rec.get("id"), str) or not isinstance(msgs, list):
+            raise CaptureError(f"{path}:{n}: expected an object with 'id' (str) and 'messages' (list)")
+        for m in msgs:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise CaptureError(f"{path}:{n}: messages must be {{'role': str, 'content': str}} objects "
+                                   "(an assistant turn may add reasoning_content and tool_calls)")
+            if not isinstance(m.get("reasoning_content", ""), str) or not isinstance(m.get("tool_calls", []), list):
+                raise CaptureError(f"{path}:{n}: reasoning_content must be a string and tool_calls a list")
+        reasons = rec.get("finish_reasons", [])
+        if not (isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)):
+            raise CaptureError(f"{path}:{n}: finish_reasons must be a list of strings (one per answer)")
+        out.append(rec)
     if not out:
         raise CaptureError(f"{path}: no conversations in it; rerun regenerate")
     return out

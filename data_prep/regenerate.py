@@ -30,8 +30,10 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from tqdm import tqdm
 
 from common import parent_death
 from common.config import RunConfig, dump_config, parse_config
-from common.files import JsonlAppender, cut_torn_tail, named_errors
+from common.files import JsonlAppender, cut_torn_tail, iter_jsonl, json_line, named_errors
 from common.percentiles import percentiles
 from common.process_clock import process_age_s
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
@@ -66,37 +68,28 @@ def load_prompt_records(path: Path, limit: int | None) -> list[dict[str, Any]]:
         raise RegenerateError(f"{path}: no prompts file; run `python -m data_prep ingest` first")
     prompts: list[dict[str, Any]] = []
     seen: set[str] = set()
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            if limit is not None and len(prompts) >= limit:
-                break
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise RegenerateError(f"{path}:{lineno}: invalid UTF-8 at byte {e.start} of the line; "
-                                      "rerun ingest") from None
-            try:
-                p = json.loads(line)
-                pid, messages = p["id"], p["messages"]
-                roles = [m["role"] for m in messages] if isinstance(messages, list) else []
-            except (ValueError, KeyError, TypeError) as e:
-                raise RegenerateError(f"{path}:{lineno}: not a prompt record ({type(e).__name__}: {e}); "
-                                      "rerun ingest") from None
-            # Ingest writes these types; another would fail far from this line (an id is a set key).
-            if not isinstance(pid, str):
-                raise RegenerateError(f"{path}:{lineno}: id must be a string, not {_json_type(pid)}; rerun ingest")
-            if not isinstance(messages, list):
-                raise RegenerateError(f"{path}:{lineno}: messages must be a list, not {_json_type(messages)}; "
-                                      "rerun ingest")
-            if pid in seen:
-                raise RegenerateError(f"{path}:{lineno}: id {pid} appears twice; rerun ingest")
-            if "user" not in roles:
-                raise RegenerateError(f"{path}:{lineno}: prompt {pid} has no user turn; rerun ingest")
-            if (unanswered := unanswered_role(roles)) is not None:
-                raise RegenerateError(f"{path}:{lineno}: prompt {pid} has a {unanswered} turn after its last user "
-                                      "turn or tool result, which no answer would follow; rerun ingest")
-            seen.add(pid)
-            prompts.append(p)
+    for lineno, p in islice(iter_jsonl(path, RegenerateError, fix="rerun ingest"), limit):
+        try:
+            pid, messages = p["id"], p["messages"]
+            roles = [m["role"] for m in messages] if isinstance(messages, list) else []
+        except (KeyError, TypeError) as e:
+            raise RegenerateError(f"{path}:{lineno}: not a prompt record ({type(e).__name__}: {e}); "
+                                  "rerun ingest") from None
+        # Ingest writes these types; another would fail far from this line (an id is a set key).
+        if not isinstance(pid, str):
+            raise RegenerateError(f"{path}:{lineno}: id must be a string, not {_json_type(pid)}; rerun ingest")
+        if not isinstance(messages, list):
+            raise RegenerateError(f"{path}:{lineno}: messages must be a list, not {_json_type(messages)}; "
+                                  "rerun ingest")
+        if pid in seen:
+            raise RegenerateError(f"{path}:{lineno}: id {pid} appears twice; rerun ingest")
+        if "user" not in roles:
+            raise RegenerateError(f"{path}:{lineno}: prompt {pid} has no user turn; rerun ingest")
+        if (unanswered := unanswered_role(roles)) is not None:
+            raise RegenerateError(f"{path}:{lineno}: prompt {pid} has a {unanswered} turn after its last user "
+                                  "turn or tool result, which no answer would follow; rerun ingest")
+        seen.add(pid)
+        prompts.append(p)
     if not prompts:
         raise RegenerateError(f"{path}: no prompts in it; rerun ingest with data.sources that hold some")
     return prompts
@@ -115,14 +108,19 @@ def resume(path: Path) -> tuple[set[str], int]:
     if not path.exists():
         return set(), 0
     torn = cut_torn_tail(path)
-    ids: set[str] = set()
-    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
-        try:
-            ids.add(json.loads(line)["id"])
-        except (ValueError, KeyError, TypeError):
-            raise RegenerateError(f"{path}:{lineno}: a whole line that is not a conversation record; "
-                                  "the file is damaged: move it away and rerun") from None
-    return ids, torn
+    return {rec["id"] for rec in whole_records(path)}, torn
+
+
+_DAMAGED = "the file is damaged: move it away and rerun"
+
+
+def whole_records(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a conversations file whose torn tail is cut: what is left are whole lines, so a bad one is
+    damage, never an interrupted append."""
+    for lineno, rec in iter_jsonl(path, RegenerateError, fix=_DAMAGED):
+        if not isinstance(rec.get("id"), str):
+            raise RegenerateError(f"{path}:{lineno}: a whole line that is not a conversation record; {_DAMAGED}")
+        yield rec
 
 
 class Conversation:
@@ -344,22 +342,20 @@ def validate(path: Path, selected: list[str], summary: RegenerateSummary) -> Non
     counts: Counter[str] = Counter()
     lengths: list[int] = []
     flagged: dict[str, list[str]] = {"empty": [], "length": [], "loop": []}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            rec = json.loads(line)
-            counts[rec["id"]] += 1
-            answers = [answer_text(m) for m in rec["messages"] if m["role"] == "assistant"]
-            lengths += [len(a) for a in answers]
-            summary.finish_reasons.update(rec["finish_reasons"])
-            empty = sum(not a.strip() for a in answers)
-            cut = rec["finish_reasons"].count("length")
-            looped = rec["finish_reasons"].count("loop")
-            summary.empty_answers += empty
-            summary.length_answers += cut
-            summary.loop_answers += looped
-            for flag, n in (("empty", empty), ("length", cut), ("loop", looped)):
-                if n and len(flagged[flag]) < FLAG_SAMPLE:
-                    flagged[flag].append(rec["id"])
+    for _, rec in iter_jsonl(path, RegenerateError, fix=_DAMAGED):
+        counts[rec["id"]] += 1
+        answers = [answer_text(m) for m in rec["messages"] if m["role"] == "assistant"]
+        lengths += [len(a) for a in answers]
+        summary.finish_reasons.update(rec["finish_reasons"])
+        empty = sum(not a.strip() for a in answers)
+        cut = rec["finish_reasons"].count("length")
+        looped = rec["finish_reasons"].count("loop")
+        summary.empty_answers += empty
+        summary.length_answers += cut
+        summary.loop_answers += looped
+        for flag, n in (("empty", empty), ("length", cut), ("loop", looped)):
+            if n and len(flagged[flag]) < FLAG_SAMPLE:
+                flagged[flag].append(rec["id"])
     summary.records = sum(counts.values())
     summary.duplicate_ids = sum(n - 1 for n in counts.values())
     summary.missing = sum(pid not in counts for pid in selected)
@@ -600,12 +596,11 @@ def merge_parts(out: Path) -> int:
     added = 0
     with named_errors(out), open(out, "ab") as f:
         for part in parts:
-            resume(part)  # drops a torn last line
-            for line in part.read_bytes().splitlines(keepends=True):
-                rid = json.loads(line)["id"]
-                if rid not in done:
-                    f.write(line)
-                    done.add(rid)
+            cut_torn_tail(part)
+            for rec in whole_records(part):
+                if rec["id"] not in done:
+                    f.write(json_line(rec).encode("utf-8"))  # the bytes the part's writer wrote (same json_line)
+                    done.add(rec["id"])
                     added += 1
         f.flush()
         os.fsync(f.fileno())

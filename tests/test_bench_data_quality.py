@@ -88,7 +88,7 @@ NO_REASONS = json.dumps({k: v for k, v in conv(1, ["Hi."], []).items() if k != "
 
 @pytest.mark.parametrize(("lines", "error"), [
     (None, ": not found; "),
-    ([GOOD, '{"id": "c1", "mess'], ":2: not valid JSON"),
+    ([GOOD, '{"id": "c1", "mess'], ":2: not JSON"),
     ([GOOD, "", NO_REASONS], ":3: no finish_reasons; "),  # counted as read_conversations counts: line 2 is blank
     ([json.dumps(conv(0, ["Paris.", "Rome."], ["stop"]))], ":1: 1 finish_reasons for 2 answers; "),
 ], ids=["missing", "torn-line", "no-reasons", "short-reasons"])

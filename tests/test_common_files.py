@@ -105,3 +105,35 @@ def test_machine_json_holds_null_for_a_non_finite_float(tmp_path: Path, value: f
     assert json.loads(text, parse_constant=pytest.fail) == {"alpha": {"mtbench": [0.5, None]}, "tau": [None, 2.0]}
     files.write_json_atomic(tmp_path / "m.json", record)
     assert json.loads((tmp_path / "m.json").read_text(), parse_constant=pytest.fail)["tau"] == [None, 2.0]
+
+
+class _Damaged(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    (b'{"id": "caf\xe9"}', "invalid UTF-8 at byte 11 of the line"),
+    (b'{"id": "c2", "mess', "not JSON (Unterminated string starting at)"),
+    (b'["c2"]', "a JSON list, not an object"),
+])
+def test_a_bad_jsonl_line_is_one_line_naming_file_and_line(tmp_path: Path, line: bytes, problem: str) -> None:
+    """Blank lines are skipped but counted, so the number is the line an editor shows."""
+    path = tmp_path / "records.jsonl"
+    path.write_bytes(b'{"id": "c0"}\n\n' + line + b"\n")
+    with pytest.raises(_Damaged) as e:
+        list(files.iter_jsonl(path, _Damaged, fix="rerun it"))
+    assert str(e.value) == f"{path}:3: {problem}; rerun it"
+
+
+def test_jsonl_records_come_with_their_line_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "records.jsonl"
+    files.write_jsonl_atomic(path, [{"id": "a\u2028b"}, {"id": "c"}])  # a line break str.splitlines() would split
+    with open(path, "ab") as f:
+        f.write(b"\n")
+        files.append_jsonl(f, {"id": "d"})
+    assert list(files.iter_jsonl(path)) == [(1, {"id": "a\u2028b"}), (2, {"id": "c"}), (4, {"id": "d"})]
+    path.write_bytes(b'{"id": "e"}\n{"id": "f"')  # a torn tail is an error unless cut first
+    with pytest.raises(ValueError, match=r":2: not JSON \("):
+        list(files.iter_jsonl(path))
+    files.cut_torn_tail(path)
+    assert list(files.iter_jsonl(path)) == [(1, {"id": "e"})]

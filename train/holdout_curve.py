@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from common.cli import EXIT_OK, one_line_errors
-from common.files import write_bytes_atomic
+from common.files import iter_jsonl, write_bytes_atomic
 
 LOG_NAME = "train_log.jsonl"
 PNG_NAME = "holdout_curve.png"
@@ -27,18 +26,7 @@ def read_train_log(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / LOG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no training log (is {run_dir} a run directory that trained?)")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not JSON ({e.msg}); the file is damaged") from None
-        if not isinstance(rec, dict):
-            raise ValueError(f"{path}:{n}: a record must be a JSON object, got {type(rec).__name__}")
-        records.append(rec)
-    return records
+    return [rec for _, rec in iter_jsonl(path, fix="the file is damaged")]
 
 
 def holdout_points(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
