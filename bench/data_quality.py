@@ -221,11 +221,11 @@ def main() -> int:
     if args.regenerate is None:
         if args.label is None:
             ap.error("--label before|after is needed to measure a file")
-        from target_model.hf_model import load_tokenizer, resolve_source
+        from target_model.hf_model import tokenizer_from_config
 
         path = args.conversations or cfg.conversations_path
         records = read_records(path)  # before the tokenizer loads: a bad file fails at once
-        tok = load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
+        tok = tokenizer_from_config(cfg.target)
         r = cfg.regenerate
         save({args.label: {"source": str(path), **measure(records, tok, r.loop_min_repeat_tokens, r.loop_max_period)}})
         return 0

@@ -354,15 +354,13 @@ class OpenAIChatBackend:
             if self.target is None:
                 raise BackendError("regenerate.stop_loops: the openai backend needs the target's tokenizer to cut "
                                    "loops (target.name)")
-            from target_model.hf_model import load_tokenizer, resolve_source
+            from target_model.hf_model import tokenizer_from_config
 
             try:
-                self._tokenizer = load_tokenizer(resolve_source(self.target.name, self.target.gguf_file),
-                                                 self.target.trust_remote_code)
-            except (OSError, ValueError) as e:
-                raise BackendError(f"regenerate.stop_loops: cannot load the tokenizer of target.name "
-                                   f"{self.target.name!r} to cut loops ({str(e).splitlines()[0]}); give a local "
-                                   "directory, or set regenerate.stop_loops: false") from None
+                self._tokenizer = tokenizer_from_config(self.target)
+            except ValueError as e:  # the TargetError naming target.name, or resolve_source's
+                raise BackendError(f"{e}; or set regenerate.stop_loops: false (the openai backend loads the "
+                                   "tokenizer only to cut loops)") from None
         return self._tokenizer
 
     def cut_loop(self, c: Completion) -> Completion:

@@ -20,7 +20,6 @@ appended whole line by line; a torn last line is cut on resume.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections import Counter
@@ -32,13 +31,13 @@ from typing import Any
 from tqdm import tqdm
 
 from common.config import RunConfig, SynthesizeConfig
-from common.files import JsonlAppender, cut_torn_tail, named_errors
+from common.files import JsonlAppender, cut_torn_tail, iter_jsonl, named_errors
 from data_prep.backends import OpenAIChatBackend
 from data_prep.decontaminate import turn_key
 from data_prep.step_failed import StepFailed, over_failure_share
 from engine.batched import BatchedTarget
 from engine.continuous_batching import LoopStop, Sampling, Stream, request_seed
-from target_model.hf_model import load_target_from_config, load_tokenizer, resolve_source, stop_token_ids
+from target_model.hf_model import load_target_from_config, stop_token_ids, tokenizer_from_config
 
 KEPT_FILE = "self_prompts.jsonl"
 DROPPED_FILE = "self_prompts.dropped.jsonl"
@@ -161,9 +160,8 @@ def read_draws(kept_path: Path, dropped_path: Path, seed: int) -> Draws:
         if not path.exists():
             continue
         cut_torn_tail(path)
-        for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
+        for lineno, rec in iter_jsonl(path, SynthesizeError, fix="the file is damaged: move it away and rerun"):
             try:
-                rec = json.loads(line)
                 index = draw_index(rec["id"])
                 if path == kept_path:
                     draws.kept.add(turn_key(rec["messages"][0]["content"]))
@@ -240,7 +238,7 @@ class ServerDrawer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         t = cfg.target
-        tok = load_tokenizer(resolve_source(t.name, t.gguf_file), t.trust_remote_code)
+        tok = tokenizer_from_config(t)
         s = cfg.data.synthesize
         assert s is not None
         self.prefixes = [server_prompt(tok, query_prefix(tok, t.chat_template_kwargs, system)) for system in s.systems]

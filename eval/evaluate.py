@@ -22,7 +22,7 @@ from eval.report import PLOTS, log_to_trackers, markdown, write_report
 from eval.sglang_client import live_eval
 from eval.speculative import Eagle3Proposer, Engine
 from eval.turns import eval_prompts, records_skipped_short
-from target_model.hf_model import load_target_from_config, resolve_source, stop_token_ids
+from target_model.hf_model import load_target_from_config, stop_token_ids, tokenizer_from_config
 
 
 def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
@@ -67,12 +67,9 @@ def save_report(cfg: RunConfig, report: dict) -> Path:
 
 def evaluate_live(cfg: RunConfig) -> dict:
     """τ and α_k from a live SGLang server (unverified: see eval/sglang_client.py)."""
-    from transformers import AutoTokenizer
-
     if cfg.eval.sglang is None:
         raise ConfigError("eval.sglang: missing (server_url, optional baseline_url) for live mode")
-    tok = AutoTokenizer.from_pretrained(resolve_source(cfg.target.name, cfg.target.gguf_file),
-                                        trust_remote_code=cfg.target.trust_remote_code)
+    tok = tokenizer_from_config(cfg.target)  # as the live gate renders (live_gate.live_tokenizer)
     prompts = rendered_datasets(tok, cfg.eval.datasets, template_kwargs=cfg.target.chat_template_kwargs)
     return live_eval(cfg.eval.sglang.server_url, cfg.eval.sglang.baseline_url, prompts, cfg.eval.temperature,
                      cfg.eval.max_new_tokens)

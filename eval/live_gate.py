@@ -51,7 +51,7 @@ from eval.intervals import constant
 from eval.prompts import rendered_datasets
 from eval.report import decimals, gate_lines
 from eval.sglang_client import ServerError, add_histogram, auth_headers, generate, histogram_of, server_info
-from target_model.hf_model import load_tokenizer, resolve_source
+from target_model.hf_model import tokenizer_from_config
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 ROLE_KEYS = {"candidate": "server_url", "incumbent": "incumbent_url", "baseline": "baseline_url"}
@@ -381,7 +381,7 @@ def write_live_report(cfg: RunConfig, report: dict) -> Path:
 
 def live_tokenizer(cfg: RunConfig) -> Any:
     """The target's tokenizer: the gate renders prompts as the server renders them."""
-    return load_tokenizer(resolve_source(cfg.target.name, cfg.target.gguf_file), cfg.target.trust_remote_code)
+    return tokenizer_from_config(cfg.target)
 
 
 def live_prompts(cfg: RunConfig, tokenizer: Any = None) -> dict[str, list[list[int]]]:

@@ -220,6 +220,14 @@ def _tokenizer_error(name: str, source: Path | str, e: Exception) -> TargetError
                        "files beside its config.json")
 
 
+def _named_tokenizer(name: str, source: Path | str, trust_remote_code: bool) -> Any:
+    """``load_tokenizer``, its failure a one-line error naming target.name (``_tokenizer_error``)."""
+    try:
+        return load_tokenizer(source, trust_remote_code)
+    except (OSError, ValueError) as e:  # transformers raises ValueError for a directory without tokenizer files
+        raise _tokenizer_error(name, source, e) from None
+
+
 def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32", device: str = "auto",
                 trust_remote_code: bool = False, seconds: dict[str, float] | None = None) -> TargetModel:
     """``seconds``: filled with where the load's seconds went (imports, source, tokenizer, weights, device): a
@@ -232,10 +240,7 @@ def load_target(name: str, gguf_file: str | None = None, dtype: str = "float32",
     source = resolve_source(name, gguf_file)
     clock.mark()
     dev = pick_device(device)
-    try:
-        tok = load_tokenizer(source, trust_remote_code)
-    except (OSError, ValueError) as e:  # transformers raises ValueError for a directory without tokenizer files
-        raise _tokenizer_error(name, source, e) from None
+    tok = _named_tokenizer(name, source, trust_remote_code)
     clock.mark()
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype),
@@ -267,4 +272,10 @@ def target_text_config(cfg: TargetConfig) -> Any:
 def load_target_from_config(cfg: TargetConfig, seconds: dict[str, float] | None = None) -> TargetModel:
     """``load_target`` on the config's values (the builders themselves take plain values)."""
     return load_target(cfg.name, cfg.gguf_file, cfg.dtype, cfg.device, cfg.trust_remote_code, seconds)
+
+
+def tokenizer_from_config(cfg: TargetConfig) -> Any:
+    """The target's tokenizer alone (``load_tokenizer``: a pad token too), for what renders or counts text without
+    the weights; a tokenizer that cannot load is ``load_target``'s one-line error naming target.name."""
+    return _named_tokenizer(cfg.name, resolve_source(cfg.name, cfg.gguf_file), cfg.trust_remote_code)
 
