@@ -137,7 +137,8 @@ def plots(r: dict, out_dir: Path) -> list[Path]:
         errs = [[max(t - lo, 0) for t, (lo, _) in zip(taus, cis, strict=True)],
                 [max(hi - t, 0) for t, (_, hi) in zip(taus, cis, strict=True)]]
         ax.bar([i + j * width for i in range(len(datasets))], taus, width, yerr=errs, capsize=3, label=name)
-    ax.axhline(be["tau_star"], color="red", linestyle="--", label=f"tau* ({be['tau_star']:.2f})")
+    if be["tau_star"] is not None:  # null: not measured (no verify cycle)
+        ax.axhline(be["tau_star"], color="red", linestyle="--", label=f"tau* ({be['tau_star']:.2f})")
     ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(datasets))], datasets)
     ax.set(ylabel="tau (tokens / verify cycle)", title="Acceptance length against break-even (bars: intervals)")
     ax.legend(fontsize=7)
