@@ -279,9 +279,12 @@ def cut_torn_tail(path: Path) -> int:
     return len(data) - keep
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(*paths: str | Path) -> str:
+    """sha256 of the files' bytes in turn, read in blocks (a shard or checkpoint may not fit in memory);
+    several paths give one digest over them all (a checkpoint's weight files)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
     return h.hexdigest()

@@ -7,7 +7,6 @@ key set must equal ``expected_tensors`` exactly, with the right shapes, dtypes a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -24,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from common.dtypes import FLOAT_DTYPE_NAMES, torch_dtype
-from common.files import fresh_tmp_dir, json_text, named_errors, read_json_object, swap_dir
+from common.files import fresh_tmp_dir, json_text, named_errors, read_json_object, sha256_file, swap_dir
 from drafter.model import DrafterShape, Eagle3Drafter, rope_inv_freq, rope_parameters
 from drafter.vocab_map import vocab_map_problems
 from target_model.aux_layers import ascending_problem
@@ -341,12 +340,7 @@ def _save_weights(state: dict[str, torch.Tensor], path: Path, name: Path) -> Non
 
 def fingerprint(ckpt_dir: str | Path) -> str:
     """sha256 over the weight files (config excluded: it may gain harmless keys)."""
-    h = hashlib.sha256()
-    for f in sorted(set(weight_files(ckpt_dir).values())):
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
+    return sha256_file(*sorted(set(weight_files(ckpt_dir).values())))
 
 
 def _config_problems(cfg: dict, where: str) -> list[str]:
