@@ -9,7 +9,6 @@ sample boundaries (packing would need a block-diagonal mask in the drafter's TTT
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import random
 from collections.abc import Iterator, Sequence
@@ -22,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch.utils.data import Dataset, Sampler
 
 from common.batching import length_batches
+from data_prep.id_hash import ID_HASH_RANGE, id_hash
 from data_prep.store import StoreError, read_manifest, verify_store
 
 PER_TOKEN = ("input_ids", "loss_mask", "aux", "target_argmax", "last_hidden", "topk_ids", "topk_logprobs")
@@ -30,7 +30,7 @@ SPLITS = (None, "train", "holdout")
 
 def in_holdout(sample_id: str, fraction: float) -> bool:
     """Stable split by id hash: a sample stays on its side when the store grows."""
-    return int(hashlib.sha1(sample_id.encode()).hexdigest()[:8], 16) / 0x1_0000_0000 < fraction
+    return id_hash(sample_id) / ID_HASH_RANGE < fraction
 
 
 class ShardDataset(Dataset):

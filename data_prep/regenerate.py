@@ -25,7 +25,6 @@ of all devices together.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -46,6 +45,7 @@ from common.percentiles import percentiles
 from common.process_clock import process_age_s
 from data_prep.backends import CONTEXT_FULL, Chat, ChatBackend, Completion, make_chat_backend
 from data_prep.conversation_spans import ConversationSpans
+from data_prep.id_hash import id_hash
 from data_prep.step_failed import StepFailed, over_failure_share
 from engine.profile import EngineProfile
 
@@ -611,7 +611,7 @@ def merge_parts(out: Path) -> int:
 
 def share_of(prompt_id: str, n: int) -> int:
     """The device a prompt goes to: stable across reruns, so a resumed part file is never re-asked."""
-    return int(hashlib.sha1(prompt_id.encode()).hexdigest()[:8], 16) % n
+    return id_hash(prompt_id) % n
 
 
 def device_shares(prompts: list[dict[str, Any]], n: int) -> list[list[dict[str, Any]]]:
