@@ -10,7 +10,6 @@ running side by side (one per GPU) do not lose each other's objects.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shlex
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common.files import json_text, write_text_atomic
+from common.locking import flock
 
 RESULTS = Path(__file__).resolve().with_name("results.json")
 # Smoke runs (CI, a CPU dry run) point this elsewhere so that only real measurements land in the file.
@@ -62,8 +62,7 @@ def record(name: str, figures: dict[str, Any], command: str | None = None, merge
     fields (the figures and the command, device and date replace theirs)."""
     path = results_path()
     entry = {"command": command or command_line(), **measured_here(), **figures}
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with flock(path.with_name(path.name + ".lock")):
         data = json.loads(path.read_text()) if path.is_file() else {}
         data[name] = (data.get(name, {}) | entry) if merge else entry
         write_text_atomic(path, json_text(data, indent=2, sort_keys=True) + "\n")

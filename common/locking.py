@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -85,16 +85,31 @@ def run_lock(directory: str | Path, what: str, main_process: bool = True) -> Ite
         yield path
         return
     path.parent.mkdir(parents=True, exist_ok=True)
+
+    def refuse() -> None:
+        raise LockBusy(f"{path.parent} is in use by pid {_holder_pid(path)} (lock {path}); wait for it to "
+                       f"finish or stop it, then rerun (every stage resumes)") from None
+
+    with flock(path, busy=refuse) as fd:
+        with named_errors(path):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {what}\n".encode())
+        yield path
+
+
+@contextmanager
+def flock(path: Path, busy: Callable[[], None] | None = None) -> Iterator[int]:
+    """Hold an exclusive ``flock`` on ``path`` (created) for the block; yields its fd. When another process
+    holds it, ``busy`` runs first: it raises to refuse (a run dir) or says why this one waits (a shared cache);
+    then the lock is waited for. The kernel drops it when the holder dies, even by ``kill -9``."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise LockBusy(f"{path.parent} is in use by pid {_holder_pid(path)} (lock {path}); wait for it to "
-                           f"finish or stop it, then rerun (every stage resumes)") from None
-        with named_errors(path):
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()} {what}\n".encode())
-        yield path
+            if busy is not None:
+                busy()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
     finally:
         os.close(fd)  # closing drops the flock

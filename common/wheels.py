@@ -6,15 +6,13 @@ so the first use converts it once into a cached safetensors folder that later lo
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from common.files import fresh_tmp_dir, fsync_dir, remove_temps, swap_dir
+from common.locking import flock
 
 BUILTIN_TARGET = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,7 +73,8 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
     if _complete(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _waiting_lock(out.with_name(f".{out.name}.lock")):
+    lock = out.with_name(f".{out.name}.lock")
+    with flock(lock, busy=lambda: print(f"waiting for another process to finish converting (lock {lock})", flush=True)):
         if not _complete(out):  # re-checked: the holder this process waited on may have finished it
             remove_temps(out.parent, of=out.name)
             _convert_atomic(gguf_path, out)
@@ -85,22 +84,6 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 def _complete(out: Path) -> bool:
     """The folder appears only by a rename once whole, so its config marks a finished conversion."""
     return (out / "config.json").is_file()
-
-
-@contextmanager
-def _waiting_lock(path: Path) -> Iterator[None]:
-    """An flock that waits for its holder (a shared cache is no run dir's to refuse); the kernel drops it when
-    the holder dies, even by ``kill -9``."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting for another process to finish converting (lock {path})", flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing drops the flock
 
 
 def _convert_atomic(gguf_path: Path, out: Path) -> None:
