@@ -49,7 +49,7 @@ def student_t_cdf_two_sided(t: float, df: int) -> float:
 @lru_cache(maxsize=4096)
 def student_t_quantile(q: float, df: int) -> float:
     """The ``q`` quantile (q > 0.5) of Student's t with integer ``df`` >= 1: bisection on the closed-form CDF; past
-    1000 degrees of freedom, the normal quantile with its first Cornish-Fisher term (error below 1e-6)."""
+    1000 degrees of freedom, the normal quantile with its first Cornish-Fisher term (error below 3e-6)."""
     z = NormalDist().inv_cdf(q)
     if df > 1000:
         return z + (z ** 3 + z) / (4 * df)
