@@ -37,8 +37,8 @@ Figures, bench/results.json:
   ``spans``: when its conversations were open (``data_prep.conversation_spans``): whether the run's end waited
   on one long conversation's turns, which more devices cannot shorten.
 - "regenerate_shares" (with --shares N): each device's share of a run over N devices (the prompts
-  ``regenerate.device_shares`` gives it), run alone on one GPU, and projected_speedup = the --gpus 1 run's seconds /
-  the slowest share's: what N devices can at best give where only one is lent, before a several-device run's
+  ``regenerate_devices.device_shares`` gives it), run alone on one GPU, and projected_speedup = the --gpus 1 run's
+  seconds / the slowest share's: what N devices can at best give where only one is lent, before a several-device run's
   own costs (a process per device, the merge). A later call with --share-ranks adds the other ranks beside them.
 - "regenerate_kept_caches", "regenerate_shares_kept_caches", "ddp_scaling_kept_caches" (with --kept-caches DIR;
   the last with regeneration's fields only): the same, each run compiling over inductor's and Triton's caches in
@@ -69,7 +69,8 @@ from bench.runs import run  # noqa: E402
 from bench.wall_clock import synced  # noqa: E402
 from common.config import dump_config, load_config  # noqa: E402
 from common.files import iter_jsonl, json_line  # noqa: E402
-from data_prep.regenerate import device_shares, phase_text  # noqa: E402
+from data_prep.regenerate_devices import device_shares  # noqa: E402
+from data_prep.regenerate_summary import phase_text  # noqa: E402
 from engine.batched import BatchedTarget  # noqa: E402
 from engine.continuous_batching import generate  # noqa: E402
 from eval.prompts import render  # noqa: E402
@@ -90,7 +91,7 @@ def prompt_records(prompts_file: Path, n: int) -> list[dict[str, Any]]:
 
 def share_lines(prompts_file: Path, n: int, share: tuple[int, int] | None) -> list[bytes]:
     """The first ``n`` records of ``prompts_file``; with ``share`` (rank, devices), only those that
-    ``regenerate.device_shares`` gives that device of a run over that many."""
+    ``regenerate_devices.device_shares`` gives that device of a run over that many."""
     records = prompt_records(prompts_file, n)
     if share is not None:
         rank, devices = share

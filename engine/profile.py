@@ -1,6 +1,6 @@
 """Where a regeneration's seconds go, for benchmarks: one optional ``EngineProfile`` the caller passes.
 
-``Stream`` (and the regeneration loop around it, ``data_prep.regenerate``) measure nothing unless they are given a
+``Stream`` (and the regeneration loop around it, ``data_prep.regenerate_loop``) measure nothing unless they are given a
 profile: production keeps no timings, records no CUDA timing events and runs no sampler thread. Given one, it splits
 the run's seconds into prefill forwards, decode (the host's: launching steps and waiting for their tokens), the
 engine's own host work by phase and the caller's time between polls, with the decode steps' own device seconds

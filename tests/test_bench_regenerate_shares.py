@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import regenerate_throughput as bench  # noqa: E402
-from data_prep.regenerate import share_of  # noqa: E402
+from data_prep.regenerate_devices import share_of  # noqa: E402
 
 
 def write_prompts(path: Path, n: int) -> Path:

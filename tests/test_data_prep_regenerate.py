@@ -28,7 +28,9 @@ from common.cli import LLAMA_CPP_CAUSES, exit_reason
 from common.config import RunConfig, TargetConfig, parse_config
 from common.process_clock import process_age_s
 from data_prep.backends import BackendError, HFChatBackend, make_chat_backend
-from data_prep.regenerate import PHASES, STARTUP_PARTS, RegenerateError, run_regenerate
+from data_prep.regenerate import run_regenerate
+from data_prep.regenerate_files import RegenerateError
+from data_prep.regenerate_summary import PHASES, STARTUP_PARTS
 from data_prep.step_failed import StepFailed
 from engine.profile import EngineProfile
 
@@ -203,7 +205,8 @@ def test_a_servers_looping_answer_keeps_the_asked_tokens_of_its_copies(tmp_path:
 @pytest.mark.parametrize("streaming", [False, True])
 def test_loop_cuts_and_answer_tokens_are_summed_over_the_run(tmp_path: Path, streaming: bool) -> None:
     from data_prep.backends import Completion
-    from data_prep.regenerate import load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
 
     def complete(self: Any, batch: list[list[dict[str, str]]], tools: list[Any] | None = None) -> list[Any]:
         return [Completion(text="x", finish_reason="loop", loop_tokens=(320, 100), tokens=100)
@@ -319,7 +322,7 @@ def test_empty_or_undecodable_prompts_are_errors_naming_file_and_line(tmp_path: 
 ])
 def test_a_prompt_field_of_the_wrong_type_is_an_error_naming_the_line(tmp_path: Path, fields: dict,
                                                                       problem: str) -> None:
-    from data_prep.regenerate import load_prompt_records
+    from data_prep.regenerate_files import load_prompt_records
 
     cfg = make_cfg(tmp_path)
     write_prompts(cfg, [[user("fine")]])
@@ -333,7 +336,7 @@ def test_a_prompt_field_of_the_wrong_type_is_an_error_naming_the_line(tmp_path: 
 def test_a_turn_no_answer_would_follow_is_an_error_not_left_out(tmp_path: Path) -> None:
     """A system turn after a prompt's last user turn gets no answer, so the conversation would lose it uncounted:
     ingest drops and counts it, and a prompts file that still has one is refused before any model loads."""
-    from data_prep.regenerate import load_prompt_records, unanswered_role
+    from data_prep.regenerate_files import load_prompt_records, unanswered_role
 
     assert unanswered_role(["system", "user", "assistant", "tool", "assistant"]) is None  # answered: the tool results
     assert unanswered_role(["user", "system", "assistant"]) == "system"
@@ -430,7 +433,8 @@ def test_a_profiled_step_samples_its_host_and_the_command_does_not(tmp_path: Pat
     """Profiled (a benchmark's ``EngineProfile(sample_host=True)``), the step's main thread is sampled and the
     summary's engine holds the samples: the regenerate loop among the functions sampled. The command profiles
     nothing."""
-    from data_prep.regenerate import load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
 
     tree = config_tree(tmp_path, backend="openai", server_urls=[fake.url], concurrency=2, batch_size=2)
     cfg = parse_config(tree)
@@ -444,7 +448,7 @@ def test_a_profiled_step_samples_its_host_and_the_command_does_not(tmp_path: Pat
     got = summary.engine["host_samples"]
     assert got["samples"] >= 1 and got["interval_s"] > 0 and profile.sampler is not None
     # the samples are of the regenerate call's main thread (a quick run may hold one sample, in any of its phases)
-    assert any(where.startswith("data_prep/regenerate.py ") and credit > 0
+    assert any(where.startswith("data_prep/regenerate_loop.py ") and credit > 0
                for where, credit in profile.sampler.inclusive.items()), got
     cfg.conversations_path.unlink()
     r = _regenerate_cli(tree, tmp_path)
@@ -852,7 +856,8 @@ class ScriptedStreamBackend(ScriptedBackend):
 def test_the_stream_writes_each_conversation_when_it_ends_while_others_run(tmp_path: Path) -> None:
     """One stream over every conversation: a turn is submitted when the previous answer comes back, and a
     conversation is on disk the moment its last answer is, while longer ones are still being answered."""
-    from data_prep.regenerate import load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
 
     cfg = make_cfg(tmp_path)
     ids = write_prompts(cfg, [[user("a1")], [user("b1"), user("b2"), user("b3")], [user("c1"), user("c2")]])
@@ -885,7 +890,8 @@ def _in_processing_order(tagged: list[str], streaming: bool) -> list[list[dict[s
 def test_real_failures_in_a_row_stop_the_run_leaving_the_rest_untried(tmp_path: Path, streaming: bool) -> None:
     """Real failures in a row (a broken engine or a dead server) trip the breaker; a prompt that exceeds the
     context among them neither counts towards the run of failures nor breaks it."""
-    from data_prep.regenerate import load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
 
     cfg = make_cfg(tmp_path, max_consecutive_failures=3)
     write_prompts(cfg, _in_processing_order(["[broken]", "[broken]", "[full]"] + ["[broken]"] * 8, streaming))
@@ -904,7 +910,9 @@ def test_prompts_that_exceed_the_context_are_counted_but_do_not_stop_the_run(tmp
     of them taken up first (more than max_consecutive_failures) leave the run going; each is counted and
     reported by its reason, and the run passes the failure-share check like any run with a few failed
     prompts (a real dataset has a few such prompts, and the stream reports them first)."""
-    from data_prep.regenerate import check_failures, load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
+    from data_prep.regenerate_summary import check_failures
 
     cfg = make_cfg(tmp_path, max_consecutive_failures=20, max_failure_share=0.25)
     ids = write_prompts(cfg, _in_processing_order(["[full]"] * 25 + ["q"] * 100, streaming))
@@ -923,7 +931,9 @@ def test_prompts_that_exceed_the_context_are_counted_but_do_not_stop_the_run(tmp
 def test_mostly_too_long_prompts_end_with_an_error_naming_the_settings(tmp_path: Path) -> None:
     """Prompts too long for the context do not trip the breaker, but a dataset that is mostly too long still
     fails the run (max_failure_share) with a message that says which settings to change."""
-    from data_prep.regenerate import check_failures, load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
+    from data_prep.regenerate_summary import check_failures
 
     cfg = make_cfg(tmp_path, max_consecutive_failures=5)
     write_prompts(cfg, [[user(f"{'x' * 100} long {i} [full]")] for i in range(90)]
@@ -940,7 +950,8 @@ def test_mostly_too_long_prompts_end_with_an_error_naming_the_settings(tmp_path:
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_full_context_ends_the_conversation_and_is_counted(tmp_path: Path, streaming: bool) -> None:
-    from data_prep.regenerate import load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
 
     cfg = make_cfg(tmp_path)
     write_prompts(cfg, [[user("q1"), {"role": "assistant", "content": "old"}, user("q2 [full]"), user("q3")],
@@ -957,7 +968,7 @@ def test_a_full_context_ends_the_conversation_and_is_counted(tmp_path: Path, str
 
 
 def test_part_files_merge_once_after_a_kill(tmp_path: Path) -> None:
-    from data_prep.regenerate import merge_parts, part_path
+    from data_prep.regenerate_devices import merge_parts, part_path
 
     out = tmp_path / "conversations.jsonl"
     line = lambda i: json.dumps({"id": f"c{i}", "messages": []}) + "\n"  # noqa: E731
@@ -989,13 +1000,15 @@ def test_two_devices_share_the_prompts_and_match_one_device(tmp_path: Path) -> N
 def _on_two_devices(cfg: RunConfig) -> Any:
     """regenerate_on_devices over two worker processes. The openai backend stands in for the target (no model
     to load): the spawned workers, their part files and the summing are the same for any backend."""
-    from data_prep.regenerate import load_prompt_records, regenerate_on_devices
+    from data_prep.regenerate_devices import regenerate_on_devices
+    from data_prep.regenerate_files import load_prompt_records
 
     return regenerate_on_devices(cfg, load_prompt_records(cfg.prompts_path, None), ["cpu:0", "cpu:1"])
 
 
 def test_failure_limits_apply_to_all_devices_together(tmp_path: Path, fake: Any) -> None:
-    from data_prep.regenerate import check_failures, share_of
+    from data_prep.regenerate_devices import share_of
+    from data_prep.regenerate_summary import check_failures
 
     # 1 failed prompt in 12 is under max_failure_share 0.1 for the run, though more than that of its device's share.
     cfg = openai_cfg(tmp_path / "one", [fake.url], max_failure_share=0.1)
@@ -1064,8 +1077,9 @@ def test_device_workers_die_with_the_regenerating_process(tmp_path: Path) -> Non
     write_prompts(parse_config(tree), [[user(f"q{i}")] for i in range(8)])
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(yaml.safe_dump(tree))
-    code = ("import sys; from common.config import load_config; from data_prep.regenerate import load_prompt_records, "
-            "regenerate_on_devices\ncfg = load_config(sys.argv[1])\n"
+    code = ("import sys; from common.config import load_config; "
+            "from data_prep.regenerate_files import load_prompt_records; "
+            "from data_prep.regenerate_devices import regenerate_on_devices\ncfg = load_config(sys.argv[1])\n"
             "regenerate_on_devices(cfg, load_prompt_records(cfg.prompts_path, None), ['cpu:0', 'cpu:1'])\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(cfg_file)], cwd=REPO,
                             env=os.environ | {"PYTHONPATH": str(REPO)})
@@ -1100,7 +1114,8 @@ def test_chats_answered_without_the_engine_leave_room_for_the_next_ones(tmp_path
     in a batch. While the caller handles that batch it opens more conversations, which may be too long as well:
     every prompt is tried, none is lost between the batch and the next."""
     from data_prep.backends import make_chat_backend
-    from data_prep.regenerate import load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
 
     cfg = make_cfg(tmp_path, max_new_tokens=8, slots=2, batch_size=2, max_context_tokens=40, max_failure_share=1.0,
                    max_consecutive_failures=100)

@@ -271,7 +271,8 @@ class ToolThenFull:
 
 
 def test_a_full_context_after_a_tool_call_ends_the_conversation_at_the_call(tmp_path):
-    from data_prep.regenerate import load_prompt_records, regenerate
+    from data_prep.regenerate_files import load_prompt_records
+    from data_prep.regenerate_loop import regenerate
 
     cfg = k25_cfg(tmp_path, Path("unused"), True)
     cfg.root.mkdir(parents=True)
