@@ -45,13 +45,20 @@ def alpha_for_tokens(tokens: float, k: int | None, tol: float = 1e-10) -> float 
 
 
 def breakeven(decode: float, cycle: float, k: int, target_tps: float | None = None) -> dict:
-    """tau*, the alpha that breaks even, and (given a goal) the alpha the goal needs."""
-    ts = tau_star(cycle, decode)
-    out: dict = {"decode_ms": decode, "cycle_ms": cycle, "num_steps": k, "tau_star": ts,
-                 "alpha_breakeven": {"finite_k": alpha_for_tokens(ts, k), "k_infinity": alpha_for_tokens(ts, None)}}
+    """tau*, the alpha that breaks even, and (given a goal) the alpha the goal needs. A time of 0 is one nothing
+    was measured for (a drafter that ran no verify cycle): tau* is NaN and no alpha follows, which the gate reads
+    as not measured, a failure, rather than an error."""
+    measured = decode > 0 and cycle > 0
+
+    def alphas(tokens: float) -> dict:
+        return {"finite_k": alpha_for_tokens(tokens, k) if measured else None,
+                "k_infinity": alpha_for_tokens(tokens, None) if measured else None}
+
+    ts = tau_star(cycle, decode) if measured else float("nan")
+    out: dict = {"decode_ms": decode, "cycle_ms": cycle, "num_steps": k, "tau_star": ts, "alpha_breakeven": alphas(ts)}
     if target_tps is not None:
         need = target_tps * cycle / 1000.0
         out["target_tps"] = target_tps
         out["tokens_per_cycle_required"] = need
-        out["alpha_required"] = {"finite_k": alpha_for_tokens(need, k), "k_infinity": alpha_for_tokens(need, None)}
+        out["alpha_required"] = alphas(need)
     return out

@@ -126,6 +126,7 @@ def sweep_command(config: str | Path | None = None, table: str | Path | None = N
 @one_line_errors(MissingWheelError, ServerError)
 def breakeven_command(decode_ms: float, cycle_ms: float, steps: int = 3, target_tps: float | None = None) -> int:
     """τ* and the α a tok/s goal needs, from given timings, as JSON on stdout."""
+    breakeven.tau_star(cycle_ms, decode_ms)  # given timings must be > 0 (a 0 reads as not measured below)
     print(json_text(breakeven.breakeven(decode_ms, cycle_ms, steps, target_tps), indent=2))
     return EXIT_OK
 

@@ -49,17 +49,8 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
     else:
         decode = report["plain"]["decode_ms"]
         cycle, source = report["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"], "measured"
-    report["breakeven"] = measured_breakeven(decode, cycle, s.num_steps, cfg.eval.target_tps) | {"source": source}
+    report["breakeven"] = breakeven.breakeven(decode, cycle, s.num_steps, cfg.eval.target_tps) | {"source": source}
     return annotate(report, bootstrap(cfg.gate))
-
-
-def measured_breakeven(decode: float, cycle: float, k: int, target_tps: float | None) -> dict:
-    """``breakeven.breakeven``, or tau* NaN (not measured) when a measured time is 0: the candidate ran no verify
-    cycle (every answer ended at its prefill token), so the gate rejects it as unmeasured instead of erroring."""
-    if decode > 0 and cycle > 0:
-        return breakeven.breakeven(decode, cycle, k, target_tps)
-    return {"decode_ms": decode, "cycle_ms": cycle, "num_steps": k, "tau_star": float("nan"),
-            "alpha_breakeven": {"finite_k": None, "k_infinity": None}}
 
 
 def save_report(cfg: RunConfig, report: dict) -> Path:

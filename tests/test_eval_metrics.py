@@ -142,3 +142,13 @@ def test_a_datasets_stats_count_the_prompts_that_ended_at_their_prefill_token():
     assert stats["prompts"] == 3 and stats["prompts_without_cycles"] == 1
     assert stats["per_prompt"] == {"tokens": [4, 0, 2], "cycles": [2, 0, 1]}
     assert stats["tau"] == pytest.approx(6 / 3)
+
+
+def test_a_time_of_zero_is_not_measured_not_an_error():
+    """A drafter that ran no verify cycle has no cycle time: tau* is NaN and no alpha follows (the gate reads it as
+    not measured); a time given by hand is still checked by ``tau_star``."""
+    out = breakeven.breakeven(12.1, 0.0, 3, target_tps=150)
+    assert math.isnan(out["tau_star"]) and out["alpha_breakeven"] == {"finite_k": None, "k_infinity": None}
+    assert out["alpha_required"] == {"finite_k": None, "k_infinity": None}
+    with pytest.raises(ValueError, match="timings must be > 0"):
+        breakeven.tau_star(0.0, 12.1)

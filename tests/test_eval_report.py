@@ -149,15 +149,13 @@ def test_a_kill_while_a_plot_is_written_leaves_the_previous_plot_whole(report, t
 def test_a_candidate_without_a_verify_cycle_is_rejected_as_unmeasured_not_an_error(report, tmp_path):
     """Every answer ended at its prefill token: no cycle time to divide by, so tau* is not measured; the report
     still renders and the gate rejects the candidate as unmeasured (exit 1), where dividing by zero was an error."""
-    from eval.evaluate import measured_breakeven
-
     r = copy.deepcopy(report)
     cand = r["drafters"]["candidate"]
     for st in cand["datasets"].values():
         st["per_prompt"] = {"tokens": [0] * 6, "cycles": [0] * 6}
         st["tau"], st["cycles"] = float("nan"), 0
     cand["per_prompt_timing"] = {"cycle_s": [0.0] * 12, "cycles": [0] * 12}
-    r["breakeven"] = measured_breakeven(r["plain"]["decode_ms"], 0.0, K, None) | {"source": "measured"}
+    r["breakeven"] = breakeven.breakeven(r["plain"]["decode_ms"], 0.0, K) | {"source": "measured"}
     annotate(r, BOOT)
     assert math.isnan(r["breakeven"]["tau_star"]) and "tau*" in markdown(r)
     d = decide(report_evidence(r, ["mtbench"], 0.0, BOOT), 0.0, 0.0)
