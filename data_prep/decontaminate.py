@@ -4,7 +4,7 @@ trained on, whichever source (a corpus, a user's traffic, prompts the target wro
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import closing
 from typing import Any
@@ -40,19 +40,21 @@ def held_out_turn(messages: Sequence[dict[str, Any]], eval_keys: AbstractSet[str
 WORD = re.compile(r"\w+")
 
 
-def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    """The runs of ``n`` consecutive words of ``text`` (lower-cased, punctuation and whitespace aside): the unit of
-    the usual n-gram overlap check (13 words in GPT-3's), which finds a prompt reworded around a copied passage
-    that ``turn_key``'s exact match misses."""
+def _word_runs(text: str, n: int) -> Iterator[tuple[str, ...]]:
+    """The runs of ``n`` consecutive words of ``text``, lower-cased, punctuation and whitespace aside, in order."""
     words = WORD.findall(text.casefold())
-    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return (tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+
+
+def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    """The runs of ``n`` consecutive words of ``text``: the unit of the usual n-gram overlap check (13 words in
+    GPT-3's), which finds a prompt reworded around a copied passage that ``turn_key``'s exact match misses."""
+    return set(_word_runs(text, n))
 
 
 def first_shared_ngram(text: str, n: int, index: AbstractSet[tuple[str, ...]]) -> str | None:
     """The first run of ``n`` words of ``text`` that ``index`` holds, joined by spaces; None when none is."""
-    words = WORD.findall(text.casefold())
-    return next((" ".join(words[i:i + n]) for i in range(len(words) - n + 1) if tuple(words[i:i + n]) in index),
-                None)
+    return next((" ".join(run) for run in _word_runs(text, n) if run in index), None)
 
 
 def ngram_index(texts: Iterable[str], n: int) -> set[tuple[str, ...]]:
