@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from contextlib import closing
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -25,20 +24,14 @@ from common.cli import one_line_errors  # noqa: E402
 from common.config import DatasetConfig, load_config  # noqa: E402
 from common.files import iter_jsonl  # noqa: E402
 from data_prep.decontaminate import first_shared_ngram, ngram_index  # noqa: E402
-from data_prep.sources import open_source  # noqa: E402
+from eval.prompts import load_eval_turns  # noqa: E402
 
 
 def measured_turns(ds: DatasetConfig) -> list[str]:
-    """The user turn each record of ``ds`` is measured on (records with fewer user turns are left out, as eval
-    leaves them out)."""
-    _, records = open_source(ds, f"eval dataset {ds.name!r}")
-    out = []
-    with closing(records):
-        for rec in records:
-            users = [m["content"] for m in rec.messages or () if m["role"] == "user"] if not rec.skip else []
-            if len(users) >= ds.turn:
-                out.append(users[ds.turn - 1])
-    return out
+    """The user turn each record of ``ds`` is measured on, every record as ``eval quality`` reads them (its limit
+    lifted; records with fewer user turns left out, as eval leaves them out)."""
+    turns, _ = load_eval_turns(ds.model_copy(update={"limit": None}))
+    return [t[-1] for t in turns]
 
 
 def training_turns(path: Path) -> list[str]:
