@@ -37,10 +37,11 @@ from bench.kernel_profile import kernel_times, summarize  # noqa: E402
 from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
 from bench.results import record  # noqa: E402
 from common.step_clock import StepClock  # noqa: E402
-from engine import batched  # noqa: E402
-from engine.batched import PAGE, BatchedTarget  # noqa: E402
+from engine.attention import compile_flex_decode  # noqa: E402
+from engine.batched import BatchedTarget  # noqa: E402
 from engine.continuous_batching import Stream  # noqa: E402
 from engine.decode_graphs import DecodeGraphs  # noqa: E402
+from engine.kv_cache import PAGE  # noqa: E402
 from engine.profile import EngineProfile  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def measure(target: BatchedTarget, rows: int, context: int, full_blocks: bool, s
     this bench's first run. The engine itself compiles one shape per padded batch size over one pool."""
     torch._dynamo.reset()
     # the engine's own compile of the decode kernel, or the autotuned one in its place for this run
-    batched.compile_flex_decode("max-autotune-no-cudagraphs" if autotune else None)
+    compile_flex_decode("max-autotune-no-cudagraphs" if autotune else None)
     dev = target.device
     pages = rows * -(-(context + 1) // PAGE) + 1
     cache = target.new_paged_cache(rows, pages, max_len=-(-(context + 1) // PAGE) * PAGE, attention="flex")

@@ -38,7 +38,7 @@ def no_float_symbols() -> Any:
     """Trace Python floats as constants. With dynamic shapes dynamo first traces a float (an attention's scale, a
     norm's epsilon read off its module) as a symbol, fails to turn it into a tensor in a pass after the trace and
     traces the whole function again: each compiled layer piece was traced twice (on a CPU, 7.6 s of dynamo and AOT
-    for the suffix layer, 2.5 s with ``batched.LayerPieces`` and this). Read at trace time only (~17 us a
+    for the suffix layer, 2.5 s with ``layer_pieces.LayerPieces`` and this). Read at trace time only (~17 us a
     call)."""
     return torch._dynamo.config.patch(specialize_float=True)
 

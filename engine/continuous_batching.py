@@ -9,7 +9,7 @@ T=0 each answer is what greedy ``model.generate`` gives for that prompt alone (u
 for an answer stopped at a loop): rows never see each other, and the only difference is the attention
 kernel's summation order (tests compare them token for token).
 
-Memory is pages of ``PAGE`` positions (``engine.batched.PagedKVCache``): a row holds the pages of the
+Memory is pages of ``PAGE`` positions (``engine.kv_cache.PagedKVCache``): a row holds the pages of the
 positions it has used, so how many rows run is bounded by the tokens in flight, not by rows x (longest prompt
 + budget). A GPU's pages come from its free memory once; a CPU's pool starts small and grows up to every
 row at ``max_len``. A request is admitted only while pages stay free for the live rows to grow
@@ -60,8 +60,10 @@ from tqdm import tqdm
 from common.batching import length_batches
 from common.compile_guard import compile_seconds
 from common.queued_copy import queued_to_device, queued_to_host
-from engine.batched import PAGE, BatchedTarget, prefill_shape
+from engine.attention import prefill_shape
+from engine.batched import BatchedTarget
 from engine.decode_graphs import DecodeGraphs
+from engine.kv_cache import PAGE
 from engine.loops import check_window, loop_start, may_loop
 from engine.profile import EngineProfile
 
@@ -302,7 +304,7 @@ class Stream:
 
     ``max_len``: the most positions one request may take (prompt + budget); ``rows``/``cpu_rows``: see
     ``plan_rows``; ``pages``: the pool's size (default ``plan_pages``); ``attention``: "flex" or "gather"
-    (default: the device's, ``engine.batched.default_attention``); ``decode_graphs``: on CUDA, flex decode steps
+    (default: the device's, ``engine.attention.default_attention``); ``decode_graphs``: on CUDA, flex decode steps
     replay CUDA graphs (``engine.decode_graphs``; off: they run eagerly); ``profile``: where the run's seconds go
     is measured into it (``engine.profile``; None: nothing is measured).
 

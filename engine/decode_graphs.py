@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from common.cli import exception_line
-from engine.batched import BatchedTarget, PagedKVCache
+from engine.batched import BatchedTarget
+from engine.kv_cache import PagedKVCache
 
 WARMUP_RUNS = 3  # eager steps before a capture (PyTorch's recipe): the first compiles and autotunes a new shape
 

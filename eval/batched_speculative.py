@@ -20,7 +20,9 @@ from torch import Tensor
 from tqdm import tqdm
 
 from drafter.model import Eagle3Drafter, StepOutput
-from engine.batched import BatchedTarget, KVCache, position_mask, position_masked_attention
+from engine.attention import position_mask, position_masked_attention
+from engine.batched import BatchedTarget
+from engine.kv_cache import KVCache
 from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
 
 # Padded prompt tokens per prefill call, on any device. Smaller than generate's

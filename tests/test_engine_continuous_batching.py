@@ -15,8 +15,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from engine import batched as bt
 from engine import continuous_batching as cb
+from engine import layer_pieces
 from engine.batched import BatchedTarget, UnsupportedTargetError
 from engine.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
+from engine.kv_cache import PAGE
 from engine.loops import loop_start
 from engine.profile import EngineProfile
 
@@ -136,7 +138,7 @@ def test_flex_attention_over_pages_equals_greedy_on_cpu(monkeypatch, cpu_flex) -
     def fresh_layer(*args: object) -> None:
         raise AssertionError("a fresh prefill over flex pages runs the suffix kernel (one prefill graph on CUDA)")
 
-    monkeypatch.setattr(bt, "fresh_layer", fresh_layer)
+    monkeypatch.setattr(layer_pieces, "fresh_layer", fresh_layer)
     model = tiny()
     ps = prompts(10, 3, 150, seed=5)
     stream = Stream(BatchedTarget(model), STOPS, max_len=260, cpu_rows=4, attention="flex")
@@ -329,7 +331,7 @@ def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failu
 
 
     layers = tiny().config.num_hidden_layers
-    real, calls = bt.flex_suffix, {"n": 0}
+    real, calls = layer_pieces.flex_suffix, {"n": 0}
 
     def failing(*args, **kwargs):
         calls["n"] += 1
@@ -339,7 +341,7 @@ def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failu
             raise FailOnRecompileLimitHit("recompile_limit reached")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(bt, "flex_suffix", failing)
+    monkeypatch.setattr(layer_pieces, "flex_suffix", failing)
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
     stream = Stream(BatchedTarget(model), STOPS, max_len=200, cpu_rows=3, attention="flex")
@@ -594,7 +596,7 @@ def test_a_row_that_used_every_position_can_wait_for_its_follow_up_while_steps_r
     monkeypatch.setattr(cb, "CONTINUE_SHARE", 1)  # one waiting continuation is not due while two rows are live
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
-    page, budget = bt.PAGE, 24
+    page, budget = PAGE, 24
     first = prompts(1, 2 * page - budget, 2 * page - budget + 1, seed=12)[0]  # prompt + budget = two whole pages
     others = prompts(2, 5, 20, seed=13)
     stream = Stream(BatchedTarget(model), STOPS, max_len=2 * page, cpu_rows=4, attention=attention,
@@ -636,7 +638,7 @@ def test_a_decode_block_mask_reads_every_visible_key_and_skips_the_mask_only_whe
     """Eager flex attention (the CPU tests' kernel) ignores a block mask's sparsity, so the blocks are checked here
     against the mask itself: every key the mask shows a row lies in one of its blocks, and every key of a full
     block (read without the mask) is visible. Rows at a page's first and last position, across page ends."""
-    from engine.batched import PagedKVCache
+    from engine.kv_cache import PagedKVCache
 
     cache = PagedKVCache(1, 1, 4, rows=4, pages=16, max_len=64, dtype=torch.float32, device=torch.device("cpu"),
                          attention="flex", page=8)
@@ -669,7 +671,7 @@ def test_a_suffix_block_mask_lists_exactly_the_pages_each_query_block_sees(with_
     query, so the kernel may skip the mask), none twice. With the rows' lengths, a block of padding only lists none
     and the others are as without. A fresh prefill (empty prefix), suffixes after a prefix mid-page and at a page's
     end, one padded past what its row holds; queries over three blocks, tables not in row order."""
-    from engine.batched import FLEX_Q_BLOCK, PagedKVCache
+    from engine.kv_cache import FLEX_Q_BLOCK, PagedKVCache
 
     cache = PagedKVCache(1, 1, 4, rows=4, pages=200, max_len=512, dtype=torch.float32, device=torch.device("cpu"),
                          attention="flex", page=8)
@@ -712,7 +714,7 @@ def test_a_block_sparse_flex_kernel_reads_the_suffix_mask_as_the_dense_mask_does
     the keys and values its padding writes)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from engine.batched import FLEX_Q_BLOCK, PagedKVCache
+    from engine.kv_cache import FLEX_Q_BLOCK, PagedKVCache
 
     torch.manual_seed(0)
     kv, d, heads = 1, 16, 2
@@ -767,7 +769,7 @@ def test_each_layer_piece_traces_once_for_every_prefill_shape(kind: str) -> None
     retraced = len(compilation_time_metrics.get("compile_attempt_1", []))  # dynamo's restarts of a trace so far
     with torch.no_grad():
         for rows, width, prefix in ((3, 129, 0), (5, 200, 130)):
-            cache = t.new_paged_cache(rows, 1 + rows * 3, max_len=3 * bt.PAGE, attention="flex")
+            cache = t.new_paged_cache(rows, 1 + rows * 3, max_len=3 * PAGE, attention="flex")
             for r in range(rows):
                 assert cache.ensure(r, prefix + width + 1)
             cache.flush()

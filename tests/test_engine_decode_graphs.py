@@ -20,9 +20,10 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import flex_attention
 
 import engine.batched as bt
-from engine.batched import BatchedTarget, PagedKVCache
+from engine.batched import BatchedTarget
 from engine.continuous_batching import Stream
 from engine.decode_graphs import DecodeGraphs, storage_key
+from engine.kv_cache import PagedKVCache
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
