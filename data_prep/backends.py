@@ -32,7 +32,7 @@ from common.config import RegenerateConfig, TargetConfig
 from data_prep.loss_mask import prompt_text
 from data_prep.prompt_ids import PromptTokenizer
 from data_prep.prompt_prefetch import Encoded, PromptPrefetch
-from engine.loops import first_repeat, retokenized_loop_start
+from engine.loops import LoopStop, first_repeat, retokenized_loop_start
 from engine.profile import EngineProfile
 
 Chat = list[dict[str, Any]]  # OpenAI messages (data_prep.readers.Messages)
@@ -149,7 +149,9 @@ class HFChatStream:
     LONGEST_ROW = 32768  # positions per row when the target names no context length
 
     def __init__(self, backend: HFChatBackend, wanted: int | None = None, profile: EngineProfile | None = None):
-        from engine.continuous_batching import MAX_ROWS, LoopStop, Sampling, Stream
+        from engine.continuous_batching import Stream
+        from engine.sampling import Sampling
+        from engine.sizing import MAX_ROWS
 
         c = backend.cfg
         self.b = backend

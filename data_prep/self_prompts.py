@@ -36,7 +36,9 @@ from data_prep.backends import OpenAIChatBackend
 from data_prep.decontaminate import turn_key
 from data_prep.step_failed import StepFailed, over_failure_share
 from engine.batched import BatchedTarget
-from engine.continuous_batching import LoopStop, Sampling, Stream, request_seed
+from engine.continuous_batching import Stream
+from engine.loops import LoopStop
+from engine.sampling import Sampling, request_seed
 from target_model.hf_model import load_target_from_config, stop_token_ids, tokenizer_from_config
 
 KEPT_FILE = "self_prompts.jsonl"

@@ -84,7 +84,7 @@ def compile_flex_decode(mode: str | None = None) -> None:
 
 def flex_decode(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float) -> Tensor:
     """Compiled flex attention of q (B, kv, G, d) over the pooled k, v (kv, S, d). Static shapes: the engine
-    pads its batch to a few sizes (``continuous_batching.decode_rows``), one compile each."""
+    pads its batch to a few sizes (``sizing.decode_rows``), one compile each."""
     if _compiled_flex is None:
         compile_flex_decode()
     assert _compiled_flex is not None

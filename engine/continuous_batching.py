@@ -33,7 +33,7 @@ booked (``Stream.step``). The host's bookkeeping, and the caller's work between 
 step (on a GPU the host's work around a small step takes about as long as the step itself). A row that ends at
 step k has run in step k + 1 too: that token is dropped, and its write lands past the positions the row holds
 (pages are given one position ahead, so it always has one). A prefill's first tokens come the same way
-(``_Firsts``): its rows go live when it is launched, and its picks are taken into them when the next decode step
+(``Firsts``): its rows go live when it is launched, and its picks are taken into them when the next decode step
 has been launched, before any of that step's tokens. A CPU runs each step as it is launched: the same code, no overlap.
 
 On CUDA a flex decode step replays a CUDA graph of its padded batch size (``engine.decode_graphs``); ``Stream.stats``
@@ -43,14 +43,12 @@ seconds go (a benchmark's question; unprofiled, it keeps no timings and records 
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 import time
 from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,18 +61,19 @@ from common.queued_copy import queued_to_device, queued_to_host
 from engine.attention import prefill_shape
 from engine.batched import BatchedTarget
 from engine.decode_graphs import DecodeGraphs
+from engine.host_tokens import Firsts, HostTokens, Launched
 from engine.kv_cache import PAGE
-from engine.loops import check_window, loop_start, may_loop
+from engine.loops import LoopStop, loop_start, may_loop
 from engine.profile import EngineProfile
+from engine.requests import Continuation, Generated, Request
+from engine.sampling import Picker, Sampling, request_seed
+from engine.sizing import MAX_ROWS, decode_rows, plan_pages, plan_rows
 
-MEMORY_SHARE = 0.80  # of the free device memory, for the cache (the rest: weights' activations, logits)
-MAX_ROWS = 4096  # rows decoded at once on a GPU (regenerate.slots overrides)
 # Padded prompt tokens per prefill call on a GPU (a CPU takes CPU_PREFILL_TOKENS); activations scale with it. Larger
 # than the speculative eval's (eval.batched_speculative.SPECULATIVE_PREFILL_TOKENS): this prefill keeps the logits of
 # each prompt's last position only, where that one keeps the aux states of every position and runs the drafter on them.
 GENERATE_PREFILL_TOKENS = 65536
 CPU_PREFILL_TOKENS = 4096
-CPU_START_POSITIONS = 512  # a CPU pool starts with this many positions per row and grows as rows need more
 GROWTH_RESERVE = 0.25  # pages per live row kept free when admitting (rows grow a page every PAGE tokens)
 DECODE_ROW_BUCKETS = 4  # flex decodes a batch padded to rows, rows/2, rows/4 or rows/8: one compile each
 # Continuations (a suffix prefilled after a row's cached prefix) wait to be prefilled together, one forward for
@@ -89,214 +88,6 @@ CONTINUE_WAIT = 8
 CONTINUE_BYTES = 1 << 30
 CPU_CONTINUE_BYTES = 1 << 26
 _UNMEASURED = nullcontext()  # an unprofiled stream's host phases (reentrant, shared)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class LoopStop:
-    """Stop an answer that has fallen into a loop (``engine.loops``): every ``every`` tokens once it has
-    ``min_repeat_tokens``, its last tokens are checked, and an answer ending in a loop is cut to the loop's
-    first copy and ``keep`` tokens of its copies (at most ``min_repeat_tokens``: what a detected loop has) and
-    finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
-
-    min_repeat_tokens: int = 64
-    max_period: int = 256
-    every: int = 16
-    keep: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.keep <= self.min_repeat_tokens:
-            raise ValueError(f"LoopStop.keep {self.keep}: expected 0..min_repeat_tokens ({self.min_repeat_tokens})")
-
-    @property
-    def window(self) -> int:
-        return check_window(self.min_repeat_tokens, self.max_period, self.every)
-
-
-@dataclass
-class Generated:
-    tokens: list[int]  # the answer, without its stop token (a "loop" answer: cut after the loop's first copy + keep)
-    finish_reason: str  # "stop" | "length" | "loop"
-    stop_token: int | None = None  # the stop token that ended it
-    # with ``margins=True``: the top-1 minus top-2 logit behind each token, the stop token's last (the T=0
-    # lossless check tells a near-tie from a real mismatch by it: eval.lossless); a "loop" answer's are cut too
-    margins: list[float] = field(default_factory=list)
-    generated: int = 0  # "loop": the tokens it had when the loop was found (len(tokens) kept of them)
-
-
-@dataclass
-class _Request:
-    key: Hashable
-    prompt: Sequence[int]
-    max_new_tokens: int
-
-
-@dataclass
-class _Continuation:
-    """A request that continues in the row of the answer it follows: ``reuse`` positions of the row's cache
-    are its prompt's first tokens. ``_Request`` stays as it was, so a preempted continuation starts again
-    from scratch like any request."""
-
-    row: int
-    request: _Request
-    reuse: int
-    polls: int = 0  # polls it has waited for its prefill
-
-
-def plan_rows(target: BatchedTarget, wanted: int, cpu_rows: int, rows: int | None = None) -> int:
-    """How many rows decode at once: ``rows`` if given, else MAX_ROWS on a GPU and ``cpu_rows`` on a CPU,
-    never more than ``wanted`` (the requests known)."""
-    if rows is None:
-        rows = MAX_ROWS if target.device.type == "cuda" else cpu_rows
-    return max(1, min(wanted, rows))
-
-
-def plan_pages(target: BatchedTarget, rows: int, max_len: int, page: int) -> int:
-    """Pages of the pool (scratch included): on a GPU as many as MEMORY_SHARE of its free memory holds after the
-    rows' logits, never more than every row at ``max_len``; on a CPU, CPU_START_POSITIONS per row to start."""
-    per_row = -(-max_len // page)
-    most = 1 + rows * per_row
-    if target.device.type != "cuda":
-        return min(most, 1 + rows * -(-min(max_len, CPU_START_POSITIONS) // page))
-    free, _ = torch.cuda.mem_get_info(target.device)
-    free += torch.cuda.memory_reserved(target.device) - torch.cuda.memory_allocated(target.device)  # cached, unused
-    logits = rows * target.lm_head.weight.shape[0] * 4 * 3  # fp32 logits and sampling temporaries per row
-    fits = int((free - logits) * MEMORY_SHARE) // (page * target.kv_bytes_per_token())
-    return max(1 + per_row, min(most, fits))
-
-
-def decode_rows(hi: int, rows: int, buckets: int) -> int:
-    """The batch a decode step of rows [0, hi) runs at: the smallest of rows, rows/2, ... (``buckets`` sizes)
-    holding them, so compiled kernels see a few fixed shapes; ``buckets`` 0: exactly ``hi``."""
-    if buckets <= 0:
-        return hi
-    size = rows
-    for _ in range(buckets - 1):
-        if -(-size // 2) < hi:
-            break
-        size = -(-size // 2)
-    return size
-
-
-def request_seed(seed: int, key: Hashable) -> int:
-    """A request's own sampling seed: ``seed`` and the request's key (its repr) through sha256, so a conversation's
-    turn draws the same random numbers whichever batch, row or run serves it (Python's ``hash`` of a str changes
-    from process to process)."""
-    digest = hashlib.sha256(f"{seed}:{key!r}".encode()).digest()
-    return int.from_bytes(digest[:8], "little", signed=True)
-
-
-_GOLDEN = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as a signed int64
-_MIX1 = -0x40A7B892E31B1A47  # 0xBF58476D1CE4E5B9
-_MIX2 = -0x6B2FB644ECCEEE15  # 0x94D049BB133111EB
-
-
-def _shr(x: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic on signed values)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def counter_uniform(seeds: Tensor, counters: Tensor) -> Tensor:
-    """(B,) float64 in [0, 1): splitmix64 of each row's (seed, counter) on the device (int64 arithmetic wraps), a
-    counter-based generator: the number drawn for a token depends on its request and position alone."""
-    z = seeds + (counters + 1) * _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    return _shr(z, 11).double() * 2.0 ** -53
-
-
-class _Picker:
-    """Greedy argmax, or temperature / top-k / top-p sampling with one uniform number per row from
-    ``counter_uniform``: each request's seed (``request_seed``) and the position of the token drawn, so a sampled
-    answer is the same in any batch and after any resume (up to the logits' own last bits, which a batch's shape
-    can move)."""
-
-    def __init__(self, s: Sampling):
-        self.s = s
-
-    @property
-    def greedy(self) -> bool:
-        return self.s.temperature <= 0
-
-    def __call__(self, logits: Tensor, seeds: Tensor | None = None, counters: Tensor | None = None) -> Tensor:
-        if self.greedy:
-            return logits.argmax(-1)
-        z = logits.float() / self.s.temperature
-        if self.s.top_k:
-            kth = torch.topk(z, min(self.s.top_k, z.shape[-1]), dim=-1).values[..., -1:]
-            z = z.masked_fill(z < kth, float("-inf"))
-        if self.s.top_p < 1.0:
-            sorted_z, order = z.sort(-1, descending=True)
-            cum = sorted_z.softmax(-1).cumsum(-1)
-            drop = cum - sorted_z.softmax(-1) >= self.s.top_p  # keep the smallest prefix reaching top_p
-            z = z.scatter(-1, order, sorted_z.masked_fill(drop, float("-inf")))
-        cdf = z.softmax(-1).double().cumsum(-1)
-        u = counter_uniform(seeds, counters)[:, None] * cdf[:, -1:]  # the cdf's own total: sums in fp64 drift
-        return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=z.shape[-1] - 1)
-
-
-@dataclass
-class _Launched:
-    """A decode step on its way: its tokens (and margins) are copied to the host without a wait, and read at the
-    next step's launch (``Stream.step``). ``requests`` are what rows [0, hi) served when it was launched: a row
-    whose request changed since (finished, preempted, continued or admitted anew) gets nothing from it."""
-
-    hi: int
-    live: int
-    requests: list[_Request | None]
-    buffer: int  # which of ``_HostTokens``'s buffers its tokens go to
-    launch_s: float
-    first_shape: bool
-    start: Any  # CUDA events before its forward (profiled only) and after its copies (None on a CPU, where the step
-    done: Any  # ran as it was launched: its device seconds are its launch's)
-
-    def device_s(self) -> float:
-        return self.start.elapsed_time(self.done) / 1e3 if self.done is not None else self.launch_s
-
-
-@dataclass
-class _Firsts:
-    """A prefill's first answer tokens on their way to the host (pinned copies, queued): taken into the rows by the
-    next ``_read_launched``, so the host launches the next decode step while the device still runs the prefill, as
-    it does with decode steps: waiting for each prefill's tokens would idle the device once per prefill."""
-
-    rows: list[tuple[int, _Request]]  # each row and the request it was prefilled for
-    tokens: Tensor
-    margins: Tensor | None
-    done: Any  # a CUDA event after the copies (None on a CPU, where they are done)
-    continued: bool
-
-
-class _HostTokens:
-    """Two host buffers for decode steps' tokens and margins, pinned on CUDA, used in turn: step k + 1's copy
-    goes to the other buffer while the host still reads step k's."""
-
-    def __init__(self, rows: int, device: torch.device, margins: bool):
-        pin = device.type == "cuda"
-        self.tokens = [torch.zeros(rows, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self.margins = [torch.zeros(rows, dtype=torch.float32, pin_memory=pin) for _ in range(2)] if margins else None
-        self.turn = 0
-
-    def send(self, tokens: Tensor, margins: Tensor | None) -> int:
-        """Copy a step's (hi,) tokens (and margins) to the next buffer without waiting; which buffer it is."""
-        i, self.turn = self.turn, 1 - self.turn
-        hi = tokens.shape[0]
-        self.tokens[i][:hi].copy_(tokens, non_blocking=True)
-        if self.margins is not None and margins is not None:
-            self.margins[i][:hi].copy_(margins, non_blocking=True)
-        return i
-
-    def read(self, i: int, hi: int) -> tuple[list[int], list[float] | list[None]]:
-        toks = self.tokens[i][:hi].tolist()
-        return toks, (self.margins[i][:hi].tolist() if self.margins is not None else [None] * hi)
 
 
 class Stream:
@@ -324,11 +115,11 @@ class Stream:
         self.cache = target.new_paged_cache(self.rows, pool, max_len, attention)
         self.most_pages = pool if dev.type == "cuda" or pages else 1 + self.rows * self.cache.max_pages
         self.buckets = DECODE_ROW_BUCKETS if self.cache.attention == "flex" else 0
-        self.pick = _Picker(sampling)
+        self.pick = Picker(sampling)
         self.stop_ids = set(stop_ids)
-        self.queue: deque[_Request] = deque()
+        self.queue: deque[Request] = deque()
         n = self.rows
-        self.request: list[_Request | None] = [None] * n  # what each row serves
+        self.request: list[Request | None] = [None] * n  # what each row serves
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.margins: list[list[float]] = [[] for _ in range(n)]
         self.length = [0] * n  # host copy of pos: the position a row's next token is written at (held: it holds)
@@ -345,9 +136,9 @@ class Stream:
         self.freed_rows: list[int] = []  # rows whose pos does (``_apply_row_flags``)
         # last and pos are updated in place, never rebound: a decode graph reads them where it was captured
         self.decode = DecodeGraphs(target, self.cache, self.last, self.pos, enabled=decode_graphs)
-        self.host = _HostTokens(n, dev, margins)
-        self.launched: _Launched | None = None  # the decode step whose tokens the next step reads
-        self.firsts: list[_Firsts] = []  # prefills whose first tokens the next step reads (``_take_firsts``)
+        self.host = HostTokens(n, dev, margins)
+        self.launched: Launched | None = None  # the decode step whose tokens the next step reads
+        self.firsts: list[Firsts] = []  # prefills whose first tokens the next step reads (``_take_firsts``)
         self.live = 0
         self.top = 0  # no live row above it (last_live walks down from it: rows go live only in _prefill)
         self.refill_at = max(1, n // 8)
@@ -355,7 +146,7 @@ class Stream:
         self.owed = 0  # pages the live rows may still take (their whole budgets), for admission's reserve
         self.done: deque[tuple[Hashable, Generated]] = deque()
         self.parked: dict[Hashable, tuple[int, list[int]]] = {}  # key -> (row, the ids its cache holds)
-        self.continuing: list[_Continuation] = []
+        self.continuing: list[Continuation] = []
         self.produced = self.steps = self.preempted = self.discarded = self.prefilled = self._order = 0
         self.reused = self.continued = 0
         self.prefill_forwards = self.continue_forwards = 0  # of them, suffixes after a row's cached prefix
@@ -381,13 +172,13 @@ class Stream:
         if not prompt or max_new_tokens < 1 or len(prompt) + max_new_tokens > self.max_len:
             raise ValueError(f"request {key!r}: prompt of {len(prompt)} tokens + {max_new_tokens} new does not fit a "
                              f"row of {self.max_len} positions (or is empty)")
-        r = _Request(key, prompt, max_new_tokens)
+        r = Request(key, prompt, max_new_tokens)
         if continue_from is not None and continue_from in self.parked:
             row, held = self.parked.pop(continue_from)
             # At least the prompt's last token is prefilled: its logits give the answer's first token.
             reuse = min(common_prefix(held, prompt), len(prompt) - 1)
             if reuse > 0:
-                self.continuing.append(_Continuation(row, r, reuse))
+                self.continuing.append(Continuation(row, r, reuse))
                 return
             self._release_row(row)
         self.queue.append(r)
@@ -460,7 +251,7 @@ class Stream:
 
     # admission and pages
 
-    def _owed(self, row: int, r: _Request) -> int:
+    def _owed(self, row: int, r: Request) -> int:
         """Pages ``row`` may still take: its prompt and whole budget, less what it holds."""
         return self.cache.pages_for(len(r.prompt) + r.max_new_tokens) - len(self.cache.row_pages[row])
 
@@ -474,10 +265,10 @@ class Stream:
         c.grow(min(self.most_pages - c.pages, max(pages - len(c.free), c.pages // 2)))
         return len(c.free) >= pages
 
-    def _admissible(self, r: _Request) -> bool:
+    def _admissible(self, r: Request) -> bool:
         return self.cache.pages_for(len(r.prompt) + 1) <= self.most_pages - 1
 
-    def _fits(self, row: int, r: _Request, taken: int) -> bool:
+    def _fits(self, row: int, r: Request, taken: int) -> bool:
         """Whether ``row`` may take the pages ``r``'s prompt and first answer token need beyond those it holds,
         while pages stay for the live rows (and ``taken`` rows admitted with it) to grow: a share per row, never
         more than they, and ``r`` after its first token, may still take."""
@@ -492,7 +283,7 @@ class Stream:
     def _admit(self) -> None:
         """Take queued requests into free rows while pages stay for the live rows to grow, then prefill them
         length-batched under the prefill token budget."""
-        taken: list[tuple[int, _Request, int]] = []
+        taken: list[tuple[int, Request, int]] = []
         while self.queue and self.free:
             r = self.queue[0]
             if not self._fits(self.free[0], r, len(taken)):  # the lowest free row holds no pages
@@ -520,8 +311,8 @@ class Stream:
                                    or self.continuing[0].polls >= CONTINUE_WAIT)
         if not due:
             return
-        taken: list[tuple[int, _Request, int]] = []
-        restart: list[_Request] = []
+        taken: list[tuple[int, Request, int]] = []
+        restart: list[Request] = []
         for c in self.continuing:
             self.cache.truncate(c.row, c.reuse)
             if self._fits(c.row, c.request, len(taken)):
@@ -562,7 +353,7 @@ class Stream:
                 widest = widths[i]
         return groups
 
-    def _prefill(self, group: list[tuple[int, _Request, int]]) -> None:
+    def _prefill(self, group: list[tuple[int, Request, int]]) -> None:
         """Prefill (row, request, reused positions) entries: each prompt's tokens after the positions its row
         already holds, right-padded to the longest; all from position 0 is a fresh (causal) prefill, otherwise
         each suffix attends over its row's cached prefix. Padding writes only past every row's prompt (its
@@ -606,7 +397,7 @@ class Stream:
         if dev.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        self.firsts.append(_Firsts([(row, r) for row, r, _ in group], tokens, margins, done, continued))
+        self.firsts.append(Firsts([(row, r) for row, r, _ in group], tokens, margins, done, continued))
         if self.profile is not None:
             self.profile.times.prefill(time.perf_counter() - t0, continued=continued)
         starts, lens = starts[:n], lens[:n]
@@ -786,7 +577,7 @@ class Stream:
         self.launched = launched
         return produced
 
-    def _launch(self) -> _Launched:
+    def _launch(self) -> Launched:
         """Issue the step's forward, the pick of its tokens into ``last`` (the next step's input, on the
         device) and their copy to the host, without waiting for any of it."""
         profiled = self.profile is not None
@@ -813,8 +604,8 @@ class Stream:
             done.record()
         first_shape = self.buckets > 0 and b not in self.shapes
         self.shapes.add(b)
-        return _Launched(hi, self.live, self.request[:hi], buffer, time.perf_counter() - t0, first_shape, start,
-                         done)
+        return Launched(hi, self.live, self.request[:hi], buffer, time.perf_counter() - t0, first_shape, start,
+                        done)
 
     def _read_launched(self) -> int:
         """Take the launched step's tokens into the rows that still serve what they served at its launch; the

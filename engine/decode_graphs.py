@@ -2,7 +2,7 @@
 
 A decode step of SmolLM2-135M (30 layers) is about 1,300 small kernels; on a fast GPU launching them, not running
 them, bounds the step, whatever few rows it decodes. A CUDA graph launches them as one. The step's
-shapes are fixed per padded batch size (``continuous_batching.decode_rows``), so each size gets one graph, captured
+shapes are fixed per padded batch size (``sizing.decode_rows``), so each size gets one graph, captured
 the first time it runs and replayed after; the graphs share one memory pool.
 
 A replay reads and writes where its capture did, so everything it touches stays in place: the ids and positions

@@ -16,6 +16,7 @@ the cut keeps the first copy of the block and drops the copies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -26,6 +27,27 @@ def check_window(min_repeat_tokens: int, max_period: int, every: int) -> int:
     period qualified at the previous call, so every run is shorter than max(min_repeat_tokens, p) + every,
     and measuring a run of period p takes the run plus the p tokens before it."""
     return max(min_repeat_tokens, max_period) + max_period + every
+
+
+@dataclass(frozen=True)
+class LoopStop:
+    """Stop an answer that has fallen into a loop: every ``every`` tokens once it has
+    ``min_repeat_tokens``, its last tokens are checked, and an answer ending in a loop is cut to the loop's
+    first copy and ``keep`` tokens of its copies (at most ``min_repeat_tokens``: what a detected loop has) and
+    finished as "loop". Looping answers would otherwise run to ``max_new_tokens``."""
+
+    min_repeat_tokens: int = 64
+    max_period: int = 256
+    every: int = 16
+    keep: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.keep <= self.min_repeat_tokens:
+            raise ValueError(f"LoopStop.keep {self.keep}: expected 0..min_repeat_tokens ({self.min_repeat_tokens})")
+
+    @property
+    def window(self) -> int:
+        return check_window(self.min_repeat_tokens, self.max_period, self.every)
 
 
 def trailing_runs(tokens: Sequence[int] | np.ndarray, max_period: int = 256, floor: int = 1) -> np.ndarray:

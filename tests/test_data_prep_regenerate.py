@@ -526,6 +526,7 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     from engine import continuous_batching as cb
     from engine.batched import BatchedTarget
     from engine.loops import loop_start
+    from engine.requests import Generated
     from eval.prompts import load_eval_prompts
     from target_model import hf_model
 
@@ -538,7 +539,7 @@ def test_real_smollm2_answers_that_loop_at_512_tokens_end_at_their_loop(tmp_path
     assert r.stop_loops and (r.loop_min_repeat_tokens, r.loop_max_period) == (64, 256)  # the defaults
     plain = cb.generate(BatchedTarget(smollm2.model), ids, 512, hf_model.stop_token_ids(tok), cpu_slots=4)
 
-    seen: dict[int, cb.Generated] = {}
+    seen: dict[int, Generated] = {}
     poll = cb.Stream.poll
 
     def spy(stream: cb.Stream) -> list:

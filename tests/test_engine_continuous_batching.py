@@ -17,10 +17,13 @@ from engine import batched as bt
 from engine import continuous_batching as cb
 from engine import layer_pieces
 from engine.batched import BatchedTarget, UnsupportedTargetError
-from engine.continuous_batching import LoopStop, Sampling, Stream, decode_rows, generate
+from engine.continuous_batching import Stream, generate
 from engine.kv_cache import PAGE
-from engine.loops import loop_start
+from engine.loops import LoopStop, loop_start
 from engine.profile import EngineProfile
+from engine.requests import Generated
+from engine.sampling import Sampling, counter_uniform, request_seed
+from engine.sizing import CPU_START_POSITIONS, decode_rows, plan_rows
 
 STOPS = [1, 2]
 V = 101
@@ -79,7 +82,7 @@ def test_short_and_long_prompts_share_a_pool_that_grows_and_stay_exact() -> None
     ps = prompts(6, 2, 12) + prompts(3, 600, 700, seed=2)
     stream = Stream(BatchedTarget(model), STOPS, max_len=720, cpu_rows=4)
     start = stream.cache.pages
-    assert start == 1 + 4 * cb.CPU_START_POSITIONS // cb.PAGE
+    assert start == 1 + 4 * CPU_START_POSITIONS // PAGE
     for i, p in enumerate(ps):
         stream.submit(i, p, 8)
     outs = dict(stream.run())
@@ -207,7 +210,7 @@ def test_per_prompt_budgets_and_stop_tokens() -> None:
     for p, budget, o in zip(ps, [3, 5, 1], outs, strict=True):
         assert (o.tokens, o.finish_reason) == plain_greedy(model, p, budget)
         assert len(o.tokens) <= budget
-    assert outs[0] == cb.Generated([], "stop", 2)
+    assert outs[0] == Generated([], "stop", 2)
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy() -> None:
@@ -234,7 +237,7 @@ def test_a_sampled_answer_is_its_requests_own_whatever_the_batch() -> None:
     wide = generate(engine, ps, 12, STOPS, sampling, cpu_slots=8)
     assert generate(engine, ps, 12, STOPS, sampling, slots=2) == wide
 
-    def by_key(order: list[int], rows: int) -> dict[int, cb.Generated]:
+    def by_key(order: list[int], rows: int) -> dict[int, Generated]:
         stream = cb.Stream(engine, STOPS, sampling, max_len=40, rows=rows)
         for i in order:
             stream.submit(i, ps[i], 12)
@@ -243,10 +246,10 @@ def test_a_sampled_answer_is_its_requests_own_whatever_the_batch() -> None:
     assert by_key(list(range(8))[::-1], 3) == dict(enumerate(wide))
     assert by_key([5], 1)[5] == wide[5]
     # the numbers themselves: a function of (seed, counter) alone, uniform enough to sample with
-    u = cb.counter_uniform(torch.full((20000,), cb.request_seed(3, 5)), torch.arange(20000))
+    u = counter_uniform(torch.full((20000,), request_seed(3, 5)), torch.arange(20000))
     assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.01
-    assert torch.equal(u[:7], cb.counter_uniform(torch.full((7,), cb.request_seed(3, 5)), torch.arange(7)))
-    assert cb.request_seed(3, 5) != cb.request_seed(3, 6) != cb.request_seed(4, 5)
+    assert torch.equal(u[:7], counter_uniform(torch.full((7,), request_seed(3, 5)), torch.arange(7)))
+    assert request_seed(3, 5) != request_seed(3, 6) != request_seed(4, 5)
 
 
 def test_a_looping_answer_ends_at_its_loop_and_the_rest_are_unchanged() -> None:
@@ -360,9 +363,9 @@ def test_a_suffix_kernel_that_fails_gathers_suffixes_and_decode_keeps_flex(failu
 
 def test_rows_come_from_the_setting_or_the_cpu_default_and_decode_in_a_few_shapes() -> None:
     engine = BatchedTarget(tiny())
-    assert cb.plan_rows(engine, wanted=100, cpu_rows=16) == 16
-    assert cb.plan_rows(engine, wanted=10, cpu_rows=16) == 10
-    assert cb.plan_rows(engine, wanted=100, cpu_rows=16, rows=40) == 40
+    assert plan_rows(engine, wanted=100, cpu_rows=16) == 16
+    assert plan_rows(engine, wanted=10, cpu_rows=16) == 10
+    assert plan_rows(engine, wanted=100, cpu_rows=16, rows=40) == 40
     sizes = {decode_rows(hi, 4096, 4) for hi in range(1, 4097)}
     assert sizes == {512, 1024, 2048, 4096}
     assert all(decode_rows(hi, 4096, 4) >= hi for hi in range(1, 4097)) and decode_rows(7, 4096, 0) == 7
@@ -410,7 +413,7 @@ def test_real_smollm2_64_prompts_equal_plain_generate(smollm2) -> None:
 END = 2  # the end-of-turn marker a chat template writes after an answer: a stop token, as the real ones are
 
 
-def next_turn(prompt: list[int], answer: cb.Generated, user: list[int]) -> list[int]:
+def next_turn(prompt: list[int], answer: Generated, user: list[int]) -> list[int]:
     """The next turn's prompt as a chat template renders it: the history, the answer, its end-of-turn marker
     (written whether or not the target produced it) and the new user turn."""
     return list(prompt) + answer.tokens + [END] + user
@@ -429,7 +432,7 @@ def pages_accounted(stream: Stream) -> None:
 
 
 def converse(stream: Stream, openers: list[list[int]], turns: int, budget, follow=next_turn, reuse: bool = True,
-             late: frozenset[int] = frozenset()) -> dict[tuple[int, int], tuple[list[int], cb.Generated]]:
+             late: frozenset[int] = frozenset()) -> dict[tuple[int, int], tuple[list[int], Generated]]:
     """Conversation i opens with ``openers[i]``; each answer's follow-up (``follow``) is submitted as the answer
     comes out, continuing in its row when ``reuse``, except for the conversations in ``late``, which submit
     theirs after the next poll (by then their rows are freed). Returns {(i, turn): (prompt, answer)}."""
@@ -437,7 +440,7 @@ def converse(stream: Stream, openers: list[list[int]], turns: int, budget, follo
     prompt_of = {(i, 0): p for i, p in enumerate(openers)}
     for i, p in enumerate(openers):
         stream.submit((i, 0), p, budget(i))
-    seen: dict[tuple[int, int], tuple[list[int], cb.Generated]] = {}
+    seen: dict[tuple[int, int], tuple[list[int], Generated]] = {}
     deferred: list[tuple[int, int]] = []
     while stream.busy or deferred:
         done = stream.poll()
@@ -513,7 +516,7 @@ def test_a_follow_up_that_diverges_inside_the_answer_reuses_only_the_common_pref
     openers = prompts(8, 3, 30, seed=8)
     loops = LoopStop(min_repeat_tokens=16, max_period=32, every=8)
 
-    def retokenized(prompt: list[int], answer: cb.Generated, user: list[int]) -> list[int]:
+    def retokenized(prompt: list[int], answer: Generated, user: list[int]) -> list[int]:
         """Even turns' answers come back with their middle token changed (another id, never a stop token)."""
         k = len(answer.tokens) // 2
         if answer.tokens and len(prompt) % 2 == 0:

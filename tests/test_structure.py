@@ -31,6 +31,8 @@ LAZY = {
     ("data_prep.steps", "data_prep.self_prompts"): "`python -m data_prep ingest` imports neither torch nor the target",
     ("data_prep.backends", "engine.batched"): "regenerate's openai backend never imports torch (hf does)",
     ("data_prep.backends", "engine.continuous_batching"): "regenerate's openai backend never imports torch",
+    ("data_prep.backends", "engine.sampling"): "regenerate's openai backend never imports torch",
+    ("data_prep.backends", "engine.sizing"): "regenerate's openai backend never imports torch",
     ("data_prep.backends", "target_model.hf_model"): "regenerate's openai backend never imports torch",
     ("train.module", "train.attention"): "flex_attention (torch.compile) is loaded only on CUDA, where it runs",
 }
