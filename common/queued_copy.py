@@ -3,7 +3,7 @@ busy.
 
 A copy from pageable host memory makes CUDA wait for every kernel already queued on the stream before it starts,
 so the host stalls until the device has drained its queue. The stream's page-table flush between decode steps
-would stall the step launched one ahead that way (``engine.continuous_batching``), as would the training step's
+would stall the step launched one ahead that way (``engine.stream_decoding``), as would the training step's
 figures on their way to the reduction (``train.loop``). From pinned memory the copy is queued like a kernel
 (PyTorch's pinned allocator keeps the buffer until the copy has run).
 """

@@ -26,7 +26,7 @@ from engine.kv_cache import KVCache
 from eval.speculative import AcceptRule, Draft, acceptance_rule, pick
 
 # Padded prompt tokens per prefill call, on any device. Smaller than generate's
-# (engine.continuous_batching.GENERATE_PREFILL_TOKENS): this prefill keeps the target's aux states (3H) at every
+# (engine.stream_admission.GENERATE_PREFILL_TOKENS): this prefill keeps the target's aux states (3H) at every
 # position and runs the drafter over the same positions.
 SPECULATIVE_PREFILL_TOKENS = 32768
 

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from engine import batched as bt
 from engine import continuous_batching as cb
-from engine import layer_pieces
+from engine import layer_pieces, stream_admission, stream_decoding
 from engine.batched import BatchedTarget, UnsupportedTargetError
 from engine.continuous_batching import Stream, generate
 from engine.kv_cache import PAGE
@@ -572,8 +572,8 @@ def test_a_full_pool_preempts_continuations_and_answers_stay_exact(waiting: bool
 
     monkeypatch.setattr(cb.Stream, "_drop_held", counting)
     if waiting:
-        monkeypatch.setattr(cb, "CONTINUE_SHARE", 0)
-        monkeypatch.setattr(cb, "CONTINUE_WAIT", 10)
+        monkeypatch.setattr(stream_admission, "CONTINUE_SHARE", 0)
+        monkeypatch.setattr(stream_admission, "CONTINUE_WAIT", 10)
     model = tiny()
     lo, budget = (100, 40) if waiting else (60, 60)
     openers = prompts(5, lo, 120, seed=10)
@@ -596,7 +596,8 @@ def test_a_row_that_used_every_position_can_wait_for_its_follow_up_while_steps_r
     that row, waiting to be prefilled with others while decode steps still run the row (a live row above it).
     Those steps write at position ``max_len``: scratch's, not an index past the page table (where a device assert,
     "scatter gather kernel index out of bounds", would kill the run). Every answer stays greedy's."""
-    monkeypatch.setattr(cb, "CONTINUE_SHARE", 1)  # one waiting continuation is not due while two rows are live
+    # one waiting continuation is not due while two rows are live
+    monkeypatch.setattr(stream_admission, "CONTINUE_SHARE", 1)
     monkeypatch.setattr(cb, "DECODE_ROW_BUCKETS", 1)
     model = tiny()
     page, budget = PAGE, 24
@@ -614,8 +615,8 @@ def test_a_row_that_used_every_position_can_wait_for_its_follow_up_while_steps_r
             return 0
         return None
 
-    monkeypatch.setattr(cb, "may_loop", lambda *args: True)
-    monkeypatch.setattr(cb, "loop_start", loop_start)
+    monkeypatch.setattr(stream_decoding, "may_loop", lambda *args: True)
+    monkeypatch.setattr(stream_decoding, "loop_start", loop_start)
     stream.submit(("first", 0), first, budget)
     for i, p in enumerate(others):
         stream.submit(("other", i), p, 60)
