@@ -42,17 +42,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import command_line, measured_here, record, recorded  # noqa: E402
-from common.cli import one_line_errors  # noqa: E402
-from common.config import RunConfig, load_config  # noqa: E402
-from data_prep.capture import read_conversations  # noqa: E402
-from data_prep.regenerate_files import load_prompt_records  # noqa: E402
-from data_prep.regenerate_loop import regenerate  # noqa: E402
-from data_prep.regenerate_summary import answer_text  # noqa: E402
-from data_prep.step_failed import over_failure_share  # noqa: E402
-from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
+from bench.results import command_line, measured_here, record, recorded
+from common.cli import one_line_errors
+from common.config import RunConfig, load_config
+from data_prep.capture import read_conversations
+from data_prep.regenerate_files import load_prompt_records
+from data_prep.regenerate_loop import regenerate
+from data_prep.regenerate_summary import answer_text
+from data_prep.step_failed import over_failure_share
+from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start
 
 NAME = "data_quality"
 LABELS = ("before", "after", "eval_greedy")

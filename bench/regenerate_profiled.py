@@ -12,16 +12,13 @@ second) and the samples of its host's stack (``host_samples``). The command itse
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.cli import EXIT_ERROR, EXIT_OK  # noqa: E402
-from common.config import load_config  # noqa: E402
-from common.locking import run_lock  # noqa: E402
-from data_prep.regenerate import run_regenerate  # noqa: E402
-from data_prep.step_failed import StepFailed  # noqa: E402
-from data_prep.steps import save_summary  # noqa: E402
+from common.cli import EXIT_ERROR, EXIT_OK
+from common.config import load_config
+from common.locking import run_lock
+from data_prep.regenerate import run_regenerate
+from data_prep.step_failed import StepFailed
+from data_prep.steps import save_summary
 
 
 def main(argv: list[str] | None = None) -> int:
