@@ -67,16 +67,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import measured_here, record  # noqa: E402
-from bench.runs import REPO, holdout_at, make_run, run, train_command  # noqa: E402
-from common import parent_death  # noqa: E402
-from common.cli import exit_reason  # noqa: E402
-from common.config import RunConfig  # noqa: E402
-from common.files import write_json_atomic, write_jsonl_atomic  # noqa: E402
-from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
-from train.holdout_curve import read_train_log  # noqa: E402
+from bench.results import measured_here, record
+from bench.runs import REPO, holdout_at, make_run, run, train_command
+from common import parent_death
+from common.cli import exit_reason
+from common.config import RunConfig
+from common.files import write_json_atomic, write_jsonl_atomic
+from target_model.aux_layers import resolve_aux_layer_ids
+from train.holdout_curve import read_train_log
 
 SHORT_ANSWER_TOKENS = 256
 SAMPLED_ROWS = ("answers_sampled", "answers_both")  # the rows that read --sampled-conversations

@@ -33,7 +33,6 @@ median_answer_tokens and seconds (that dataset's greedy pass).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
@@ -42,17 +41,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import command_line, measured_here, record, recorded  # noqa: E402
-from common.cli import one_line_errors  # noqa: E402
-from common.config import RunConfig, load_config  # noqa: E402
-from data_prep.capture import read_conversations  # noqa: E402
-from data_prep.regenerate_files import load_prompt_records  # noqa: E402
-from data_prep.regenerate_loop import regenerate  # noqa: E402
-from data_prep.regenerate_summary import answer_text  # noqa: E402
-from data_prep.step_failed import over_failure_share  # noqa: E402
-from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start  # noqa: E402
+from bench.results import command_line, measured_here, record, recorded
+from common.cli import one_line_errors
+from common.config import RunConfig, load_config
+from data_prep.capture import numbered_conversations
+from data_prep.regenerate_files import load_prompt_records
+from data_prep.regenerate_loop import regenerate
+from data_prep.regenerate_summary import answer_text
+from data_prep.step_failed import over_failure_share
+from engine.loops import after_first_repeat_chars, loop_tail_tokens, retokenized_loop_start
 
 NAME = "data_quality"
 LABELS = ("before", "after", "eval_greedy")
@@ -62,21 +59,15 @@ CHAR_WINDOW = 64  # the issue's window
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The conversations regenerate wrote to ``path`` (a bad line is an error naming it), each with a finish reason
     per answer: the capped and loop-cut shares are counted from them, so a file without them cannot be measured."""
-    records = read_conversations(path)
-    for i, rec in enumerate(records):
+    numbered = numbered_conversations(path)
+    for n, rec in numbered:
         answers = sum(m["role"] == "assistant" for m in rec["messages"])
         reasons = rec.get("finish_reasons")
         if reasons is None or len(reasons) < answers:
             got = "no finish_reasons" if reasons is None else f"{len(reasons)} finish_reasons for {answers} answers"
-            raise ValueError(f"{path}:{line_number(path, i)}: {got}; measure a conversations.jsonl regenerate wrote "
-                             "(one finish reason per answer)")
-    return records
-
-
-def line_number(path: Path, index: int) -> int:
-    """The line of record ``index`` as ``read_conversations`` counts them: blank lines hold no record."""
-    with open(path, "rb") as f:
-        return next(itertools.islice((n for n, raw in enumerate(f, 1) if raw.strip()), index, None))
+            raise ValueError(f"{path}:{n}: {got}; measure a conversations.jsonl regenerate wrote (one finish reason "
+                             "per answer)")
+    return [rec for _, rec in numbered]
 
 
 def token_figures(lengths: list[int], loop_tokens: int) -> dict[str, Any]:

@@ -19,10 +19,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
+from bench.results import record
+from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command
 
 
 def main() -> int:

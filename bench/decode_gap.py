@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from eval.decode_gap import cause, holdout_figures, measure_gap  # noqa: E402
-from eval.quality import load_drafter, setup  # noqa: E402
+from bench.results import record
+from eval.decode_gap import cause, holdout_figures, measure_gap
+from eval.quality import load_drafter, setup
 
 
 def main() -> int:

@@ -27,22 +27,19 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.kernel_profile import kernel_times, summarize  # noqa: E402
-from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
-from bench.results import record  # noqa: E402
-from common.step_clock import StepClock  # noqa: E402
-from engine.attention import compile_flex_decode  # noqa: E402
-from engine.batched import BatchedTarget  # noqa: E402
-from engine.continuous_batching import Stream  # noqa: E402
-from engine.decode_graphs import DecodeGraphs  # noqa: E402
-from engine.kv_cache import PAGE  # noqa: E402
-from engine.profile import EngineProfile  # noqa: E402
+from bench.kernel_profile import kernel_times, summarize
+from bench.random_smollm2 import SMOLLM2, random_smollm2
+from bench.results import record
+from common.step_clock import StepClock
+from engine.attention import compile_flex_decode
+from engine.batched import BatchedTarget
+from engine.continuous_batching import Stream
+from engine.decode_graphs import DecodeGraphs
+from engine.kv_cache import PAGE
+from engine.profile import EngineProfile
 
 
 def random_target(layers: int, device: torch.device, dtype: torch.dtype) -> BatchedTarget:

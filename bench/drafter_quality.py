@@ -26,15 +26,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record, results_path  # noqa: E402
-from bench.runs import holdout_at  # noqa: E402
-from common.config import RunConfig  # noqa: E402
-from common.files import sha256_file, write_json_atomic  # noqa: E402
-from eval.batched_eval import acceptance, greedy_references  # noqa: E402
-from eval.quality import DEFAULT_SETTINGS, load_drafter, parse_settings, quality, setup  # noqa: E402
-from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints, read_trainer_state  # noqa: E402
+from bench.results import record, results_path
+from bench.runs import holdout_at
+from common.config import RunConfig
+from common.files import sha256_file, write_json_atomic
+from eval.batched_eval import acceptance, greedy_references
+from eval.quality import DEFAULT_SETTINGS, load_drafter, parse_settings, quality, setup
+from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints, read_trainer_state
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from common.files import iter_jsonl  # noqa: E402
-from common.wheels import builtin_data_path  # noqa: E402
-from eval.batched_eval import acceptance  # noqa: E402
-from eval.gate_stats import bootstrap  # noqa: E402
-from eval.intervals import Bootstrap, ratio_estimate  # noqa: E402
-from eval.quality import load_drafter, quality_config, target_and_prompts  # noqa: E402
+from bench.results import record
+from common.files import iter_jsonl
+from common.wheels import builtin_data_path
+from eval.batched_eval import acceptance
+from eval.gate_stats import bootstrap
+from eval.intervals import Bootstrap, ratio_estimate
+from eval.quality import load_drafter, quality_config, target_and_prompts
 
 
 def categories() -> list[str]:

@@ -18,11 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
-from data_prep.store import read_manifest  # noqa: E402
+from bench.results import record
+from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command
+from data_prep.store import read_manifest
 
 
 def main() -> int:

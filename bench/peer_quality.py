@@ -28,13 +28,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from bench.runs import make_run, run, train_command  # noqa: E402
-from common.files import write_json_atomic  # noqa: E402
-from eval.intervals import Bootstrap, paired_difference  # noqa: E402
-from train.holdout_curve import read_train_log  # noqa: E402
+from bench.results import record
+from bench.runs import make_run, run, train_command
+from common.files import write_json_atomic
+from eval.intervals import Bootstrap, paired_difference
+from train.holdout_curve import read_train_log
 
 ROWS = ("ours", "specforge", "specforge_shipped")
 RECIPE_OF = {"specforge": "ours", "specforge_shipped": "shipped"}

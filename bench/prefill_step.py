@@ -33,21 +33,18 @@ import json
 import re
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.kernel_profile import host_times, kernel_times, summarize  # noqa: E402
-from bench.random_smollm2 import SMOLLM2, random_smollm2  # noqa: E402
-from bench.results import record  # noqa: E402
-from bench.wall_clock import synced  # noqa: E402
-from common.compile_guard import compile_seconds  # noqa: E402
-from engine.attention import flex_kind, prefill_shape  # noqa: E402
-from engine.batched import BatchedTarget  # noqa: E402
-from engine.kv_cache import PAGE  # noqa: E402
+from bench.kernel_profile import host_times, kernel_times, summarize
+from bench.random_smollm2 import SMOLLM2, random_smollm2
+from bench.results import record
+from bench.wall_clock import synced
+from common.compile_guard import compile_seconds
+from engine.attention import flex_kind, prefill_shape
+from engine.batched import BatchedTarget
+from engine.kv_cache import PAGE
 
 # 26x129+650: the bench's average continuation forward (rows per forward, the padded width, a prefix); 26x60+650: a
 # shorter suffix, padded to the same width (its second query block all padding); the others bracket them; 16x512+0

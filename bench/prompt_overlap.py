@@ -17,14 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from common.cli import one_line_errors  # noqa: E402
-from common.config import DatasetConfig, load_config  # noqa: E402
-from common.files import iter_jsonl  # noqa: E402
-from data_prep.decontaminate import first_shared_ngram, ngram_index  # noqa: E402
-from eval.prompts import load_eval_turns  # noqa: E402
+from bench.results import record
+from common.cli import one_line_errors
+from common.config import DatasetConfig, load_config
+from common.files import iter_jsonl
+from data_prep.decontaminate import first_shared_ngram, ngram_index
+from eval.prompts import load_eval_turns
 
 
 def measured_turns(ds: DatasetConfig) -> list[str]:

@@ -62,19 +62,17 @@ from typing import Any
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import command_line, device_name, measured_here, record, recorded, results_path  # noqa: E402
-from bench.runs import run  # noqa: E402
-from bench.wall_clock import synced  # noqa: E402
-from common.config import dump_config, load_config  # noqa: E402
-from common.files import iter_jsonl, json_line  # noqa: E402
-from data_prep.regenerate_devices import device_shares  # noqa: E402
-from data_prep.regenerate_summary import phase_text  # noqa: E402
-from engine.batched import BatchedTarget  # noqa: E402
-from engine.continuous_batching import generate  # noqa: E402
-from eval.prompts import render  # noqa: E402
-from target_model.hf_model import TargetModel, load_target, stop_token_ids  # noqa: E402
+from bench.results import command_line, device_name, measured_here, record, recorded, results_path
+from bench.runs import run
+from bench.wall_clock import synced
+from common.config import dump_config, load_config
+from common.files import iter_jsonl, json_line
+from data_prep.regenerate_devices import device_shares
+from data_prep.regenerate_summary import phase_text
+from engine.batched import BatchedTarget
+from engine.continuous_batching import generate
+from eval.prompts import render
+from target_model.hf_model import TargetModel, load_target, stop_token_ids
 
 
 def first_turn_prompts(tok, n: int, prompts_file: Path) -> list[list[int]]:

@@ -16,10 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from common.cli import EXIT_OK, one_line_errors  # noqa: E402
-from common.files import write_text_atomic  # noqa: E402
+from common.cli import EXIT_OK, one_line_errors
+from common.files import write_text_atomic
 
 BENCH = Path(__file__).resolve().parent
 RESULTS_JSON = BENCH / "results.json"

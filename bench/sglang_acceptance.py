@@ -14,16 +14,12 @@ p(d), and the rate of min(1, p/q) with drafts sampled from a hand-made q.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from eval.speculative import Draft, accept_sampled, accept_sglang  # noqa: E402
+from bench.results import record
+from eval.speculative import Draft, accept_sampled, accept_sglang
 
 LOGITS = torch.tensor([[1.5, 0.2, -0.3, 0.9, -1.0, 0.0],
                        [0.1, 1.2, 0.4, -0.5, 0.8, -0.2],

@@ -29,12 +29,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from bench.runs import REPO, run  # noqa: E402
-from bench.train_throughput import bench, shape_figures, shape_named  # noqa: E402
-from common.files import iter_jsonl  # noqa: E402
+from bench.results import record
+from bench.runs import REPO, run
+from bench.train_throughput import bench, shape_figures, shape_named
+from common.files import iter_jsonl
 
 OURS, PEERS = "k25", "kimi"  # the one shape's name in train_throughput.SHAPES and in bench_specforge.SHAPES
 # bench_specforge.py's row fields -> ours (its row carries its shape's numbers: checked equal to ours)

@@ -29,16 +29,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command  # noqa: E402
-from bench.train_throughput import bench, shape_figures  # noqa: E402
-from common.config import RunConfig, load_config  # noqa: E402
-from drafter.model import DrafterShape  # noqa: E402
-from target_model.aux_layers import resolve_aux_layer_ids  # noqa: E402
-from target_model.hf_model import target_text_config  # noqa: E402
-from train.build import fresh_shape  # noqa: E402
+from bench.results import record
+from bench.runs import make_run, median_tokens_per_s, run, step_records, train_command
+from bench.train_throughput import bench, shape_figures
+from common.config import RunConfig, load_config
+from drafter.model import DrafterShape
+from target_model.aux_layers import resolve_aux_layer_ids
+from target_model.hf_model import target_text_config
+from train.build import fresh_shape
 
 NAME = "train_loop_smollm2"
 BAR = 0.85

@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.kernel_profile import kernel_times, summarize  # noqa: E402
-from bench.results import command_line, record  # noqa: E402
-from bench.train_throughput import (  # noqa: E402
+from bench.kernel_profile import kernel_times, summarize
+from bench.results import command_line, record
+from bench.train_throughput import (
     PEAK_TFLOPS,
     SHAPES,
     forward_loss,
@@ -37,7 +34,7 @@ from bench.train_throughput import (  # noqa: E402
     step_setup,
     update,
 )
-from common.step_clock import StepClock  # noqa: E402
+from common.step_clock import StepClock
 
 PHASES = ("forward_loss", "backward", "clip_optimizer")
 

@@ -28,18 +28,15 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.results import record  # noqa: E402
-from common.step_clock import StepClock  # noqa: E402
-from drafter.model import DrafterShape, Eagle3Drafter  # noqa: E402
-from train.module import TTTModel  # noqa: E402
-from train.optim import clip_into_step, make_optimizer, trainable  # noqa: E402
-from train.ttt import TTTResult  # noqa: E402
+from bench.results import record
+from common.step_clock import StepClock
+from drafter.model import DrafterShape, Eagle3Drafter
+from train.module import TTTModel
+from train.optim import clip_into_step, make_optimizer, trainable
+from train.ttt import TTTResult
 
 PEAK_TFLOPS = 790.0
 SHAPES = {

@@ -137,9 +137,10 @@ class CaptureSummary:
 
 
 # ---------------------------------------------------------------- input: conversations -> samples
-def read_conversations(path: Path) -> list[dict[str, Any]]:
-    """The conversations regenerate wrote, each checked for the fields capture reads: a bad one is an error naming
-    its line, not a failure far from it."""
+def numbered_conversations(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, conversation) for each conversation regenerate wrote, each checked for the fields capture reads:
+    a bad one is an error naming its line, not a failure far from it. The numbers let a caller's own checks name
+    the line too."""
     if not path.is_file():
         raise CaptureError(f"{path}: not found; run `python -m data_prep regenerate` first")
     out = []
@@ -156,10 +157,15 @@ def read_conversations(path: Path) -> list[dict[str, Any]]:
         reasons = rec.get("finish_reasons", [])
         if not (isinstance(reasons, list) and all(isinstance(r, str) for r in reasons)):
             raise CaptureError(f"{path}:{n}: finish_reasons must be a list of strings (one per answer)")
-        out.append(rec)
+        out.append((n, rec))
     if not out:
         raise CaptureError(f"{path}: no conversations in it; rerun regenerate")
     return out
+
+
+def read_conversations(path: Path) -> list[dict[str, Any]]:
+    """The conversations of ``numbered_conversations``, checked as it checks them."""
+    return [rec for _, rec in numbered_conversations(path)]
 
 
 def _render_chunk(job: tuple[Any, list[list[dict]], list[Any], list[Any], int, dict[str, Any], int | None]

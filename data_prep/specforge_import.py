@@ -65,7 +65,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -77,7 +76,7 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
-from common.files import write_json_atomic, write_jsonl_atomic
+from common.files import iter_jsonl, write_json_atomic, write_jsonl_atomic
 from data_prep.capture_sample import CaptureError, Sample
 from data_prep.loss_mask import conversation_text
 from drafter.factory import shape_for_target
@@ -176,6 +175,10 @@ class SpecForgeCut:
         self.tokens += tokens
 
 
+# How a missing or damaged --data-path is had again (the errors about it end with this).
+EXPORTED_AGAIN = "capture writes it again from conversations.jsonl when capture.specforge_dir is empty"
+
+
 class ServerRendering:
     """The server's rendering of the conversation behind each SpecForge sample, to check SpecForge's tokens:
     ``data_path`` is the --data-path SpecForge read (capture's export), in its row order."""
@@ -183,10 +186,13 @@ class ServerRendering:
     def __init__(self, data_path: Path, tokenizer: Any, template_kwargs: dict[str, Any], max_length: int):
         if not data_path.is_file():
             raise CaptureError(f"{data_path}: missing; it is the --data-path SpecForge read, needed to check its "
-                               "tokens against the server's rendering (capture writes it again from "
-                               "conversations.jsonl when capture.specforge_dir is empty)")
-        with open(data_path, encoding="utf-8") as f:
-            self.rows = [json.loads(line) for line in f if line.strip()]
+                               f"tokens against the server's rendering ({EXPORTED_AGAIN})")
+        fix = f"it is the --data-path SpecForge read: {EXPORTED_AGAIN}, then rerun SpecForge on it"
+        self.rows: list[dict[str, Any]] = []
+        for n, row in iter_jsonl(data_path, CaptureError, fix):
+            if not isinstance(row.get("conversations"), list):
+                raise CaptureError(f"{data_path}:{n}: no 'conversations' list; {fix}")
+            self.rows.append(row)
         self.path, self.order = data_path, capture_order(len(self.rows))
         self.tokenizer, self.kwargs, self.max_length = tokenizer, dict(template_kwargs), max_length
 

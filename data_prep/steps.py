@@ -6,6 +6,7 @@ key variable, its value is a secret: it is redacted from stdout, stderr and the 
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from data_prep.step_failed import StepFailed
 ORDER = ("synthesize", "ingest", "regenerate", "capture")  # "all" runs synthesize when data.synthesize is set
 
 
-def _runner(step: str) -> Callable[[RunConfig], Any]:
+def _runner(step: str, profile: bool) -> Callable[[RunConfig], Any]:
     # Synthesize, regenerate and capture are imported when they run: ingest needs neither torch nor the target.
     if step == "ingest":
         return run_ingest
@@ -35,7 +36,7 @@ def _runner(step: str) -> Callable[[RunConfig], Any]:
     if step == "regenerate":
         from data_prep.regenerate import run_regenerate
 
-        return run_regenerate
+        return functools.partial(run_regenerate, profile=profile)
     from data_prep.capture import run_capture
 
     return run_capture
@@ -50,10 +51,11 @@ def save_summary(cfg: RunConfig, step: str, summary: Any) -> None:
 
 
 @one_line_errors(MissingWheelError, prefix="data_prep: error")
-def run_steps(step: str, config: str | Path, overrides: Sequence[str] = ()) -> int:
+def run_steps(step: str, config: str | Path, overrides: Sequence[str] = (), profile: bool = False) -> int:
     """``step`` is one of ORDER or "all" (synthesize only when the config sets it). Exit code: 0 done, 2 an error
     (a bad config, a step that failed, the run dir in use, a crash before the steps start); the message is one line
-    on stderr."""
+    on stderr. ``profile``: regenerate's engine measured into its summary (``run_regenerate``'s; for
+    bench/regenerate_profiled.py, never the command's)."""
     try:
         cfg = load_config(config, list(overrides))
     except ConfigError as e:
@@ -62,15 +64,15 @@ def run_steps(step: str, config: str | Path, overrides: Sequence[str] = ()) -> i
     redact.register_env(cfg.regenerate.api_key_env)
     with redact.redacting_streams():
         steps = [s for s in ORDER if s != "synthesize" or cfg.data.synthesize is not None] if step == "all" else [step]
-        return _run_steps(cfg, steps)
+        return _run_steps(cfg, steps, profile)
 
 
 @one_line_errors(MissingWheelError, prefix="data_prep: error")
-def _run_steps(cfg: RunConfig, steps: Sequence[str]) -> int:
+def _run_steps(cfg: RunConfig, steps: Sequence[str], profile: bool) -> int:
     with run_lock(cfg.root, f"data_prep {'+'.join(steps)}"):
         for name in steps:
             try:
-                summary = _runner(name)(cfg)
+                summary = _runner(name, profile)(cfg)
             except StepFailed as e:
                 print(e.summary)
                 save_summary(cfg, name, e.summary)

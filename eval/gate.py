@@ -38,6 +38,7 @@ from common.files import (
 from common.locking import run_lock
 from drafter.sglang_checkpoint import CheckpointError, fingerprint
 from eval.intervals import RESOLVE_CAP, RESOLVE_POWER, Interval, prompts_to_resolve
+from eval.report import ci_text
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
 PROMOTIONS = "promotions"
@@ -84,9 +85,7 @@ def _status(iv: Interval, bar: float) -> str:
 
 def _ci(iv: Interval, signed: bool = False) -> str:
     """``1.234 [1.100, 1.400]``; a bound that is not finite (no interval) as a dash."""
-    f = "{:+.3f}" if signed else "{:.3f}"
-    low, high = ("–" if not math.isfinite(x) else f.format(x) for x in (iv.low, iv.high))
-    return f"{f.format(iv.point)} [{low}, {high}]"
+    return f"{iv.point:{'+' if signed else ''}.3f} {ci_text((iv.low, iv.high), signed=signed)}"
 
 
 def _outcome(status: str, iv: Interval, bar: float, bar_name: str, timing_prompts: int = 0) -> str:

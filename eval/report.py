@@ -15,14 +15,16 @@ from common.tracking import flat_config, make_trackers
 PLOTS = ("alpha", "tau", "tau_per_prompt")  # the PNGs beside report.json, by stem
 
 
-def decimals(x: Any, places: int = 3) -> str:
-    """A figure for report.md: ``x`` with ``places`` decimals, "–" when it is missing or not finite."""
-    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{places}f}"
+def decimals(x: Any, places: int = 3, signed: bool = False) -> str:
+    """A figure for people (report.md, the gate's reasons): ``x`` with ``places`` decimals, with its sign when
+    ``signed`` (a difference), "–" when it is missing or not finite."""
+    sign = "+" if signed else ""
+    return "–" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:{sign}.{places}f}"
 
 
-def ci_text(ci: Any, places: int = 3) -> str:
-    """``[1.602, 1.980]``, or "–" without an interval."""
-    return f"[{decimals(ci[0], places)}, {decimals(ci[1], places)}]" if ci else "–"
+def ci_text(ci: Any, places: int = 3, signed: bool = False) -> str:
+    """``[1.602, 1.980]``, or "–" without an interval; a bound that is not finite as "–"."""
+    return f"[{decimals(ci[0], places, signed)}, {decimals(ci[1], places, signed)}]" if ci else "–"
 
 
 def prompt_counts(r: dict) -> str:

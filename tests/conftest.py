@@ -18,6 +18,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 THREADS = os.environ.get("EAGLE3_TEST_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", THREADS)
 torch.set_num_threads(int(THREADS))
+# The processes a test starts import this checkout too, as the tests do (`python -m pytest` puts the cwd first):
+# a script run by its path (python bench/X.py) has its own folder first on sys.path, and the editable
+# install may be another checkout's.
+ROOT = str(Path(__file__).resolve().parents[1])
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture

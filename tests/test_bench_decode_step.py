@@ -7,12 +7,8 @@ wall ms split into the host's decode (launch and wait), the device's and the eng
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import decode_step  # noqa: E402
+from bench import decode_step
 
 
 def test_the_cpu_plumbing_records_a_run_per_configuration(bench_results) -> None:

@@ -5,15 +5,10 @@ mislabel where a step's time goes."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.kernel_profile import kernel_class, kernel_times, summarize  # noqa: E402
+from bench.kernel_profile import kernel_class, kernel_times, summarize
 
 ADAM = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
         "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "

@@ -4,18 +4,15 @@ keeps its points, and the rerun measures only the checkpoints it had not reached
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import drafter_quality  # noqa: E402
-from drafter.sglang_checkpoint import save_checkpoint  # noqa: E402
-from train.run_checkpoints import STATE_DIR, TRAINER_FILE  # noqa: E402
+from bench import drafter_quality
+from drafter.sglang_checkpoint import save_checkpoint
+from train.run_checkpoints import STATE_DIR, TRAINER_FILE
 
 
 def fake_checkpoint(root: Path, drafter, step: int, tokens: int) -> Path:

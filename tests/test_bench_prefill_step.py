@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import prefill_step  # noqa: E402
+from bench import prefill_step
 
 
 def test_the_cpu_plumbing_records_a_run_per_shape(bench_results) -> None:

@@ -6,15 +6,12 @@ the full run's seconds over the slowest share's."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import regenerate_throughput as bench  # noqa: E402
-from data_prep.regenerate_devices import share_of  # noqa: E402
+from bench import regenerate_throughput as bench
+from data_prep.regenerate_devices import share_of
 
 
 def write_prompts(path: Path, n: int) -> Path:

@@ -6,15 +6,12 @@ ours fail loudly."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import train_k25  # noqa: E402
+from bench import train_k25
 
 FAKE = Path(__file__).with_name("fake_bench_specforge.py")
 

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
-from pathlib import Path
 
 from train_fixtures import DRAFT_V, H, V, make_config, make_store
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import train_loop  # noqa: E402
+from bench import train_loop
 
 
 def test_the_loop_and_the_step_at_the_same_drafter(bench_results, tmp_path) -> None:

@@ -7,14 +7,10 @@ drafter shape other than tiny on a CPU is a usage error before anything is built
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import train_step_profile  # noqa: E402
+from bench import train_step_profile
 
 
 def test_the_cpu_plumbing_records_its_phases(bench_results) -> None:

@@ -4,12 +4,8 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench import train_throughput  # noqa: E402
+from bench import train_throughput
 
 
 def test_the_cpu_dry_run_records_its_row(bench_results) -> None:

@@ -20,8 +20,7 @@ HOLD = ("import sys, time; from common.locking import run_lock\n"
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env=os.environ | {"PYTHONPATH": str(ROOT)})
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -62,11 +61,11 @@ def test_held_locks_are_inherited_only_from_an_ancestor(tmp_path, monkeypatch):
         child = subprocess.run([sys.executable, "-c", "import sys; from common.locking import run_lock\n"
                                 "with run_lock(sys.argv[1], 'child'): print('ok')", str(run_dir)],
                                cwd=ROOT, capture_output=True, text=True,
-                               env=os.environ | {"PYTHONPATH": str(ROOT)} | inherit_env([held]))
+                               env=os.environ | inherit_env([held]))
         assert child.returncode == 0 and child.stdout.strip() == "ok", child.stderr
         alone = subprocess.run([sys.executable, "-c", "import sys; from common.locking import run_lock\n"
                                 "with run_lock(sys.argv[1], 'child'): print('ok')", str(run_dir)],
-                               cwd=ROOT, capture_output=True, text=True, env=os.environ | {"PYTHONPATH": str(ROOT)})
+                               cwd=ROOT, capture_output=True, text=True)
         assert alone.returncode != 0 and f"in use by pid {os.getpid()}" in alone.stderr
 
 

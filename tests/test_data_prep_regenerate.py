@@ -377,7 +377,7 @@ def _regenerate_cli(cfg_tree: dict[str, Any], tmp_path: Path, env: dict[str, str
     cfg_file.write_text(yaml.safe_dump(cfg_tree))
     return subprocess.run([sys.executable, "-m", "data_prep", "regenerate", "--config", str(cfg_file)],
                           capture_output=True, text=True, cwd=REPO, timeout=timeout,
-                          env=os.environ | {"PYTHONPATH": str(REPO)} | (env or {}))
+                          env=os.environ | (env or {}))
 
 
 def test_closed_port_exits_2_within_seconds(tmp_path: Path) -> None:
@@ -787,7 +787,7 @@ def test_a_second_writer_on_the_run_dir_fails_at_once_naming_the_first(tmp_path:
     hold = ("import sys, time; from common.locking import run_lock\n"
             "with run_lock(sys.argv[1], 'data_prep regenerate'):\n    print('held', flush=True); time.sleep(600)\n")
     holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
+                              text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         assert run_steps("regenerate", cfg_file) == 2
@@ -1082,8 +1082,7 @@ def test_device_workers_die_with_the_regenerating_process(tmp_path: Path) -> Non
             "from data_prep.regenerate_files import load_prompt_records; "
             "from data_prep.regenerate_devices import regenerate_on_devices\ncfg = load_config(sys.argv[1])\n"
             "regenerate_on_devices(cfg, load_prompt_records(cfg.prompts_path, None), ['cpu:0', 'cpu:1'])\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(cfg_file)], cwd=REPO,
-                            env=os.environ | {"PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cfg_file)], cwd=REPO)
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 60

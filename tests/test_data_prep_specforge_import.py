@@ -27,7 +27,7 @@ from data_prep.capture import run_capture
 from data_prep.capture_sample import CaptureError
 from data_prep.dataset import ShardDataset
 from data_prep.loss_mask import render_with_mask
-from data_prep.specforge_import import export_for_specforge, list_files
+from data_prep.specforge_import import ServerRendering, export_for_specforge, list_files
 from data_prep.store import load_target_head, read_manifest
 from target_model.hf_index import load_indexed_target
 from target_model.hf_model import TargetModel
@@ -230,6 +230,21 @@ def test_missing_or_malformed_specforge_files_are_clear(tmp_path, checkpoint, no
                 "hidden_state": torch.zeros(1, 4, 32), "aux_hidden_state": torch.zeros(1, 4, 64)}, bad)
     with pytest.raises(CaptureError, match=r"data_0.ckpt: aux_hidden_state is \(1, 4, 64\), expected \(1, 4, 96\)"):
         run_capture(cfg)
+
+
+@pytest.mark.parametrize(("lines", "error"), [
+    (['{"id": "c0", "conversations": []}', '{"id": "c1", "conv'], ":2: not JSON"),
+    (['{"id": "c0", "conversations": []}', "", '{"id": "c1", "messages": []}'], ":3: no 'conversations' list; "),
+    (["[1, 2]"], ":1: a JSON list, not an object; "),
+], ids=["torn-line", "no-conversations", "not-an-object"])
+def test_a_damaged_data_path_is_one_line_naming_its_line(tmp_path, lines: list[str], error: str):
+    """SpecForge's --data-path as the import reads it back: a bad row names the file and line, and how to have the file
+    again."""
+    path = tmp_path / "specforge_input.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CaptureError) as e:
+        ServerRendering(path, None, {}, 64)
+    assert str(e.value).startswith(f"{path}{error}") and "capture writes it again" in str(e.value), e.value
 
 
 def test_the_specforge_command_always_passes_the_drafters_config(tmp_path, checkpoint, tiny_drafter, no_hf_model):

@@ -249,7 +249,6 @@ def test_the_pipeline_stops_with_exit_2_when_the_gate_errors(tmp_path, tiny_draf
     fake_py.write_text(f'#!/bin/sh\ncase "$*" in *"-m eval gate"*) exec {sys.executable} "$@";; esac\nexit 0\n')
     fake_py.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake_py))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     assert rounds.run_round(cfg) == 2
     err = capfd.readouterr().err
     assert f"error: {best.parent / 'best' / 'config.json'}: missing" in err, err
@@ -259,7 +258,7 @@ def test_the_pipeline_stops_with_exit_2_when_the_gate_errors(tmp_path, tiny_draf
 
 
 def _env() -> dict[str, str]:
-    return os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return os.environ | {"OMP_NUM_THREADS": "1"}
 
 
 def _children(pid: int) -> list[int]:
@@ -457,7 +456,6 @@ def test_a_round_rerun_after_its_gate_recorded_a_decision_keeps_it_and_its_confi
     fake_py.write_text(f'#!/bin/sh\ncase "$*" in *"-m eval gate"*) exec {sys.executable} {stub} "$@";; esac\nexit 0\n')
     fake_py.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake_py))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     assert rounds.run_round(cfg) == 2  # the gate was killed
     round_cfg = (root / "round-1" / "config.yaml").read_bytes()
     assert rounds.run_round(cfg) == 0

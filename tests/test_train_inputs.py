@@ -42,7 +42,7 @@ def test_one_flipped_byte_in_a_shard_makes_train_exit_2_naming_it(tmp_path):
     shard = store / "shard-00001.safetensors"
     _flip_a_data_byte(shard)
     r = subprocess.run([sys.executable, "-m", "train", "--config", str(cfg)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300, env=os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       cwd=ROOT, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last == (f"error: {shard}: sha256 differs from {store / 'manifest.json'} (the file changed after capture); "
