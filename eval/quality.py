@@ -6,7 +6,8 @@ Every prompt of the config's eval datasets (their limits lifted; ``limit`` for s
 later ``turn`` after the target's own answers, ``eval.turns``), at each k:T setting, with the batched engine
 (``eval.batched_eval``): tau with its bootstrap interval (``ci``, over ``prompts``), alpha_k, and at T = 0 the
 prompts whose output differs from the target's greedy output. Then tau* per k from the batch-1 engine's timings on
-the first ``timing_prompts`` prompts (one process, nothing else on the device) with its interval over them; tau by
+the first ``timing_prompts`` prompts (one process, nothing else on the device) with its interval over them, or from
+the deployment's ``eval.timings`` when given (acceptance measured anywhere, gated where it will serve); tau by
 history length on the run's held-out conversations (``tau_by_context``, ``eval.context_buckets``); and what the
 gate would decide at the first setting: against break-even, and with an ``incumbent`` against it too (the incumbent
 measured on the same prompts at that setting, the difference read through paired intervals: what a promotion
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import RunConfig, load_config
+from common.config import RunConfig, TimingsConfig, load_config
 from drafter.factory import load_for_target
 from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import fingerprint
@@ -33,7 +34,7 @@ from eval.batched_eval import acceptance, greedy_references
 from eval.context_buckets import holdout_buckets
 from eval.gate import decide
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, tau_ci, timed_tau_star
-from eval.intervals import Bootstrap, Estimate
+from eval.intervals import Bootstrap, Estimate, constant
 from eval.measure import Settings, measure
 from eval.oracle_cache import oracle_acceptance
 from eval.speculative import Eagle3Proposer, Engine
@@ -112,6 +113,22 @@ def add_oracle(per_dataset: dict, oracle_stats: dict, boot: Bootstrap) -> None:
                               "oracle_alpha": s["alpha_conditional"]}
 
 
+def given_timings(given: TimingsConfig, ks: list[int], boot: Bootstrap) -> tuple[dict, dict[str, Estimate]]:
+    """tau* per k from the deployment's timings (``eval.timings``): what the gate must clear where the drafter
+    will serve, not on the machine that measures acceptance (a CPU's tau* says nothing about an H200's). A
+    constant: no timing prompts behind it, so no interval."""
+    missing = [k for k in ks if k not in given.cycle_ms]
+    if missing:
+        raise QualityError(f"eval.timings.cycle_ms has no entry for k = {', '.join(map(str, missing))} (--settings): "
+                           "give the verify cycle's ms at every k measured, e.g. {3: 29.8}")
+    out, estimates = {}, {}
+    for k in ks:
+        figures = breakeven.breakeven(given.decode_ms, given.cycle_ms[k], k)
+        estimates[str(k)] = constant(figures["tau_star"], boot)
+        out[str(k)] = figures | {"ci": [figures["tau_star"], figures["tau_star"]]}
+    return out, estimates
+
+
 def timings(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int], prompts: list[list[int]],
             ks: list[int], max_new: int, boot: Bootstrap) -> tuple[dict, dict[str, Estimate]]:
     """Batch-1 plain decode and speculative cycle times: tau* per k with its interval over the timing prompts (one
@@ -155,8 +172,9 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     ``eval_prompts`` gives them, whose records skipped as short each dataset's summary counts.
     ``per_prompt_columns``: the first setting's datasets keep their (tokens, cycles) per prompt too, for a paired
     comparison with another drafter on the same prompts."""
+    boot, ks = bootstrap(cfg.gate), sorted({k for k, _ in settings})
+    given = given_timings(cfg.eval.timings, ks, boot) if cfg.eval.timings else None  # a k they lack: before measuring
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
-    boot = bootstrap(cfg.gate)
     max_new = cfg.eval.max_new_tokens
     refs = greedy_references(target, prompts, max_new)
     stats = {f"k{k}_T{t:g}": setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, t, refs)
@@ -173,8 +191,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
         for name, s in first_stats.items():
             first[name]["per_prompt"] = dict(zip(("tokens", "cycles"), per_prompt(s), strict=True))
     first_name = list(prompts)[0]
-    times, tau_stars = timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts],
-                               sorted({k for k, _ in settings}), max_new, boot)
+    times, tau_stars = given or timings(target, drafter, aux_ids, prompts[first_name][:timing_prompts], ks, max_new,
+                                        boot)
     k0, t0 = settings[0]
     mismatches = [f"{name}: {s['lossless_mismatches']} prompts differ from greedy" for name, s in first.items()
                   if s.get("lossless_mismatches")]
@@ -186,7 +204,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
             "seed": cfg.eval.seed, "settings": results, "tau_star": {k: v["tau_star"] for k, v in times.items()},
             "tau_star_ci": {k: v["ci"] for k, v in times.items()}, "confidence": boot.level,
             "timings_ms": {k: {"decode": v["decode_ms"], "cycle": v["cycle_ms"]} for k, v in times.items()},
-            "timing_prompts": len(prompts[first_name][:timing_prompts]),
+            "timing_prompts": 0 if cfg.eval.timings else len(prompts[first_name][:timing_prompts]),
+            "timings_source": "config (eval.timings)" if cfg.eval.timings else "measured",
             "tau_by_context": tau_by_context(cfg, target, drafter, aux_ids, k0, t0, context_prompts, boot),
             "gate": {"verdict": d.verdict, "promote": d.promote, "reasons": d.reasons,
                      "intervals": evidence_record(ev, d), **incumbent_named(incumbent)}}

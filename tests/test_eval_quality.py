@@ -210,3 +210,28 @@ def test_sampling_at_t_above_zero_follows_the_configs_eval_seed(tmp_path, smollm
     assert figures["seed"] == 7 and figures["mtbench"]["per_prompt"] == by_seed[7]
     oracle = acceptance(smollm2, None, aux, prompts, 2, 1.0, 24, seed=7)["mtbench"]
     assert figures["mtbench"]["oracle_tau"] == pytest.approx(oracle["tau"])
+
+
+def test_given_timings_set_the_break_even_the_gate_reads_without_timing_here(tmp_path, smollm2, monkeypatch):
+    """With ``eval.timings`` (the deployment's decode and cycle ms) the gate's tau* is theirs, a constant with no
+    timing prompts: acceptance measured on a CPU is gated against the serving machine's break-even, never the
+    CPU's own; a k the timings lack is a one-line error."""
+    import eval.quality as q
+
+    shipped = REPO / "drafters" / "smollm2-135m-eagle3"
+    prompts = {"mtbench": [smollm2.tokenizer("Name three colours.")["input_ids"],
+                           smollm2.tokenizer("Count to five.")["input_ids"]]}
+    monkeypatch.setattr(q, "timings", lambda *a, **k: pytest.fail("timed although eval.timings was given"))
+    cfg = q.quality_config(write_config(tmp_path), overrides=["eval.timings={decode_ms: 20, cycle_ms: {3: 30}}"])
+
+    figures = q.quality(cfg, smollm2, prompts, shipped, [(3, 0.0)], timing_prompts=2, context_prompts=0)
+
+    assert figures["tau_star"]["3"] == pytest.approx(1.5) and figures["tau_star_ci"]["3"] == [1.5, 1.5]
+    assert figures["timing_prompts"] == 0 and figures["timings_source"] == "config (eval.timings)"
+    iv = figures["gate"]["intervals"]["mtbench"]
+    assert iv["tau_star"]["point"] == pytest.approx(1.5) and iv["tau_star"]["prompts"] == 0
+    assert iv["vs_breakeven"]["point"] == pytest.approx(figures["mtbench"]["tau"] - 1.5)
+    assert "1.500 (given timings)" in iv["line"]
+    monkeypatch.setattr(q, "load_drafter", lambda *a: pytest.fail("measured although the timings lack a k"))
+    with pytest.raises(q.QualityError, match=r"eval.timings.cycle_ms has no entry for k = 5"):
+        q.quality(cfg, smollm2, prompts, shipped, [(3, 0.0), (5, 0.0)], timing_prompts=2, context_prompts=0)
