@@ -3,9 +3,11 @@
 A candidate ships iff, on every gate dataset, tau > tau* (1 + margin) — speculation must beat plain
 decoding — and tau > incumbent tau + min_delta — it must beat what is serving now, each comparison read
 through its bootstrap interval (``eval.intervals``: the candidate and the incumbent paired prompt by prompt,
-tau* from its timing prompts): the lower end must lie above the bar. An upper end below a bar rejects; an interval
-that holds a bar is **unresolved**, a third verdict: nothing is promoted, the exit code is 1 as for a
-rejection, and the reason names the comparison and about how many prompts would resolve it. A checkpoint
+tau* from its timing prompts): the lower end must lie above the bar. A rejection calls a loss real, so it reads
+the upper ends family-wise (Bonferroni: each at level 1 - (1 - level) / m over all m comparisons), and one loss in
+m is not called real m times as often as one in one; an interval that holds a bar is **unresolved**, a third
+verdict: nothing is promoted, the exit code is 1 as for a rejection, and the reason names the comparison and about
+how many prompts would resolve it. A checkpoint
 SGLang would serve wrongly (``check_checkpoint``: config, dtypes, vocab map) or a T=0
 output that differs from the target's own greedy output is rejected whatever its tau.
 
@@ -37,7 +39,7 @@ from common.files import (
 )
 from common.locking import run_lock
 from drafter.sglang_checkpoint import CheckpointError, fingerprint
-from eval.intervals import RESOLVE_CAP, RESOLVE_POWER, Interval, prompts_to_resolve
+from eval.intervals import RESOLVE_CAP, RESOLVE_POWER, Estimate, Interval, prompts_to_resolve
 from eval.report import ci_text
 
 SERVABLE_SKIP = ("training_state",)  # resume state stays with the run; SGLang needs the rest
@@ -50,13 +52,20 @@ SERVING = ("promoted", "reconciled")  # decisions that say what promoted/ serves
 class Evidence:
     """What the gate reads for one dataset, every figure with its interval (``eval.intervals``): tau, tau*, the gap
     tau - tau* (1 + margin) (its bar is 0) and, given an incumbent measured on the same prompts, its tau and the
-    paired difference tau - incumbent tau (its bar is min_delta)."""
+    paired difference tau - incumbent tau (its bar is min_delta). ``gap`` and ``difference``: the two comparisons'
+    estimates, from which ``decide`` reads their upper ends at the family-wise level."""
 
     tau: Interval
     tau_star: Interval
     vs_breakeven: Interval
     incumbent_tau: Interval | None = None
     vs_incumbent: Interval | None = None
+    gap: Estimate | None = field(default=None, repr=False, compare=False)
+    difference: Estimate | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def comparisons(self) -> int:
+        return 1 + (self.vs_incumbent is not None)
 
 
 @dataclass
@@ -73,14 +82,33 @@ class Decision:
         return self.verdict == "promote"
 
 
-def _status(iv: Interval, bar: float) -> str:
-    """pass: the whole interval lies above the bar; fail: its upper end is below it (or nothing was measured);
-    unresolved: the interval holds the bar (a tie on it included), or there is no interval (under 2 prompts)."""
+@dataclass(frozen=True)
+class Family:
+    """How the reject side is read: ``m`` comparisons in the decision, each upper end at ``level`` = 1 - (1 -
+    confidence) / m (Bonferroni; the confidence itself when m is 1)."""
+
+    m: int
+    level: float
+
+    @classmethod
+    def of(cls, m: int, confidence: float) -> Family:
+        return cls(max(m, 1), 1 - (1 - confidence) / max(m, 1))
+
+    def high(self, iv: Interval, estimate: Estimate | None) -> float:
+        """The comparison's upper end at the family level (its own when m is 1 or no estimate came with it)."""
+        if self.m == 1 or estimate is None or not math.isfinite(iv.high):
+            return iv.high
+        return estimate.interval(self.level).high
+
+
+def _status(iv: Interval, bar: float, family_high: float) -> str:
+    """pass: the whole interval lies above the bar; fail: its family-wise upper end (``Family.high``) is below it
+    (or nothing was measured); unresolved: otherwise, a tie on the bar included, or no interval (under 2 prompts)."""
     if not math.isfinite(iv.point):
         return "fail"
     if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
         return "unresolved"
-    return "pass" if iv.low > bar else "fail" if iv.high < bar else "unresolved"
+    return "pass" if iv.low > bar else "fail" if family_high < bar else "unresolved"
 
 
 def _ci(iv: Interval, signed: bool = False) -> str:
@@ -88,16 +116,21 @@ def _ci(iv: Interval, signed: bool = False) -> str:
     return f"{iv.point:{'+' if signed else ''}.3f} {ci_text((iv.low, iv.high), signed=signed)}"
 
 
-def _outcome(status: str, iv: Interval, bar: float, bar_name: str, timing_prompts: int = 0) -> str:
+def _outcome(status: str, iv: Interval, bar: float, bar_name: str, family: Family, family_high: float,
+             timing_prompts: int = 0) -> str:
     """What the interval says against its bar, and for an unresolved one about how many prompts would settle it."""
     if not math.isfinite(iv.point):
         return "not measured (no verify cycle): a failure"
     if status == "pass":
         return f"clears {bar_name}"
+    wide = f"the {100 * family.level:.4g}% level {m_comparisons(family.m)} call for"
     if status == "fail":
-        return f"is below {bar_name} (a real loss)"
+        return f"is below {bar_name} (a real loss)" + (f" at {wide}" if family.m > 1 else "")
     if not (math.isfinite(iv.low) and math.isfinite(iv.high)):
         return f"unresolved: fewer than 2 prompts{' or timing prompts' if timing_prompts else ''} give no interval"
+    if iv.high < bar:
+        return (f"lies below {bar_name} on its own, but not at {wide} (upper end {family_high:+.3f}): "
+                "unresolved, not a real loss")
     need = prompts_to_resolve(iv, bar)
     if need:
         more = (f"about {need} prompts in all" + (f" (and {math.ceil(timing_prompts * need / iv.prompts)} timing "
@@ -110,41 +143,54 @@ def _outcome(status: str, iv: Interval, bar: float, bar_name: str, timing_prompt
     return f"holds {bar_name}: unresolved, {more}"
 
 
-def dataset_line(name: str, e: Evidence, margin: float, min_delta: float) -> tuple[str, str]:
+def m_comparisons(m: int) -> str:
+    return f"{m} comparisons" if m > 1 else "1 comparison"
+
+
+def dataset_line(name: str, e: Evidence, margin: float, min_delta: float, family: Family) -> tuple[str, str]:
     """(status, one line for people): tau, each comparison with its interval, and its outcome."""
-    be = _status(e.vs_breakeven, 0.0)
+    be_high = family.high(e.vs_breakeven, e.gap)
+    be = _status(e.vs_breakeven, 0.0, be_high)
     parts = [f"tau {_ci(e.tau)}"]
     statuses = [be]
     if e.vs_incumbent is not None:
-        inc = _status(e.vs_incumbent, min_delta)
+        inc_high = family.high(e.vs_incumbent, e.difference)
+        inc = _status(e.vs_incumbent, min_delta, inc_high)
         statuses.append(inc)
-        outcome = _outcome(inc, e.vs_incumbent, min_delta, f"min_delta {min_delta:g}")
+        outcome = _outcome(inc, e.vs_incumbent, min_delta, f"min_delta {min_delta:g}", family, inc_high)
         parts.append(f"vs incumbent {_ci(e.incumbent_tau) if e.incumbent_tau else '?'}: difference "
                      f"{_ci(e.vs_incumbent, True)} {outcome}")
     tau_star = (_ci(e.tau_star) + f" ({e.tau_star.prompts} timing prompts)" if e.tau_star.prompts
                 else f"{e.tau_star.point:.3f} (given timings)")
     parts.append(f"vs break-even tau* {tau_star} x (1 + {margin:g}): gap {_ci(e.vs_breakeven, True)} "
-                 + _outcome(be, e.vs_breakeven, 0.0, "0", e.tau_star.prompts))
+                 + _outcome(be, e.vs_breakeven, 0.0, "0", family, be_high, e.tau_star.prompts))
     status = "fail" if "fail" in statuses else "unresolved" if "unresolved" in statuses else "pass"
     head = f"{name}: {status.upper()} ({e.tau.prompts} prompts, {100 * e.tau.level:g}% intervals)"
     return status, f"{head}: " + "; ".join(parts)
 
 
 def decide(evidence: Mapping[str, Evidence], margin: float, min_delta: float = 0.0,
-           checkpoint_problems: Sequence[str] = (), lossless_mismatches: Sequence[str] = ()) -> Decision:
+           checkpoint_problems: Sequence[str] = (), lossless_mismatches: Sequence[str] = (),
+           comparisons: int | None = None) -> Decision:
     """Promote when, on every dataset, every interval's lower end lies above its bar (break-even: tau - tau*
     (1 + margin) > 0; the incumbent: tau - incumbent tau > min_delta); reject on a checkpoint or lossless problem, or
-    when an interval's upper end is below its bar on some dataset (a real loss); otherwise unresolved: what serves
-    now keeps serving, and each line says which comparison is unresolved and about how many prompts would resolve
-    it. Every check is run and explained, so the reasons list every cause at once."""
+    when a comparison's upper end, read at the family-wise level of all ``comparisons`` in the decision (default:
+    those in ``evidence``; the live gate counts every concurrency's), is below its bar (a real loss); otherwise
+    unresolved: what serves now keeps serving, and each line says which comparison is unresolved and about how many
+    prompts would resolve it. Every check is run and explained, so the reasons list every cause at once.
+
+    Promotion needs no such correction: every lower end must clear at once, so a drafter that truly misses one bar
+    is promoted only if that one interval errs, which it does at most (1 - level) / 2 of the time."""
     reasons = [f"checkpoint: {p}" for p in checkpoint_problems]
     reasons += [f"lossless: {m}" for m in lossless_mismatches]
     if not evidence:
         reasons.append("no gate dataset was measured")
     failed = bool(reasons)
     lines, statuses = {}, []
+    level = next((e.tau.level for e in evidence.values()), 0.95)
+    family = Family.of(comparisons or sum(e.comparisons for e in evidence.values()), level)
     for name, e in evidence.items():
-        status, lines[name] = dataset_line(name, e, margin, min_delta)
+        status, lines[name] = dataset_line(name, e, margin, min_delta, family)
         statuses.append(status)
     verdict = ("reject" if failed or "fail" in statuses else "unresolved" if "unresolved" in statuses
                else "promote")

@@ -47,11 +47,12 @@ def evidence(cand: PerPrompt, tau_star: Estimate, margin: float, boot: Bootstrap
     engine's gate and on live servers, the first few in ``eval quality``)."""
     tau = ratio_estimate(*cand, boot)
     level = boot.level
-    e = Evidence(tau.interval(level), tau_star.interval(level), (tau - tau_star.scaled(1 + margin)).interval(level))
+    gap = tau - tau_star.scaled(1 + margin)
     if inc is None:
-        return e
-    return Evidence(e.tau, e.tau_star, e.vs_breakeven, ratio_estimate(*inc, boot).interval(level),
-                    paired_difference(cand, inc, boot).interval(level))
+        return Evidence(tau.interval(level), tau_star.interval(level), gap.interval(level), gap=gap)
+    diff = paired_difference(cand, inc, boot)
+    return Evidence(tau.interval(level), tau_star.interval(level), gap.interval(level),
+                    ratio_estimate(*inc, boot).interval(level), diff.interval(level), gap=gap, difference=diff)
 
 
 def report_tau_star(report: Mapping, boot: Bootstrap) -> Estimate:

@@ -103,34 +103,55 @@ class Interval:
 
 
 @dataclass(frozen=True)
-class Estimate:
-    """A statistic and its bootstrap distribution: ``draws`` (samples,), NaN where a resample held no cycle."""
+class Resampled:
+    """One figure resampled on its own prompts: its point, its B raw (plain percentile) draws, NaN where a resample
+    held no cycle, and how many prompts were resampled (0: a given constant, every draw the point)."""
 
     point: float
     draws: np.ndarray
     prompts: int
 
+    def expanded(self, level: float) -> np.ndarray:
+        """The draws with each deviation from the point stretched by ``expansion(prompts, level)``; all NaN under 2
+        prompts (no spread to read), the raw draws for a constant."""
+        if self.prompts == 0:
+            return self.draws
+        c = expansion(self.prompts, level)
+        return self.draws + np.nan if not math.isfinite(c) else self.point + c * (self.draws - self.point)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A statistic and its bootstrap distribution, as a weighted sum of independently resampled figures
+    (``terms``: (weight, figure); one for tau, two for tau - tau* (1 + margin)). Each figure is expanded for its
+    own prompts at the level an interval is asked for, so an interval at a stricter level (the family-wise reading
+    of ``eval.gate.decide``) is stretched as Student's t at that level would stretch it, not rescaled from 95 %."""
+
+    point: float
+    terms: tuple[tuple[float, Resampled], ...]
+    prompts: int
+
+    def draws(self, level: float) -> np.ndarray:
+        return sum(w * f.expanded(level) for w, f in self.terms)
+
     def interval(self, level: float) -> Interval:
-        finite = self.draws[np.isfinite(self.draws)]
+        draws = self.draws(level)
+        finite = draws[np.isfinite(draws)]
         if not math.isfinite(self.point) or not finite.size:
             return Interval(self.point, float("nan"), float("nan"), self.prompts, level)
         low, high = np.percentile(finite, [50 * (1 - level), 50 * (1 + level)])
         return Interval(self.point, float(low), float(high), self.prompts, level)
 
     def __sub__(self, other: Estimate) -> Estimate:
-        return Estimate(self.point - other.point, self.draws - other.draws, self.prompts)
+        return Estimate(self.point - other.point, self.terms + tuple((-w, f) for w, f in other.terms), self.prompts)
 
     def scaled(self, factor: float) -> Estimate:
-        return Estimate(self.point * factor, self.draws * factor, self.prompts)
+        return Estimate(self.point * factor, tuple((w * factor, f) for w, f in self.terms), self.prompts)
 
     @classmethod
-    def expanded(cls, point: float, draws: np.ndarray, prompts: int, level: float) -> Estimate:
-        """The estimate with each draw's deviation from the point stretched by ``expansion(prompts, level)``; with
-        fewer than 2 prompts every draw is NaN: no interval, only the point."""
-        c = expansion(prompts, level)
-        if not math.isfinite(c):
-            return cls(point, np.full(draws.shape, np.nan), prompts)
-        return cls(point, point + c * (draws - point), prompts)
+    def resampled(cls, point: float, draws: np.ndarray, prompts: int) -> Estimate:
+        """A figure from ``prompts`` prompts and its raw bootstrap draws; fewer than 2 prompts give no interval."""
+        return cls(point, ((1.0, Resampled(point, draws, prompts)),), prompts)
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray | float:
@@ -161,7 +182,7 @@ def ratio_estimate(num: Sequence[float], den: Sequence[float], boot: Bootstrap, 
     n_, d_ = _measured(num, den)
     if not n_.size:
         return constant(float("nan"), boot)
-    return Estimate.expanded(*_ratio_draws(n_, d_, boot.indices(n_.size, stream)), n_.size, boot.level)
+    return Estimate.resampled(*_ratio_draws(n_, d_, boot.indices(n_.size, stream)), n_.size)
 
 
 def paired_difference(a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]],
@@ -177,7 +198,7 @@ def paired_difference(a: tuple[Sequence[float], Sequence[float]], b: tuple[Seque
         return constant(float("nan"), boot)
     idx = boot.indices(ta.size, PROMPTS)
     (pa, da), (pb, db) = _ratio_draws(ta, ca, idx), _ratio_draws(tb, cb, idx)
-    return Estimate.expanded(pa - pb, da - db, ta.size, boot.level)
+    return Estimate.resampled(pa - pb, da - db, ta.size)
 
 
 def tau_star_estimate(decode_s: Sequence[float], steps: Sequence[float], cycle_s: Sequence[float],
@@ -190,12 +211,12 @@ def tau_star_estimate(decode_s: Sequence[float], steps: Sequence[float], cycle_s
     idx = boot.indices(ds.size, TIMINGS)
     point = _ratio(cs.sum(), cy.sum()) / _ratio(ds.sum(), st.sum())
     draws = _ratio(cs[idx].sum(1), cy[idx].sum(1)) / _ratio(ds[idx].sum(1), st[idx].sum(1))
-    return Estimate.expanded(float(point), draws, ds.size, boot.level)
+    return Estimate.resampled(float(point), draws, ds.size)
 
 
 def constant(value: float, boot: Bootstrap) -> Estimate:
     """A figure with no spread (tau* from configured timings): every draw is the value, no prompts behind it."""
-    return Estimate(value, np.full(boot.samples, value), 0)
+    return Estimate(value, ((1.0, Resampled(value, np.full(boot.samples, value), 0)),), 0)
 
 
 def prompts_to_resolve(iv: Interval, bar: float) -> int | None:

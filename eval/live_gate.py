@@ -296,18 +296,21 @@ def decide_live(report: dict, gate_datasets: Sequence[str], gate: GateConfig) ->
     """``decide`` at every concurrency, on intervals from the requests (the candidate's and the incumbent's servers
     answer the same prompts, so they are paired request by request; tau* is resampled over the baseline's and the
     candidate's requests, fixed when it comes from eval.timings). The verdict is promote only if every concurrency
-    promotes, reject if any rejects, else unresolved. Returns (verdict, reasons, taus, intervals) per concurrency."""
+    promotes, reject if any rejects (a loss read family-wise over every concurrency's comparisons), else
+    unresolved. Returns (verdict, reasons, taus, intervals) per concurrency."""
     boot = bootstrap(gate)
-    verdicts, reasons, taus, intervals = [], [], {}, {}
+    verdicts, reasons, taus, intervals, evs = [], [], {}, {}, {}
     for c, row in report["by_concurrency"].items():
         cand = row["drafters"]["candidate"]
         inc = row["drafters"].get("incumbent", {}).get("datasets")
         taus[c] = {ds: cand["datasets"][ds]["tau"] for ds in gate_datasets}
         tau_star = (timed_tau_star(row["baseline"], cand["all"]["per_prompt_timing"], boot) if "baseline" in row
                     else constant(row["breakeven"]["tau_star"], boot))
-        ev = {ds: evidence(per_prompt(cand["datasets"][ds]), tau_star, gate.margin, boot,
-                           per_prompt(inc[ds]) if inc else None) for ds in gate_datasets}
-        d = decide(ev, gate.margin, gate.min_delta)
+        evs[c] = {ds: evidence(per_prompt(cand["datasets"][ds]), tau_star, gate.margin, boot,
+                               per_prompt(inc[ds]) if inc else None) for ds in gate_datasets}
+    comparisons = sum(e.comparisons for ev in evs.values() for e in ev.values())  # a loss is read over them all
+    for c, ev in evs.items():
+        d = decide(ev, gate.margin, gate.min_delta, comparisons=comparisons)
         verdicts.append(d.verdict)
         reasons += [f"concurrency {c}: {r}" for r in d.reasons]
         intervals[c] = evidence_record(ev, d)

@@ -13,7 +13,6 @@ from eval.gate_stats import evidence
 from eval.intervals import (
     RESOLVE_CAP,
     Bootstrap,
-    Estimate,
     constant,
     expansion,
     paired_difference,
@@ -200,9 +199,9 @@ def test_the_intervals_hold_their_level_on_few_prompts():
         est = paired_difference((cand * cycles, cycles), (inc * cycles, cycles), boot)
         iv = est.interval(0.95)
         misses += not iv.low <= 0 <= iv.high
-        c = expansion(5, 0.95)
-        plain = Estimate(est.point, est.point + (est.draws - est.point) / c, 5).interval(0.95)
-        plain_misses += not plain.low <= 0 <= plain.high
+        (_, figure), = est.terms
+        low, high = np.percentile(figure.draws, [2.5, 97.5])  # the plain percentile interval on the same draws
+        plain_misses += not low <= 0 <= high
     assert plain_misses / trials > 0.10 and misses / trials < 0.08, (plain_misses, misses)
 
 
@@ -221,3 +220,42 @@ def test_a_tie_with_the_incumbent_is_unresolved_not_a_promotion():
     assert d.verdict == "unresolved", d.reasons
     assert "difference +0.000 [+0.000, +0.000] holds min_delta 0: unresolved, no number of prompts resolves a " \
            "zero difference" in d.lines["mtbench"]
+
+
+def test_a_stricter_level_stretches_each_figure_by_its_own_prompts():
+    """An interval at any level expands each resampled figure for its own prompts at that level (Student's t at 99%
+    on 5 prompts, not the 95% stretch rescaled), also inside tau - tau*, whose two figures have different counts."""
+    tau = ratio_estimate([30, 10, 25, 15, 20], [10] * 5, BOOT)
+    (_, figure), = tau.terms
+    for level in (0.95, 0.99):
+        stretched = figure.point + expansion(5, level) * (figure.draws - figure.point)
+        want = np.percentile(stretched, [50 * (1 - level), 50 * (1 + level)])
+        assert [tau.interval(level).low, tau.interval(level).high] == pytest.approx(want)
+    ts = tau_star_estimate([0.5, 0.55, 0.45], [50] * 3, [0.4, 0.42, 0.38], [20] * 3, BOOT)
+    gap = tau - ts.scaled(1.1)
+    (_, f_tau), (w_ts, f_ts) = gap.terms
+    assert w_ts == pytest.approx(-1.1) and f_ts.prompts == 3 and gap.prompts == 5
+    draws = f_tau.expanded(0.99) - 1.1 * (f_ts.point + expansion(3, 0.99) * (f_ts.draws - f_ts.point))
+    assert gap.interval(0.99).high == pytest.approx(np.percentile(draws, 99.5))
+    assert gap.point == pytest.approx(tau.point - 1.1 * ts.point)
+
+
+def test_a_loss_is_real_only_at_the_level_all_comparisons_together_call_for():
+    """The reject side reads every comparison's upper end at 1 - (1 - level) / m over the m comparisons of the
+    decision: the same difference (95% upper end below 0) rejects when it is one of 2 comparisons, and is
+    unresolved when it is one of 6 (three datasets, each against break-even and the incumbent), where one such
+    interval among six would miss by chance far more often than 2.5%. Promotion is read at 95% either way."""
+    ts = constant(1.2, BOOT)
+    lose, lose_inc = pair(50, -0.12)
+    alone = decide({"a": evidence(lose, ts, 0.0, BOOT, lose_inc)}, 0.0, 0.0)
+    assert alone.verdict == "reject", alone.reasons
+    assert "is below min_delta 0 (a real loss) at the 97.5% level 2 comparisons call for" in alone.lines["a"]
+    win, win_inc = pair(400, 0.2)
+    among = {"a": evidence(lose, ts, 0.0, BOOT, lose_inc), "b": evidence(win, ts, 0.0, BOOT, win_inc),
+             "c": evidence(win, ts, 0.0, BOOT, win_inc)}
+    d = decide(among, 0.0, 0.0)
+    assert among["a"].vs_incumbent.high < 0 and d.verdict == "unresolved", d.reasons
+    assert ("lies below min_delta 0 on its own, but not at the 99.17% level 6 comparisons call for (upper end +"
+            in d.lines["a"]) and "unresolved, not a real loss" in d.lines["a"]
+    assert d.lines["b"].startswith("b: PASS")
+    assert decide({"a": evidence(lose, ts, 0.0, BOOT, lose_inc)}, 0.0, 0.0, comparisons=6).verdict == "unresolved"
