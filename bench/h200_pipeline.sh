@@ -152,9 +152,8 @@ unpack_carried() {  # unpack_carried PHASE FOLDER DST: FOLDER's carried parts un
 }
 
 derive_config() {  # derive_config SRC DST KEY=VALUE...: SRC with the overrides applied, written to DST
-  python3 -c "import sys, yaml; from common.config import load_config, dump_config
-cfg = load_config(sys.argv[1], sys.argv[3:]); open(sys.argv[2], 'w').write(yaml.safe_dump(dump_config(cfg), sort_keys=False))
-print(sys.argv[2], sys.argv[3:])" "$@"
+  python3 -c "import sys; from common.config import load_config, write_config
+print(write_config(load_config(sys.argv[1], sys.argv[3:]), sys.argv[2]), sys.argv[3:])" "$@"
 }
 export -f derive_config
 

@@ -60,12 +60,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from bench.results import command_line, device_name, measured_here, record, recorded, results_path
 from bench.runs import run
 from bench.wall_clock import synced
-from common.config import dump_config, load_config
+from common.config import load_config, write_config
 from common.files import iter_jsonl, json_line
 from data_prep.regenerate_devices import device_shares
 from data_prep.regenerate_summary import phase_text
@@ -115,8 +114,7 @@ def end_to_end(config: str, overrides: list[str], prompts_file: Path, n: int, gp
     devices = [f"cuda:{i}" for i in range(gpus)] if torch.cuda.is_available() else ["cpu"] * gpus
     cfg = load_config(config, [*overrides, f"run_dir={run_dir}", "regenerate.num_prompts=null",
                                f"regenerate.devices={json.dumps(devices)}"])
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
+    cfg_path = write_config(cfg, run_dir / "config.yaml")
     start = time.perf_counter()
     caches = kept_caches or run_dir / "compile-caches"
     cached = f"{sum(1 for f in caches.rglob('*') if f.is_file())} files at start in {caches}" if kept_caches \

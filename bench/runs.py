@@ -13,11 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from common import parent_death
 from common.cli import exit_reason
-from common.config import dump_config, load_config
+from common.config import load_config, write_config
 from train.holdout_curve import read_train_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,10 +28,7 @@ def make_run(base_config: str | Path, run_dir: Path, conversations: Path, overri
     link = run_dir / "conversations.jsonl"
     if not link.exists():
         link.symlink_to(Path(conversations).resolve())
-    cfg = load_config(base_config, [f"run_dir={run_dir}", *overrides])
-    path = run_dir / "config.yaml"
-    path.write_text(yaml.safe_dump(dump_config(cfg), sort_keys=False))
-    return path
+    return write_config(load_config(base_config, [f"run_dir={run_dir}", *overrides]), run_dir / "config.yaml")
 
 
 def train_command(config: Path, gpus: int = 1, precision: str | None = None) -> list[str]:

@@ -29,11 +29,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import yaml
-
 from common import parent_death
 from common.cli import EXIT_OK, EXIT_REJECTED, exit_reason, one_line_errors
-from common.config import ConfigError, RunConfig, dump_config, load_config
+from common.config import ConfigError, RunConfig, dump_config, load_config, parse_config, write_config
 from common.dtypes import torch_dtype
 from common.files import json_text, named_errors, write_text_atomic
 from common.locking import inherit_env, run_lock
@@ -189,7 +187,7 @@ def round_config(base: RunConfig, round_no: int, round_dir: Path) -> tuple[Path,
     tree["run_dir"] = str(round_dir)
     if incumbent is not None:
         tree["drafter"]["init_from"] = str(incumbent)
-    write_text_atomic(path, yaml.safe_dump(tree, sort_keys=False))
+    write_config(parse_config(tree, str(path)), path)
     return path, incumbent, False
 
 

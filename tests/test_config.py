@@ -8,7 +8,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.config import ConfigError, PromptSource, RunConfig, dump_config, load_config, parse_config, read_yaml
+from common.config import (
+    ConfigError,
+    PromptSource,
+    RunConfig,
+    dump_config,
+    load_config,
+    parse_config,
+    read_yaml,
+    write_config,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -25,6 +34,12 @@ def test_every_shipped_config_loads(path: Path) -> None:
     assert isinstance(cfg, RunConfig)
     assert cfg.store_dir == Path(cfg.run_dir) / "store"
     assert parse_config(dump_config(cfg), str(path)) == cfg  # the dumped form (run_config.json) reads back
+
+
+def test_a_written_config_reads_back_equal_and_leaves_no_temporary(tmp_path: Path) -> None:
+    cfg = load_config(SMOL, ["train.lr=0.002", f"run_dir={tmp_path / 'run'}"])
+    out = write_config(cfg, tmp_path / "config.yaml")
+    assert load_config(out) == cfg and [p.name for p in tmp_path.iterdir()] == ["config.yaml"]
 
 
 def test_shipped_values() -> None:
