@@ -140,7 +140,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if target is None:
             cfg, target, prompts = setup(args.config, args.limit)
         figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts, context_prompts=0,
-                          per_prompt_columns=True)
+                          per_prompt_columns=True, keep_dir=args.out / "measured")
         rows[name] = {"checkpoint": str(ckpt), "training": training,
                       **{ds: {key: figures[ds][key] for key in ("tau", "ci", "alpha", "prompts", "lossless_mismatches",
                                                                 "per_prompt")}

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from common.dtypes import DTypeName
+from common.files import write_text_atomic
 from common.tracking import TRACKERS
 
 
@@ -691,7 +692,5 @@ def dump_config(cfg: RunConfig) -> dict[str, Any]:
 def write_config(cfg: RunConfig, path: str | Path) -> Path:
     """``path``: the config as YAML that ``load_config`` reads back to an equal config, written atomically: a run's
     config.yaml is what its later stages, reruns and device calls read, so a kill must never leave half of one."""
-    from common.files import write_text_atomic  # common.files reads no config: imported here, used once
-
     write_text_atomic(Path(path), yaml.safe_dump(dump_config(cfg), sort_keys=False))
     return Path(path)

@@ -34,6 +34,20 @@ def greedy_references(target: TargetModel, prompts: Mapping[str, Sequence[Sequen
     return out
 
 
+class GreedyReferences:
+    """``greedy_references`` one dataset at a time, each generated on first use and kept: a resumed eval whose T = 0
+    figures were all kept generates none."""
+
+    def __init__(self, target: TargetModel, prompts: Mapping[str, Sequence[Sequence[int]]], max_new: int) -> None:
+        self.target, self.prompts, self.max_new = target, prompts, max_new
+        self.done: dict[str, list[Generation]] = {}
+
+    def __call__(self, name: str) -> list[Generation]:
+        if name not in self.done:
+            self.done |= greedy_references(self.target, {name: self.prompts[name]}, self.max_new)
+        return self.done[name]
+
+
 def acceptance(target: TargetModel, drafter: Eagle3Drafter | None, aux_ids: Sequence[int],
                prompts: Mapping[str, Sequence[Sequence[int]]], k: int, temperature: float, max_new: int,
                references: Mapping[str, Sequence[Generation]] | None = None, seed: int = 0,

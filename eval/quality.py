@@ -30,7 +30,8 @@ from drafter.factory import load_for_target
 from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import fingerprint
 from eval import breakeven
-from eval.batched_eval import acceptance, greedy_references
+from eval.acceptance_store import drafter_key, kept_acceptance, target_key
+from eval.batched_eval import GreedyReferences, acceptance
 from eval.context_buckets import holdout_buckets
 from eval.gate import decide
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, tau_ci, timed_tau_star
@@ -42,6 +43,8 @@ from eval.turns import EvalPrompts, eval_prompts, records_skipped_short
 from target_model.hf_model import TargetModel, load_target_from_config, stop_token_ids
 
 DEFAULT_SETTINGS = ("3:0", "3:1", "5:0")  # k:T; the first one is the one the gate's decision reads
+STORE_VERSION = 1  # in the key of a run's kept figures (keep_dir): changes when the measurement does
+MEASURED = "measured"  # a report folder's kept figures (keep_dir)
 
 
 class QualityError(ValueError):
@@ -162,7 +165,8 @@ def tau_by_context(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, 
 @torch.no_grad()
 def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]], checkpoint: str | Path,
             settings: Sequence[tuple[int, float]], timing_prompts: int = 8, context_prompts: int | None = 80,
-            per_prompt_columns: bool = False, incumbent: str | Path | None = None) -> dict:
+            per_prompt_columns: bool = False, incumbent: str | Path | None = None, keep_dir: Path | None = None,
+            ) -> dict:
     """The figures: the first setting's per-dataset summary at the top level, every setting under ``settings``
     (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
@@ -171,14 +175,15 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     ``incumbent``'s tau on the same prompts, when given), read through the intervals. ``prompts``: as
     ``eval_prompts`` gives them, whose records skipped as short each dataset's summary counts.
     ``per_prompt_columns``: the first setting's datasets keep their (tokens, cycles) per prompt too, for a paired
-    comparison with another drafter on the same prompts."""
+    comparison with another drafter on the same prompts. ``keep_dir``: where each drafter's figures per dataset and
+    setting are kept as they land, so that a run cut by a kill or a deadline resumes (``eval.acceptance_store``)."""
     boot, ks = bootstrap(cfg.gate), sorted({k for k, _ in settings})
     given = given_timings(cfg.eval.timings, ks, boot) if cfg.eval.timings else None  # a k they lack: before measuring
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     max_new = cfg.eval.max_new_tokens
-    refs = greedy_references(target, prompts, max_new)
-    stats = {f"k{k}_T{t:g}": setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, t, refs)
-             for k, t in settings}
+    refs = GreedyReferences(target, prompts, max_new)
+    stats = {f"k{k}_T{t:g}": setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, t, refs, checkpoint,
+                                                 keep_dir) for k, t in settings}
     skipped = records_skipped_short(prompts)
     results = {name: summary(st, k, t, boot, skipped)
                for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
@@ -196,7 +201,7 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     k0, t0 = settings[0]
     mismatches = [f"{name}: {s['lossless_mismatches']} prompts differ from greedy" for name, s in first.items()
                   if s.get("lossless_mismatches")]
-    held = incumbent_stats(cfg, target, prompts, incumbent, k0, t0, refs) if incumbent is not None else None
+    held = incumbent_stats(cfg, target, prompts, incumbent, k0, t0, refs, keep_dir) if incumbent is not None else None
     ev = {name: evidence(per_prompt(s), tau_stars[str(k0)], cfg.gate.margin, boot,
                          per_prompt(held[name]) if held is not None else None) for name, s in first_stats.items()}
     d = decide(ev, cfg.gate.margin, cfg.gate.min_delta, lossless_mismatches=mismatches)
@@ -212,11 +217,24 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
 
 
 def setting_acceptance(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
-                       prompts: Mapping[str, list[list[int]]], k: int, temperature: float, refs: Mapping) -> dict:
+                       prompts: Mapping[str, list[list[int]]], k: int, temperature: float, refs: GreedyReferences,
+                       checkpoint: str | Path, keep_dir: Path | None = None) -> dict:
     """One drafter's acceptance at one k:T on every prompt, under the config's rule: what the candidate gets at
-    each setting and the incumbent at the gate's, so that the two are measured alike."""
-    return acceptance(target, drafter, aux_ids, prompts, k, temperature, cfg.eval.max_new_tokens, refs,
-                      seed=cfg.eval.seed, rule=cfg.eval.acceptance, tie_epsilon=cfg.eval.tie_epsilon)
+    each setting and the incumbent at the gate's, so that the two are measured alike. With ``keep_dir`` each
+    dataset's figures are kept there as they land (``eval.acceptance_store``), and read back by a rerun."""
+    e = cfg.eval
+
+    def measure(name: str, ps: Sequence[Sequence[int]]) -> dict:
+        references = {name: refs(name)} if temperature == 0 else None  # the lossless check, at T = 0 only
+        return acceptance(target, drafter, aux_ids, {name: ps}, k, temperature, e.max_new_tokens, references,
+                          seed=e.seed, rule=e.acceptance, tie_epsilon=e.tie_epsilon)[name]
+
+    if keep_dir is None:
+        return {name: measure(name, ps) for name, ps in prompts.items()}
+    key = {"version": STORE_VERSION, **target_key(target, target.fingerprint()), "drafter": drafter_key(checkpoint),
+           "k": k, "temperature": temperature, "max_new": e.max_new_tokens, "rule": e.acceptance, "seed": e.seed,
+           "tie_epsilon": e.tie_epsilon}
+    return kept_acceptance(keep_dir, key, prompts, measure, f"{checkpoint} k={k} T={temperature:g}")
 
 
 def incumbent_named(incumbent: str | Path | None) -> dict:
@@ -225,12 +243,13 @@ def incumbent_named(incumbent: str | Path | None) -> dict:
 
 
 def incumbent_stats(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]],
-                    incumbent: str | Path, k: int, temperature: float, refs: Mapping) -> dict:
+                    incumbent: str | Path, k: int, temperature: float, refs: GreedyReferences,
+                    keep_dir: Path | None = None) -> dict:
     """The incumbent's acceptance at the gate's setting on the same prompts (its per-prompt columns pair with the
     candidate's), its weights freed afterwards."""
     drafter, aux_ids = load_drafter(target, cfg, incumbent)
     try:
-        return setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, temperature, refs)
+        return setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, temperature, refs, incumbent, keep_dir)
     finally:
         del drafter
         if torch.cuda.is_available():

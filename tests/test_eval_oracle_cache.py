@@ -44,6 +44,6 @@ def test_the_oracle_is_measured_once_then_read(smollm2, tmp_path: Path, monkeypa
     monkeypatch.setattr(oracle_cache, "acceptance", counted)
     healed = oracle_acceptance(smollm2, [2, 15, 27], prompts, 2, 1.0, 6, cache_dir=cache)
     assert healed == json.loads(json.dumps(first)) and len(calls) == 1 and len(calls[0]) == 1
-    assert f"oracle cache: {damaged} unreadable" in capsys.readouterr().out
+    assert f"acceptance store: {damaged} unreadable" in capsys.readouterr().out
     oracle_acceptance(smollm2, [2, 15, 27], {"a": prompts["a"]}, 3, 1.0, 6, cache_dir=cache)
     assert calls[-1] == ["a"] and len(list(cache.glob("*.json"))) == 3

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from common.files import json_text
 from drafter.sglang_checkpoint import save_checkpoint
 from eval.commands import quality_command
 from eval.quality import QualityError, parse_settings
@@ -164,8 +165,8 @@ def test_an_incumbent_is_measured_on_the_same_prompts_and_the_gate_reads_the_pai
                                 tmp_path / "untrained", dtype="float32")
     shipped = REPO / "drafters" / "smollm2-135m-eagle3"
     cfg = quality_config(write_config(tmp_path))
-    prompts = {"mtbench": [smollm2.tokenizer("Name three colours.")["input_ids"],
-                           smollm2.tokenizer("Count to five.")["input_ids"]]}
+    prompts = {"mtbench": [smollm2.tokenizer(text)["input_ids"] for text in  # 4: a loss real over 2 comparisons
+                           ("Name three colours.", "Count to five.", "Say hello.", "List two fruits.")]}
 
     worse = quality(cfg, smollm2, prompts, untrained, [(3, 0.0)], timing_prompts=1, context_prompts=0,
                     incumbent=shipped)
@@ -235,3 +236,37 @@ def test_given_timings_set_the_break_even_the_gate_reads_without_timing_here(tmp
     monkeypatch.setattr(q, "load_drafter", lambda *a: pytest.fail("measured although the timings lack a k"))
     with pytest.raises(q.QualityError, match=r"eval.timings.cycle_ms has no entry for k = 5"):
         q.quality(cfg, smollm2, prompts, shipped, [(3, 0.0), (5, 0.0)], timing_prompts=2, context_prompts=0)
+
+
+def test_a_cut_run_resumes_from_the_figures_it_kept(tmp_path, smollm2, monkeypatch, capsys):
+    """With keep_dir every (drafter, dataset, setting) is kept as it lands: a rerun measures nothing it has, not
+    even the greedy references, and gives the same figures; another drafter, setting or prompt set is measured."""
+    import eval.batched_eval as be
+    import eval.quality as q
+
+    shipped = REPO / "drafters" / "smollm2-135m-eagle3"
+    tok = smollm2.tokenizer
+    prompts = {"a": [tok("Name three colours.")["input_ids"]],
+               "b": [tok("Count to five.")["input_ids"], tok("Say hello.")["input_ids"]]}
+    cfg = q.quality_config(write_config(tmp_path),
+                           overrides=["eval.timings={decode_ms: 20, cycle_ms: {1: 24, 2: 27, 3: 30}}"])
+    keep = tmp_path / "measured"
+
+    first = q.quality(cfg, smollm2, prompts, shipped, [(3, 0.0), (2, 1.0)], timing_prompts=2, context_prompts=0,
+                      keep_dir=keep, incumbent=shipped)
+    # 2 datasets x 2 settings; the incumbent, the same weights and config at the gate's setting, reads the
+    # candidate's own entries: the key names what the figures depend on, not which role measured them
+    assert len(list(keep.glob("*.json"))) == 4
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again what was kept")
+
+    monkeypatch.setattr(q, "acceptance", no_measuring)
+    monkeypatch.setattr(be, "greedy_references", no_measuring)
+    capsys.readouterr()
+    again = q.quality(cfg, smollm2, prompts, shipped, [(3, 0.0), (2, 1.0)], timing_prompts=2, context_prompts=0,
+                      keep_dir=keep, incumbent=shipped)
+    assert json_text(again) == json_text(first)  # as written (a NaN, a 1-prompt alpha, is null on disk)
+    assert f"{shipped} k=3 T=0: a, b read from {keep}" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="measured again"):  # another setting is another entry
+        q.quality(cfg, smollm2, prompts, shipped, [(1, 0.0)], timing_prompts=2, context_prompts=0, keep_dir=keep)
