@@ -81,8 +81,9 @@
 #                (each point kept as it lands: a cut call's rerun measures only the checkpoints left)
 #   quality      bench/drafter_quality.py eval of $RUN's best, or QUALITY_CHECKPOINT (the drafter to ship, copied into
 #                drafters/ first, so that the record names what ships); QUALITY_SETTINGS, default 3:0 3:1 5:0;
-#                QUALITY_INCUMBENT, the drafter it must beat (the gate reads the paired difference)
-#                                                                   -> "quality"
+#                QUALITY_INCUMBENT, the drafter it must beat (the gate reads the paired difference); QUALITY_NAME,
+#                the object to write (default "quality"); a call cut by its deadline resumes in the next call on the
+#                same machine (each drafter, dataset and setting is kept as it lands)  -> "quality"
 #   decode-gap   bench/decode_gap.py, fp32 and bf16 target             -> "decode_gap", "decode_gap_bf16_target"
 #   out          results.json, the plot, the best drafter (in 15 MB parts; else the best row of any ablations run),
 #                logs.tar.gz (the logs' tails, the run's train_log.jsonl, the ablation rows; a stalled row's stacks;
@@ -312,7 +313,7 @@ print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
       # shellcheck disable=SC2086
       phase quality python3 bench/drafter_quality.py eval --config "$CONFIG" \
         --checkpoint "${QUALITY_CHECKPOINT:-$RUN/checkpoints/best}" --settings ${QUALITY_SETTINGS:-3:0 3:1 5:0} \
-        --timing-prompts 4 ${QUALITY_INCUMBENT:+--incumbent "$QUALITY_INCUMBENT"} ;;
+        --timing-prompts 4 ${QUALITY_INCUMBENT:+--incumbent "$QUALITY_INCUMBENT"} ${QUALITY_NAME:+--name "$QUALITY_NAME"} ;;
     decode-gap)
       phase decode-gap bash -c "python3 bench/decode_gap.py --config '$CONFIG' --checkpoint $RUN/checkpoints/best \
           --holdout-samples 300 --loopy-conversations $RUN/dq/before.jsonl && \
