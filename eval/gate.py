@@ -1,15 +1,14 @@
 """The ship/no-ship decision (``decide``, pure) and what follows it: atomic promotion and the history.
 
-A candidate ships iff, on every gate dataset, tau > tau* (1 + margin) — speculation must beat plain
-decoding — and tau > incumbent tau + min_delta — it must beat what is serving now, each comparison read
-through its bootstrap interval (``eval.intervals``: the candidate and the incumbent paired prompt by prompt,
-tau* from its timing prompts): the lower end must lie above the bar. A rejection calls a loss real, so it reads
-the upper ends family-wise (Bonferroni: each at level 1 - (1 - level) / m over all m comparisons), and one loss in
-m is not called real m times as often as one in one; an interval that holds a bar is **unresolved**, a third
+A candidate ships iff, on every gate dataset, tau > tau* (1 + margin) — speculation must beat plain decoding — and
+tau > incumbent tau + min_delta — it must beat what is serving now, each comparison read through its bootstrap
+interval (``eval.intervals``: the candidate and the incumbent paired prompt by prompt, tau* from its timing
+prompts): the lower end must lie above the bar. A rejection calls a loss real, so it reads the upper ends
+family-wise (Bonferroni: each at level 1 - (1 - level) / m over all m comparisons), so that some loss among m is
+called real no more often than one in a single comparison; an interval that holds a bar is **unresolved**, a third
 verdict: nothing is promoted, the exit code is 1 as for a rejection, and the reason names the comparison and about
-how many prompts would resolve it. A checkpoint
-SGLang would serve wrongly (``check_checkpoint``: config, dtypes, vocab map) or a T=0
-output that differs from the target's own greedy output is rejected whatever its tau.
+how many prompts would resolve it. A checkpoint SGLang would serve wrongly (``check_checkpoint``: config, dtypes,
+vocab map) or a T=0 output that differs from the target's own greedy output is rejected whatever its tau.
 
 Promotion layout: ``promoted`` is a symlink to ``promotions/<fingerprint[:16]>/`` beside it, an immutable
 copy of the servable files. The decision record is appended (fsynced) before the link is switched by one

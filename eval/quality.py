@@ -224,17 +224,17 @@ def setting_acceptance(cfg: RunConfig, target: TargetModel, drafter: Eagle3Draft
     dataset's figures are kept there as they land (``eval.acceptance_store``), and read back by a rerun."""
     e = cfg.eval
 
-    def measure(name: str, ps: Sequence[Sequence[int]]) -> dict:
+    def one_dataset(name: str, ps: Sequence[Sequence[int]]) -> dict:
         references = {name: refs(name)} if temperature == 0 else None  # the lossless check, at T = 0 only
         return acceptance(target, drafter, aux_ids, {name: ps}, k, temperature, e.max_new_tokens, references,
                           seed=e.seed, rule=e.acceptance, tie_epsilon=e.tie_epsilon)[name]
 
     if keep_dir is None:
-        return {name: measure(name, ps) for name, ps in prompts.items()}
+        return {name: one_dataset(name, ps) for name, ps in prompts.items()}
     key = {"version": STORE_VERSION, **target_key(target, target.fingerprint()), "drafter": drafter_key(checkpoint),
            "k": k, "temperature": temperature, "max_new": e.max_new_tokens, "rule": e.acceptance, "seed": e.seed,
            "tie_epsilon": e.tie_epsilon}
-    return kept_acceptance(keep_dir, key, prompts, measure, f"{checkpoint} k={k} T={temperature:g}")
+    return kept_acceptance(keep_dir, key, prompts, one_dataset, f"{checkpoint} k={k} T={temperature:g}")
 
 
 def incumbent_named(incumbent: str | Path | None) -> dict:
