@@ -370,7 +370,7 @@ def test_pipeline_unusable_run_dir_and_full_disk_are_one_line(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(rounds, "write_text_atomic", full)
-    monkeypatch.setattr("common.files.write_text_atomic", full)  # the round's config.yaml (common.config.write_config)
+    monkeypatch.setattr("common.config.write_text_atomic", full)  # the round's config.yaml (common.config.write_config)
     assert rounds.run_round(cfg) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (f"error: {tmp_path / 'run' / 'round-1' / 'config.yaml'}: no space left on the device: free "
