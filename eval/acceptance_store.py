@@ -22,9 +22,9 @@ from target_model.hf_model import TargetModel, stop_token_ids
 Prompts = Sequence[Sequence[int]]
 
 
-def target_key(target: TargetModel, fingerprint: str) -> dict[str, Any]:
+def target_key(target: TargetModel, target_fingerprint: str) -> dict[str, Any]:
     """What the target contributes to a key: its weights, dtype, device type and stop ids."""
-    return {"target": fingerprint, "dtype": str(target.dtype), "device": target.device.type,
+    return {"target": target_fingerprint, "dtype": str(target.dtype), "device": target.device.type,
             "stops": sorted(stop_token_ids(target.tokenizer))}
 
 

@@ -20,7 +20,8 @@ batched passes. ``bench/drafter_quality.py`` records the same figures in ``bench
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -182,8 +183,10 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     drafter, aux_ids = load_drafter(target, cfg, checkpoint)
     max_new = cfg.eval.max_new_tokens
     refs = GreedyReferences(target, prompts, max_new)
-    stats = {f"k{k}_T{t:g}": setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, t, refs, checkpoint,
-                                                 keep_dir) for k, t in settings}
+    kept = Kept.under(keep_dir, target)
+    mine = kept(checkpoint)  # hashed once for every setting
+    stats = {f"k{k}_T{t:g}": setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, t, refs, mine)
+             for k, t in settings}
     skipped = records_skipped_short(prompts)
     results = {name: summary(st, k, t, boot, skipped)
                for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
@@ -201,7 +204,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     k0, t0 = settings[0]
     mismatches = [f"{name}: {s['lossless_mismatches']} prompts differ from greedy" for name, s in first.items()
                   if s.get("lossless_mismatches")]
-    held = incumbent_stats(cfg, target, prompts, incumbent, k0, t0, refs, keep_dir) if incumbent is not None else None
+    held = (incumbent_stats(cfg, target, prompts, incumbent, k0, t0, refs, kept(incumbent)) if incumbent is not None
+            else None)
     ev = {name: evidence(per_prompt(s), tau_stars[str(k0)], cfg.gate.margin, boot,
                          per_prompt(held[name]) if held is not None else None) for name, s in first_stats.items()}
     d = decide(ev, cfg.gate.margin, cfg.gate.min_delta, lossless_mismatches=mismatches)
@@ -216,12 +220,30 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
                      "intervals": evidence_record(ev, d), **incumbent_named(incumbent)}}
 
 
+@dataclass(frozen=True)
+class Kept:
+    """Where one drafter's figures are kept (``eval.acceptance_store``) and the key they are kept under: the
+    target's and the drafter's parts, each hashed once per eval (a drafter's weights may be gigabytes)."""
+
+    folder: Path
+    key: dict
+    what: str
+
+    @staticmethod
+    def under(keep_dir: Path | None, target: TargetModel) -> Callable[[str | Path], Kept | None]:
+        """Per checkpoint, where its figures are kept in ``keep_dir`` (None: nothing is kept)."""
+        if keep_dir is None:
+            return lambda checkpoint: None
+        target_part = {"version": STORE_VERSION, **target_key(target, target.fingerprint())}
+        return lambda checkpoint: Kept(keep_dir, {**target_part, "drafter": drafter_key(checkpoint)}, str(checkpoint))
+
+
 def setting_acceptance(cfg: RunConfig, target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
                        prompts: Mapping[str, list[list[int]]], k: int, temperature: float, refs: GreedyReferences,
-                       checkpoint: str | Path, keep_dir: Path | None = None) -> dict:
+                       kept: Kept | None = None) -> dict:
     """One drafter's acceptance at one k:T on every prompt, under the config's rule: what the candidate gets at
-    each setting and the incumbent at the gate's, so that the two are measured alike. With ``keep_dir`` each
-    dataset's figures are kept there as they land (``eval.acceptance_store``), and read back by a rerun."""
+    each setting and the incumbent at the gate's, so that the two are measured alike. With ``kept`` each
+    dataset's figures are kept as they land, and read back by a rerun."""
     e = cfg.eval
 
     def one_dataset(name: str, ps: Sequence[Sequence[int]]) -> dict:
@@ -229,12 +251,11 @@ def setting_acceptance(cfg: RunConfig, target: TargetModel, drafter: Eagle3Draft
         return acceptance(target, drafter, aux_ids, {name: ps}, k, temperature, e.max_new_tokens, references,
                           seed=e.seed, rule=e.acceptance, tie_epsilon=e.tie_epsilon)[name]
 
-    if keep_dir is None:
+    if kept is None:
         return {name: one_dataset(name, ps) for name, ps in prompts.items()}
-    key = {"version": STORE_VERSION, **target_key(target, target.fingerprint()), "drafter": drafter_key(checkpoint),
-           "k": k, "temperature": temperature, "max_new": e.max_new_tokens, "rule": e.acceptance, "seed": e.seed,
-           "tie_epsilon": e.tie_epsilon}
-    return kept_acceptance(keep_dir, key, prompts, one_dataset, f"{checkpoint} k={k} T={temperature:g}")
+    key = {**kept.key, "k": k, "temperature": temperature, "max_new": e.max_new_tokens, "rule": e.acceptance,
+           "seed": e.seed, "tie_epsilon": e.tie_epsilon}
+    return kept_acceptance(kept.folder, key, prompts, one_dataset, f"{kept.what} k={k} T={temperature:g}")
 
 
 def incumbent_named(incumbent: str | Path | None) -> dict:
@@ -244,12 +265,12 @@ def incumbent_named(incumbent: str | Path | None) -> dict:
 
 def incumbent_stats(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list[int]]],
                     incumbent: str | Path, k: int, temperature: float, refs: GreedyReferences,
-                    keep_dir: Path | None = None) -> dict:
+                    kept: Kept | None = None) -> dict:
     """The incumbent's acceptance at the gate's setting on the same prompts (its per-prompt columns pair with the
     candidate's), its weights freed afterwards."""
     drafter, aux_ids = load_drafter(target, cfg, incumbent)
     try:
-        return setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, temperature, refs, incumbent, keep_dir)
+        return setting_acceptance(cfg, target, drafter, aux_ids, prompts, k, temperature, refs, kept)
     finally:
         del drafter
         if torch.cuda.is_available():
