@@ -62,6 +62,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +160,7 @@ def both_answers(recs: list[dict], sampled: list[dict]) -> list[dict]:
 
 
 def measure(target: Any, drafter: Any, aux_ids: list[int], prompts: dict, cfg: RunConfig, temperature: float,
-            refs: dict | None) -> dict[str, Any]:
+            refs: Mapping[str, Any] | None) -> dict[str, Any]:
     """tau and alpha_k per dataset at k = 3 and ``temperature`` (T = 0 also the lossless mismatches)."""
     from eval.batched_eval import acceptance
 
@@ -179,12 +180,12 @@ def worker(args: argparse.Namespace) -> int:
     <out>/row-<name>.json."""
     from common.config import load_config
     from drafter.sglang_checkpoint import served_bytes
-    from eval.batched_eval import greedy_references
+    from eval.batched_eval import GreedyReferences
     from eval.oracle_cache import oracle_acceptance
     from eval.quality import load_drafter, setup
 
     cfg, target, prompts = setup(args.config, args.limit)
-    refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
+    refs = GreedyReferences(target, prompts, cfg.eval.max_new_tokens)
     any_aux = resolve_aux_layer_ids(cfg.target.aux_layer_ids, None, target.num_layers)  # the oracle reads none
     for t in args.temperatures if args.oracle else ():  # the ceiling at each T > 0, whatever the row: one worker
         oracle = args.out / f"oracle-T{t:g}.json"

@@ -32,7 +32,7 @@ from bench.results import record, results_path
 from bench.runs import holdout_at
 from common.config import RunConfig
 from common.files import sha256_file, write_json_atomic
-from eval.batched_eval import acceptance, greedy_references
+from eval.batched_eval import GreedyReferences, acceptance
 from eval.quality import DEFAULT_SETTINGS, MEASURED, load_drafter, parse_settings, quality, setup
 from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints, read_trainer_state
 
@@ -73,15 +73,14 @@ def curve_points(cfg: RunConfig, target: Any, prompts: dict[str, list[list[int]]
     """Each checkpoint's point: tau (k=3, T=0) on every eval prompt, the held-out metrics of its step and the
     tokens it had trained on. A point is kept in run_dir/learning_curve/ under its checkpoint's trainer state
     digest, so a rerun after a kill measures only the checkpoints not done (and a retrained step again)."""
-    cache, refs = run_dir / "learning_curve", None
+    cache = run_dir / "learning_curve"
+    refs = GreedyReferences(target, prompts, cfg.eval.max_new_tokens)  # generated (or read) when a point needs them
     for ckpt in ckpts:
         key = sha256_file(ckpt / STATE_DIR / TRAINER_FILE)
         kept = cache / f"{ckpt.name}.json"
         if kept.is_file() and (old := json.loads(kept.read_text())).pop("trainer_sha256", None) == key:
             yield old
             continue
-        if refs is None:  # the target's greedy answers, once, and only when a point is measured
-            refs = greedy_references(target, prompts, cfg.eval.max_new_tokens)
         position = read_trainer_state(ckpt)["position"]
         drafter, aux_ids = load_drafter(target, cfg, ckpt)
         stats = acceptance(target, drafter, aux_ids, prompts, 3, 0.0, cfg.eval.max_new_tokens, refs,

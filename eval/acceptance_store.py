@@ -1,10 +1,12 @@
-"""Per-dataset acceptance figures kept on disk under a key that names everything they depend on, so that nothing
-measured is measured again: the oracle's across evals (``eval.oracle_cache``: they depend on the target, the
-prompts and the setting, never on a drafter) and an ``eval quality`` run's own (in its report folder: a run cut by a
-kill or a device deadline resumes there, measuring only the datasets and settings it had not finished).
+"""Figures and target outputs kept on disk under a key that names everything they depend on, so that nothing
+measured is measured again: the oracle's acceptance across evals (``eval.oracle_cache``: it depends on the target,
+the prompts and the setting, never on a drafter), the target's greedy references and later turns' histories across
+evals (``target_outputs_dir``: the target's alone, the same for every candidate gated against it), and an ``eval
+quality`` run's own figures (in its report folder: a run cut by a kill or a device deadline resumes there, measuring
+only the datasets and settings it had not finished).
 
-An entry is one dataset's ``eval.batched_eval.acceptance`` figures (JSON), written atomically as soon as that
-dataset is measured; its name is the sha256 of the key's JSON. A damaged entry is said and measured again.
+An entry is one dataset's value (JSON), written atomically as soon as it is computed; its name is the sha256 of the
+key's JSON. A damaged entry is said and computed again.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from common.files import sha256_file, write_json_atomic
+from common.wheels import cache_root
 from drafter.sglang_checkpoint import fingerprint
 from target_model.hf_model import TargetModel, stop_token_ids
 
@@ -37,19 +41,42 @@ def entry_name(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json"
 
 
-def read_entry(path: Path) -> dict[str, Any] | None:
-    """The stored figures, or None when there are none; a damaged entry is said and measured again."""
+def target_outputs_dir() -> Path:
+    """Where the target's own eval outputs are kept across evals (greedy references, later turns' histories)."""
+    return cache_root() / "target-outputs"
+
+
+def holds_figures(value: Any) -> bool:
+    """Whether a stored value is one dataset's acceptance figures (what ``kept_acceptance`` keeps)."""
+    return isinstance(value, dict) and "per_prompt" in value
+
+
+def read_entry(path: Path, valid: Callable[[Any], bool] = holds_figures, holds: str = "per-prompt figures") -> Any:
+    """The stored value, or None when there is none; a damaged entry, or one that is not ``valid`` (it should hold
+    ``holds``), is said and computed again."""
     if not path.is_file():
         return None
     try:
-        stats = json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        print(f"acceptance store: {path} unreadable ({e}); measuring it again", flush=True)
+        print(f"acceptance store: {path} unreadable ({e}); computing it again", flush=True)
         return None
-    if not isinstance(stats, dict) or "per_prompt" not in stats:
-        print(f"acceptance store: {path} holds no per-prompt figures; measuring it again", flush=True)
+    if not valid(value):
+        print(f"acceptance store: {path} holds no {holds}; computing it again", flush=True)
         return None
-    return stats
+    return value
+
+
+def kept_entry(folder: Path, key: Mapping[str, Any], compute: Callable[[], Any], valid: Callable[[Any], bool],
+               holds: str) -> tuple[Any, bool]:
+    """The value kept in ``folder`` under ``key``, else ``compute()``, kept at once; and whether it was read."""
+    path = folder / entry_name(key)
+    value = read_entry(path, valid, holds)
+    if value is not None:
+        return value, True
+    value = compute()
+    write_json_atomic(path, value)
+    return value, False
 
 
 def kept_acceptance(folder: Path, key: Mapping[str, Any], prompts: Mapping[str, Prompts],
@@ -59,14 +86,10 @@ def kept_acceptance(folder: Path, key: Mapping[str, Any], prompts: Mapping[str, 
     out: dict[str, dict[str, Any]] = {}
     reused = []
     for name, ps in prompts.items():
-        path = folder / entry_name({**key, "prompts": [list(p) for p in ps]})
-        stats = read_entry(path)
-        if stats is None:
-            stats = measure(name, ps)
-            write_json_atomic(path, stats)
-        else:
+        out[name], read = kept_entry(folder, {**key, "prompts": [list(p) for p in ps]}, partial(measure, name, ps),
+                                     holds_figures, "per-prompt figures")
+        if read:
             reused.append(name)
-        out[name] = stats
     if reused:
         print(f"{what}: {', '.join(reused)} read from {folder}", flush=True)
     return out

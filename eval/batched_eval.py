@@ -9,16 +9,20 @@ mismatch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 from drafter.model import Eagle3Drafter
 from engine.batched import BatchedTarget
 from engine.continuous_batching import generate
+from eval.acceptance_store import kept_entry, target_key, target_outputs_dir
 from eval.batched_speculative import speculative_batch
 from eval.lossless import unchecked_reason
 from eval.measure import dataset_stats, divergences
 from eval.speculative import Generation
 from target_model.hf_model import TargetModel, stop_token_ids
+
+REFERENCES_VERSION = 1  # in the key of kept greedy references: changes when the way they are generated does
 
 
 def greedy_references(target: TargetModel, prompts: Mapping[str, Sequence[Sequence[int]]],
@@ -34,18 +38,44 @@ def greedy_references(target: TargetModel, prompts: Mapping[str, Sequence[Sequen
     return out
 
 
-class GreedyReferences:
-    """``greedy_references`` one dataset at a time, each generated on first use and kept: a resumed eval whose T = 0
-    figures were all kept generates none."""
+class GreedyReferences(Mapping[str, list[Generation]]):
+    """``greedy_references`` per dataset, on first use: read where an earlier eval of the same target, prompts and
+    budget kept them (``cache_dir``, default ``eval.acceptance_store.target_outputs_dir()``), else generated and
+    kept. They are the target's alone, so every candidate gated against that target after the first,
+    and a resumed eval, reads them instead of paying a plain greedy decode of every prompt again."""
 
-    def __init__(self, target: TargetModel, prompts: Mapping[str, Sequence[Sequence[int]]], max_new: int) -> None:
+    def __init__(self, target: TargetModel, prompts: Mapping[str, Sequence[Sequence[int]]], max_new: int,
+                 cache_dir: Path | None = None) -> None:
         self.target, self.prompts, self.max_new = target, prompts, max_new
+        self.cache_dir = cache_dir or target_outputs_dir()
         self.done: dict[str, list[Generation]] = {}
+        self._key: dict | None = None
 
-    def __call__(self, name: str) -> list[Generation]:
+    def __getitem__(self, name: str) -> list[Generation]:
         if name not in self.done:
-            self.done |= greedy_references(self.target, {name: self.prompts[name]}, self.max_new)
+            self.done[name] = self._kept(name)
         return self.done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.prompts)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def _kept(self, name: str) -> list[Generation]:
+        if self._key is None:  # the target's part, hashed once
+            self._key = {"version": REFERENCES_VERSION, "what": "greedy references", "max_new": self.max_new,
+                         **target_key(self.target, self.target.fingerprint())}
+        prompts = [list(p) for p in self.prompts[name]]
+        rows, read = kept_entry(
+            self.cache_dir, {**self._key, "prompts": prompts},
+            lambda: [{"tokens": g.tokens, "margins": g.margins}
+                     for g in greedy_references(self.target, {name: self.prompts[name]}, self.max_new)[name]],
+            lambda v: isinstance(v, list) and len(v) == len(prompts) and all("tokens" in r for r in v),
+            f"greedy references of {len(prompts)} prompts")
+        if read:
+            print(f"greedy references: {name} read from {self.cache_dir}", flush=True)
+        return [Generation(r["tokens"], r["margins"]) for r in rows]
 
 
 def acceptance(target: TargetModel, drafter: Eagle3Drafter | None, aux_ids: Sequence[int],

@@ -247,7 +247,7 @@ def setting_acceptance(cfg: RunConfig, target: TargetModel, drafter: Eagle3Draft
     e = cfg.eval
 
     def one_dataset(name: str, ps: Sequence[Sequence[int]]) -> dict:
-        references = {name: refs(name)} if temperature == 0 else None  # the lossless check, at T = 0 only
+        references = {name: refs[name]} if temperature == 0 else None  # the lossless check, at T = 0 only
         return acceptance(target, drafter, aux_ids, {name: ps}, k, temperature, e.max_new_tokens, references,
                           seed=e.seed, rule=e.acceptance, tie_epsilon=e.tie_epsilon)[name]
 

@@ -4,20 +4,26 @@ A served conversation's second turn is drafted after the target's first answer, 
 for a dataset with ``turn: n`` the target answers user turns 1..n-1 greedily (``eval.max_new_tokens`` each, the
 budget of the reference decode), one batched pass per turn (``engine.continuous_batching``), and turn n is
 rendered after that history as the server renders a chat (``data_prep.loss_mask.prompt_text``). The same prompts
-serve every k:T setting, so the history is greedy whatever the setting's T.
+serve every k:T setting, so the history is greedy whatever the setting's T. The history depends on the target and
+the turns alone, so it is kept across evals (``eval.acceptance_store.target_outputs_dir()``): every candidate gated
+against the same target after the first reads it.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from data_prep.loss_mask import prompt_text
 from engine.batched import BatchedTarget
 from engine.continuous_batching import generate
+from eval.acceptance_store import kept_entry, target_key, target_outputs_dir
 from eval.prompts import load_eval_turns, render
 from target_model.hf_model import TargetModel, stop_token_ids
+
+HISTORY_VERSION = 1  # in the key of kept histories: changes when the way they are made does
 
 
 class EvalPrompts(dict[str, list[list[int]]]):
@@ -60,11 +66,30 @@ def with_history(target: TargetModel, turns: Sequence[Sequence[str]], max_new: i
     return [chat_ids(tok, c, template_kwargs) for c in chats]
 
 
+def kept_history(target: TargetModel, turns: Sequence[Sequence[str]], max_new: int,
+                 template_kwargs: dict[str, Any] | None = None, cache_dir: Path | None = None) -> list[list[int]]:
+    """``with_history``, read where an earlier eval kept it for the same target, turns, budget and chat template
+    (``cache_dir``, default ``target_outputs_dir()``), else made and kept. The key holds each conversation's first
+    turn as the tokenizer renders it, so a changed tokenizer or template makes a new entry."""
+    tok = target.tokenizer
+    key = {"version": HISTORY_VERSION, "what": "history", "max_new": max_new, "turns": [list(t) for t in turns],
+           "template_kwargs": template_kwargs or {},
+           "first_rendered": [chat_ids(tok, [{"role": "user", "content": t[0]}], template_kwargs) for t in turns],
+           **target_key(target, target.fingerprint())}
+    folder = cache_dir or target_outputs_dir()
+    ids, read = kept_entry(folder, key,
+                           lambda: with_history(target, turns, max_new, template_kwargs),
+                           lambda v: isinstance(v, list) and len(v) == len(turns), f"{len(turns)} prompts' ids")
+    if read:
+        print(f"history: {len(turns)} prompts read from {folder}", flush=True)
+    return ids
+
+
 def eval_prompts(target: TargetModel, datasets: Sequence[Any], max_new: int,
-                 template_kwargs: dict[str, Any] | None = None) -> EvalPrompts:
+                 template_kwargs: dict[str, Any] | None = None, cache_dir: Path | None = None) -> EvalPrompts:
     """Dataset name -> its prompts as token ids, for ``eval.datasets`` entries of any turn (their own limits);
     records with fewer user turns than the dataset's ``turn`` are skipped, said so on stderr and counted
-    (``EvalPrompts.records_skipped_short``)."""
+    (``EvalPrompts.records_skipped_short``). Later turns' histories are kept in ``cache_dir`` (``kept_history``)."""
     out, skipped = {}, {}
     for ds in datasets:
         turns, skipped[ds.name] = load_eval_turns(ds)
@@ -72,5 +97,5 @@ def eval_prompts(target: TargetModel, datasets: Sequence[Any], max_new: int,
             print(f"note: eval dataset {ds.name!r}: {skipped[ds.name]} records have fewer than {ds.turn} user turns; "
                   "skipped", file=sys.stderr)
         out[ds.name] = ([render(target.tokenizer, t[0], template_kwargs) for t in turns] if ds.turn == 1
-                        else with_history(target, turns, max_new, template_kwargs))
+                        else kept_history(target, turns, max_new, template_kwargs, cache_dir))
     return EvalPrompts(out, skipped)

@@ -77,6 +77,41 @@ def test_greedy_references_carry_the_plain_loops_margins(pair) -> None:
         assert ref.margins == pytest.approx(plain.margins, abs=1e-4)
 
 
+def test_greedy_references_are_kept_for_the_next_eval_of_the_target(pair, tmp_path, monkeypatch, capsys) -> None:
+    """GreedyReferences generates a dataset's references on first use and keeps them: the next eval of the same
+    target, prompts and budget reads them (tokens and margins equal) and generates nothing; other prompts, another
+    budget or a damaged entry are generated again."""
+    import eval.batched_eval as be
+
+    target, _ = pair
+    tm = TargetModel(target, TinyTokenizer(), "tiny", None)
+    prompts = {"a": [[3, 4, 5], [6, 7, 8, 9]], "b": [[5, 5]]}
+    first = be.GreedyReferences(tm, prompts, NEW, tmp_path)
+    made = {name: first[name] for name in first}  # a Mapping: what acceptance() takes as references
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+    real = be.greedy_references
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(list(args[1]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(be, "greedy_references", counted)
+    capsys.readouterr()
+    again = be.GreedyReferences(tm, prompts, NEW, tmp_path)
+    for name in prompts:
+        assert [(g.tokens, g.margins) for g in again[name]] == [(g.tokens, g.margins) for g in made[name]]
+    assert calls == [] and f"greedy references: a read from {tmp_path}" in capsys.readouterr().out
+    be.GreedyReferences(tm, prompts, NEW - 1, tmp_path)["a"]  # another budget: another entry
+    be.GreedyReferences(tm, {"a": [[3, 4, 6]]}, NEW, tmp_path)["a"]  # other prompts: another entry
+    assert calls == [["a"], ["a"]]
+    for f in tmp_path.glob("*.json"):
+        f.write_text("[1, 2")  # torn
+    assert be.GreedyReferences(tm, prompts, NEW, tmp_path)["b"][0].tokens == made["b"][0].tokens
+    assert calls[-1] == ["b"] and "unreadable" in capsys.readouterr().out
+
+
 def test_the_oracle_keeps_every_greedy_draft_and_is_lossless(pair) -> None:
     """drafter None drafts the target's own greedy tokens: at T = 0 every cycle keeps all k drafts until the answer
     ends, and the output is the target's greedy output."""

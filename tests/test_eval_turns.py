@@ -71,3 +71,22 @@ def test_records_skipped_as_short_are_counted_per_dataset_and_noted(target, tmp_
     assert prompts.records_skipped_short == records_skipped_short(prompts) == {"t1": 0, "t2": 1}
     assert "note: eval dataset 't2': 1 records have fewer than 2 user turns; skipped" in capsys.readouterr().err
     assert records_skipped_short({"given": [[1, 2]]}) == {"given": 0}  # prompts not loaded here skipped none
+
+
+def test_a_later_turns_history_is_kept_for_the_next_eval_of_the_target(target, tmp_path, monkeypatch, capsys):
+    """The turn-2 prompts (the target's own first answers) are made once per target, turns, budget and template:
+    the next eval reads them, equal, without generating; another budget is made again."""
+    import eval.turns as turns_module
+
+    t2 = DatasetConfig(name="mtbench_turn2", kind="mtbench", turn=2, limit=2)
+    first = eval_prompts(target, [t2], max_new=5, cache_dir=tmp_path)
+
+    def no_generating(*args, **kwargs):
+        raise AssertionError("generated a kept history again")
+
+    monkeypatch.setattr(turns_module, "generate", no_generating)
+    capsys.readouterr()
+    assert eval_prompts(target, [t2], max_new=5, cache_dir=tmp_path) == first
+    assert f"history: 2 prompts read from {tmp_path}" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="generated a kept history"):
+        eval_prompts(target, [t2], max_new=4, cache_dir=tmp_path)
