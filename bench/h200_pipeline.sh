@@ -30,7 +30,8 @@
 #                adds options: --shares 2 --share-ranks R, each half of a 2-GPU run alone; --gpus with no count
 #                skips the full run)                                -> "regenerate", with 2 GPUs "ddp_scaling",
 #                                                                      with --shares "regenerate_shares"
-#   regenerate   python -m data_prep regenerate (one process per GPU, resumable); when an earlier machine's
+#   regenerate   python -m data_prep regenerate (one process per GPU, resumable; cut by the deadline, what it
+#                finished stays whole lines: a stage may train on part of the set); when an earlier machine's
 #                conversations are carried (.gpu/conversations/conversations.jsonl.gz.part-*, the parts `out` returns
 #                with OUT_CONVERSATIONS=1) they are joined and unpacked instead: regeneration at T=0 is reproducible
 #                across machines, so this saves its minutes; delete the folder when the regenerate settings change
@@ -202,7 +203,11 @@ for p in "$@"; do
         unpack_carried regenerate .gpu/conversations $RUN/conversations.jsonl && touch $RUN/.regenerated
       fi
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
-        phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated; fi ;;
+        phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated
+        # cut by the deadline: the conversations it finished are whole lines (a later phase may train on them; the
+        # next call's regenerate goes on from them)
+        [ -f $RUN/.regenerated ] || [ ! -f $RUN/conversations.jsonl ] || cut_torn_tail $RUN/conversations.jsonl
+      fi ;;
     regenerate-sampled)  # every turn's prompts answered at the serving temperature (SAMPLED_T, default 1, seed 0),
       # into $SAMPLED: the ablations' answers_sampled row (--sampled-conversations $SAMPLED/conversations.jsonl);
       # resumable across machines: an earlier machine's sampled conversations (.gpu/sampled/*.gz.part-*, what `out`

@@ -78,3 +78,19 @@ def test_self_prompts_refuses_a_systems_file_that_is_not_a_json_list_of_system_t
         done = run_phases("self-prompts", SELF=str(tmp_path / "self"), SELF_SYSTEMS_FILE=str(bad))
         assert done.returncode != 0 and f"SELF_SYSTEMS_FILE={bad} is not a JSON list" in done.stdout, text
         assert not (tmp_path / "self").exists()
+
+
+def test_a_regeneration_cut_short_leaves_whole_conversations(tmp_path: Path) -> None:
+    """A regenerate phase that ends early (here its config names no prompts, so it fails at once; on the GPU machine,
+    the deadline) leaves the conversations it finished as whole lines, which a later phase may train on."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "conversations.jsonl").write_text('{"id": "a", "messages": []}\n{"id": "b", "mess')
+    derived = run_phases("derive", CONFIG="configs/smollm2-135m-h200.yaml", RUN=str(run), OVERRIDES=f"run_dir={run}")
+    assert derived.returncode == 0, derived.stdout + derived.stderr
+
+    done = run_phases("regenerate", RUN=str(run), CONFIG=str(run / "config.yaml"))
+
+    assert "=== regenerate FAILED" in done.stdout
+    assert (run / "conversations.jsonl").read_text() == '{"id": "a", "messages": []}\n'
+    assert not (run / ".regenerated").exists()
