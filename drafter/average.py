@@ -2,7 +2,7 @@
 it started from, or two stages of one chain. Each stage trained at a fresh learning-rate peak moves the drafter
 towards its own data; the average of two such points keeps much of each one's gain and often beats both on the
 sets neither was steered to (``bench/results.json`` → ``soup_vs_shipped``: the average of the shipped third stage
-and the fourth beat the shipped drafter on every eval set).
+and the fourth, gated against the third).
 
 Drafters average only when their layout, vocabulary map and aux layers are the same (warm starts keep the map), so
 that every averaged tensor means the same thing in each; the result is a checkpoint like any other, to be gated.
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import (
     CheckpointError,
     expected_tensors,
@@ -36,7 +37,7 @@ def mixing_weights(weights: Sequence[float] | None, n: int) -> list[float]:
     return [w / total for w in weights]
 
 
-def lineage_problem(first: Path, other: Path, a: torch.nn.Module, b: torch.nn.Module) -> str | None:
+def lineage_problem(first: Path, other: Path, a: Eagle3Drafter, b: Eagle3Drafter) -> str | None:
     """Why ``other`` cannot be averaged with ``first`` (None: it can)."""
     if a.shape != b.shape:
         return f"{other}: its shape {b.shape} differs from {first}'s {a.shape}"

@@ -26,9 +26,10 @@ from target_model.hf_model import TargetModel, stop_token_ids
 Prompts = Sequence[Sequence[int]]
 
 
-def target_key(target: TargetModel, target_fingerprint: str) -> dict[str, Any]:
-    """What the target contributes to a key: its weights, dtype, device type and stop ids."""
-    return {"target": target_fingerprint, "dtype": str(target.dtype), "device": target.device.type,
+def target_key(target: TargetModel) -> dict[str, Any]:
+    """What the target contributes to a key: its weights (``TargetModel.fingerprint``), dtype, device type and stop
+    ids."""
+    return {"target": target.fingerprint(), "dtype": str(target.dtype), "device": target.device.type,
             "stops": sorted(stop_token_ids(target.tokenizer))}
 
 
@@ -51,7 +52,7 @@ def holds_figures(value: Any) -> bool:
     return isinstance(value, dict) and "per_prompt" in value
 
 
-def read_entry(path: Path, valid: Callable[[Any], bool] = holds_figures, holds: str = "per-prompt figures") -> Any:
+def read_entry(path: Path, valid: Callable[[Any], bool], holds: str) -> Any:
     """The stored value, or None when there is none; a damaged entry, or one that is not ``valid`` (it should hold
     ``holds``), is said and computed again."""
     if not path.is_file():

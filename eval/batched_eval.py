@@ -65,7 +65,7 @@ class GreedyReferences(Mapping[str, list[Generation]]):
     def _kept(self, name: str) -> list[Generation]:
         if self._key is None:  # the target's part, hashed once
             self._key = {"version": REFERENCES_VERSION, "what": "greedy references", "max_new": self.max_new,
-                         **target_key(self.target, self.target.fingerprint())}
+                         **target_key(self.target)}
         prompts = [list(p) for p in self.prompts[name]]
         rows, read = kept_entry(
             self.cache_dir, {**self._key, "prompts": prompts},

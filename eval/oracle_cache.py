@@ -31,7 +31,7 @@ def oracle_acceptance(target: TargetModel, aux_ids: Sequence[int], prompts: Mapp
                       cache_dir: Path | None = None) -> dict[str, dict[str, Any]]:
     """``eval.batched_eval.acceptance`` of the oracle, per dataset: read where an earlier eval stored it, measured
     (and stored) otherwise."""
-    key = {"version": ORACLE_VERSION, **target_key(target, target.fingerprint()), "k": k, "temperature": temperature,
+    key = {"version": ORACLE_VERSION, **target_key(target), "k": k, "temperature": temperature,
            "max_new": max_new, "rule": rule, "seed": seed}
 
     def measure(name: str, ps: Sequence[Sequence[int]]) -> dict[str, Any]:

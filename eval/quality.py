@@ -234,7 +234,7 @@ class Kept:
         """Per checkpoint, where its figures are kept in ``keep_dir`` (None: nothing is kept)."""
         if keep_dir is None:
             return lambda checkpoint: None
-        target_part = {"version": STORE_VERSION, **target_key(target, target.fingerprint())}
+        target_part = {"version": STORE_VERSION, **target_key(target)}
         return lambda checkpoint: Kept(keep_dir, {**target_part, "drafter": drafter_key(checkpoint)}, str(checkpoint))
 
 

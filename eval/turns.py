@@ -75,7 +75,7 @@ def kept_history(target: TargetModel, turns: Sequence[Sequence[str]], max_new: i
     key = {"version": HISTORY_VERSION, "what": "history", "max_new": max_new, "turns": [list(t) for t in turns],
            "template_kwargs": template_kwargs or {},
            "first_rendered": [chat_ids(tok, [{"role": "user", "content": t[0]}], template_kwargs) for t in turns],
-           **target_key(target, target.fingerprint())}
+           **target_key(target)}
     folder = cache_dir or target_outputs_dir()
     ids, read = kept_entry(folder, key,
                            lambda: with_history(target, turns, max_new, template_kwargs),
