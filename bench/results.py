@@ -6,10 +6,16 @@ one object (``ddp_scaling``: regeneration from bench/regenerate_throughput.py, t
 bench/ddp_scaling.py), each writes with ``merge=True`` and names its own fields and provenance
 (``regenerate_command``, ...), so neither erases the other's. Writers take a file lock, so benchmarks
 running side by side (one per GPU) do not lose each other's objects.
+
+Figures measured where this file is not (a GPU machine's returned results, a scratch BENCH_RESULTS file) come in
+whole, as their benchmark wrote them:
+
+    python bench/results.py import /work/.device/7/results.json stage6_vs_shipped quality
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -67,3 +73,48 @@ def record(name: str, figures: dict[str, Any], command: str | None = None, merge
         data[name] = (data.get(name, {}) | entry) if merge else entry
         write_text_atomic(path, json_text(data, indent=2, sort_keys=True) + "\n")
     print(f"{path}: {name} = {json_text(figures)}")
+
+
+def import_objects(source: Path, names: list[str], target: Path | None = None) -> list[str]:
+    """Copy the named objects from another results file into this one, unchanged (each still says which command,
+    device and date measured it); an object missing from ``source`` or lacking its provenance is an error naming it,
+    and nothing is written then. Returns one line per object: added, or replaced with its earlier date."""
+    target = target or results_path()
+    src = json.loads(source.read_text())
+    for name in names:
+        obj = src.get(name)
+        if not isinstance(obj, dict):
+            raise ValueError(f"{source}: no object {name!r} (it holds: {', '.join(sorted(src)) or 'none'})")
+        missing = [k for k in ("command", "device", "date") if k not in obj]
+        if missing:
+            raise ValueError(f"{source}: {name!r} lacks {', '.join(missing)}: not written by a benchmark")
+    lines = []
+    with flock(target.with_name(target.name + ".lock")):
+        data = json.loads(target.read_text()) if target.is_file() else {}
+        for name in names:
+            old = data.get(name)
+            lines.append(f"{name}: " + (f"replaced (was {old.get('date')}, now {src[name]['date']})"
+                                        if isinstance(old, dict) else f"added ({src[name]['date']})"))
+            data[name] = src[name]
+        write_text_atomic(target, json_text(data, indent=2, sort_keys=True) + "\n")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="copy named objects from another results file into this one")
+    imp.add_argument("source", type=Path, help="the results file the objects were measured into")
+    imp.add_argument("names", nargs="+", help="the objects to copy")
+    args = ap.parse_args()
+    try:
+        lines = import_objects(args.source, args.names)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{results_path()}:", *lines, sep="\n  ")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
