@@ -7,7 +7,7 @@ in GPT-3's overlap check; 8 as a looser look) with a user turn of the training c
 Ingest drops a training record whose user turn *is* an eval prompt (case and whitespace aside); this measures what
 that exact match cannot see: a prompt copied with words around it, or a prompt the target wrote itself that repeats
 one. Each eval dataset's measured turn (``turn``) of every record is checked against each conversations file apart,
-so a figure says which source brought an overlap in. Recorded as "prompt_overlap": per n, dataset and file, how many
+so a figure says which source brought an overlap in. Recorded as "prompt_overlap" (or --name): per n, dataset and file, how many
 prompts share a run, and for each such prompt its index in the dataset and the first run shared.
 """
 
@@ -61,6 +61,8 @@ def main() -> int:
     ap.add_argument("--config", required=True, help="Run config whose eval.datasets are checked.")
     ap.add_argument("--conversations", nargs="+", required=True, type=Path, help="Training conversations files.")
     ap.add_argument("--ngram", nargs="+", type=int, default=[13, 8], help="Run lengths in words (default 13 8).")
+    ap.add_argument("--name", default="prompt_overlap",
+                    help="The results object to write: another name keeps an earlier stage's files' figures.")
     args = ap.parse_args()
     if any(n < 1 for n in args.ngram):
         ap.error(f"--ngram {args.ngram}: each length must be at least 1 word")
@@ -76,7 +78,7 @@ def main() -> int:
         for name, by_src in by_ds.items():
             print(f"{n}-word runs, {name}: " + "; ".join(f"{s['sharing']} of {s['prompts']} share one with {src}"
                                                          for src, s in by_src.items()))
-    record("prompt_overlap", figures)
+    record(args.name, figures)
     return 0
 
 

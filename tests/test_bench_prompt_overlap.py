@@ -21,7 +21,7 @@ def chat(*turns: str) -> str:
                                                         for r in ("user", "assistant")]}) + "\n"
 
 
-def run(tmp_path: Path, *files: Path) -> subprocess.CompletedProcess:
+def run(tmp_path: Path, *files: Path, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     evals = tmp_path / "eval.jsonl"
     evals.write_text(chat(f"Summarise this: {PASSAGE}.") + chat("Write a poem about the sea.") +
                      chat("Name a colour.", "Now name two more."))
@@ -31,7 +31,7 @@ def run(tmp_path: Path, *files: Path) -> subprocess.CompletedProcess:
                                  {"name": "second", "kind": "openai", "path": str(evals), "turn": 2}]}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     return subprocess.run([sys.executable, "bench/prompt_overlap.py", "--config", str(tmp_path / "cfg.yaml"),
-                           "--ngram", "13", "4", "--conversations", *map(str, files)], cwd=REPO,
+                           "--ngram", "13", "4", "--conversations", *map(str, files), *extra], cwd=REPO,
                           capture_output=True, text=True, env={**os.environ, "BENCH_RESULTS": str(tmp_path / "r.json")})
 
 
@@ -52,6 +52,20 @@ def test_a_copied_passage_is_found_and_short_shared_phrases_only_at_short_runs(t
     assert first4["examples"][1]["run"] == "write a poem about"
     assert fig["ngram"]["13"]["second"][str(copied)]["prompts"] == 1  # only one record has a second user turn
     assert fig["training_turns"] == {str(copied): 2, str(clean): 1}
+
+
+def test_another_name_keeps_the_earlier_object(tmp_path: Path) -> None:
+    first, later = tmp_path / "first.jsonl", tmp_path / "later.jsonl"
+    first.write_text(chat(f"Please: {PASSAGE}"))
+    later.write_text(chat("What is the capital of France?"))
+
+    assert run(tmp_path, first).returncode == 0
+    done = run(tmp_path, later, extra=("--name", "prompt_overlap_later"))
+
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["prompt_overlap"]["ngram"]["13"]["first"][str(first)]["sharing"] == 1
+    assert data["prompt_overlap_later"]["ngram"]["13"]["first"][str(later)]["sharing"] == 0
 
 
 def test_a_line_that_is_not_a_conversation_names_its_file_and_line(tmp_path: Path) -> None:
