@@ -7,8 +7,8 @@ in GPT-3's overlap check; 8 as a looser look) with a user turn of the training c
 Ingest drops a training record whose user turn *is* an eval prompt (case and whitespace aside); this measures what
 that exact match cannot see: a prompt copied with words around it, or a prompt the target wrote itself that repeats
 one. Each eval dataset's measured turn (``turn``) of every record is checked against each conversations file apart,
-so a figure says which source brought an overlap in. Recorded as "prompt_overlap" (or --name): per n, dataset and file, how many
-prompts share a run, and for each such prompt its index in the dataset and the first run shared.
+so a figure says which source brought an overlap in. Recorded as "prompt_overlap" (or --name): per n, dataset and
+file, how many prompts share a run, and for each such prompt its index in the dataset and the first run shared.
 """
 
 from __future__ import annotations
