@@ -10,7 +10,7 @@ running side by side (one per GPU) do not lose each other's objects.
 Figures measured where this file is not (a GPU machine's returned results, a scratch BENCH_RESULTS file) come in
 whole, as their benchmark wrote them:
 
-    python bench/results.py import /work/.device/7/results.json stage6_vs_shipped quality
+    python bench/results.py import runs/from-device/results.json stage6_vs_shipped quality
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common.files import json_text, write_text_atomic
+from common.cli import one_line_errors
+from common.files import json_text, read_json_object, write_text_atomic
 from common.locking import flock
 
 RESULTS = Path(__file__).resolve().with_name("results.json")
@@ -80,7 +81,7 @@ def import_objects(source: Path, names: list[str], target: Path | None = None) -
     device and date measured it); an object missing from ``source`` or lacking its provenance is an error naming it,
     and nothing is written then. Returns one line per object: added, or replaced with its earlier date."""
     target = target or results_path()
-    src = json.loads(source.read_text())
+    src = read_json_object(source, "name the results file a benchmark wrote")
     for name in names:
         obj = src.get(name)
         if not isinstance(obj, dict):
@@ -100,6 +101,7 @@ def import_objects(source: Path, names: list[str], target: Path | None = None) -
     return lines
 
 
+@one_line_errors()
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -107,11 +109,7 @@ def main() -> int:
     imp.add_argument("source", type=Path, help="the results file the objects were measured into")
     imp.add_argument("names", nargs="+", help="the objects to copy")
     args = ap.parse_args()
-    try:
-        lines = import_objects(args.source, args.names)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    lines = import_objects(args.source, args.names)
     print(f"{results_path()}:", *lines, sep="\n  ")
     return 0
 

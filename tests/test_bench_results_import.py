@@ -41,10 +41,15 @@ def test_a_missing_or_unprovenanced_object_is_an_error_and_nothing_is_written(tm
     assert dst.read_text() == before
 
 
-def test_the_command_line_names_the_bad_object_in_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text, after_path", [
+    ("{}", ": no object 'zz' (it holds: none)"),
+    ('{"a": 1,', ":1: invalid JSON (Expecting property name enclosed in double quotes); name the results file a "
+                 "benchmark wrote")])
+def test_the_command_line_names_the_bad_file_or_object_in_one_line(tmp_path: Path, text: str, after_path: str) -> None:
     src = tmp_path / "device.json"
-    src.write_text("{}")
+    src.write_text(text)
     env = {"BENCH_RESULTS": str(tmp_path / "results.json"), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, str(ROOT / "bench/results.py"), "import", str(src), "zz"], env=env,
                          capture_output=True, text=True)
-    assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"error: {src}: no object 'zz' (it holds: none)"]
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"error: {src}{after_path}"]
+    assert not (tmp_path / "results.json").exists()
