@@ -21,6 +21,8 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,8 @@ from common.locking import flock
 RESULTS = Path(__file__).resolve().with_name("results.json")
 # Smoke runs (CI, a CPU dry run) point this elsewhere so that only real measurements land in the file.
 RESULTS_ENV = "BENCH_RESULTS"
+# What every object carries besides its figures: how, where and when it was measured.
+PROVENANCE = ("command", "device", "date")
 
 
 def device_name() -> str:
@@ -64,15 +68,23 @@ def measured_here() -> dict[str, str]:
     return {"device": device_name(), "date": time.strftime("%Y-%m-%d")}
 
 
+@contextmanager
+def updating(path: Path) -> Iterator[dict[str, Any]]:
+    """The results file's objects, to change in place: read and written back (atomically, in its one layout) under
+    its lock, so that writers side by side do not lose each other's objects; nothing is written if the body raises."""
+    with flock(path.with_name(path.name + ".lock")):
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        yield data
+        write_text_atomic(path, json_text(data, indent=2, sort_keys=True) + "\n")
+
+
 def record(name: str, figures: dict[str, Any], command: str | None = None, merge: bool = False) -> None:
     """Replace ``name``'s object in the results file with these figures; ``merge``: keep the object's other
     fields (the figures and the command, device and date replace theirs)."""
     path = results_path()
     entry = {"command": command or command_line(), **measured_here(), **figures}
-    with flock(path.with_name(path.name + ".lock")):
-        data = json.loads(path.read_text()) if path.is_file() else {}
+    with updating(path) as data:
         data[name] = (data.get(name, {}) | entry) if merge else entry
-        write_text_atomic(path, json_text(data, indent=2, sort_keys=True) + "\n")
     print(f"{path}: {name} = {json_text(figures)}")
 
 
@@ -86,18 +98,16 @@ def import_objects(source: Path, names: list[str], target: Path | None = None) -
         obj = src.get(name)
         if not isinstance(obj, dict):
             raise ValueError(f"{source}: no object {name!r} (it holds: {', '.join(sorted(src)) or 'none'})")
-        missing = [k for k in ("command", "device", "date") if k not in obj]
+        missing = [k for k in PROVENANCE if k not in obj]
         if missing:
             raise ValueError(f"{source}: {name!r} lacks {', '.join(missing)}: not written by a benchmark")
     lines = []
-    with flock(target.with_name(target.name + ".lock")):
-        data = json.loads(target.read_text()) if target.is_file() else {}
+    with updating(target) as data:
         for name in names:
             old = data.get(name)
             lines.append(f"{name}: " + (f"replaced (was {old.get('date')}, now {src[name]['date']})"
                                         if isinstance(old, dict) else f"added ({src[name]['date']})"))
             data[name] = src[name]
-        write_text_atomic(target, json_text(data, indent=2, sort_keys=True) + "\n")
     return lines
 
 
