@@ -8,8 +8,9 @@ k:T with the batched engine, the lossless check, tau* per k from batch-1 timings
 setting, against --incumbent too when given; the target in fp32), recorded as "quality" (or --name): every tau with
 its interval (ci) and prompts, tau* with its interval, tau_by_context (tau per history-length bucket on the run's
 held-out conversations, with counts) and the weights' fingerprint (sha256), so a record names the file it measured.
-Each drafter's figures per dataset and setting are kept in <run_dir>/eval/<name>/measured/ as they land: a rerun
-after a kill (or a device call's deadline) measures only the rest.
+Each drafter's figures per dataset and setting are kept as they land in <run_dir>/eval/measured/, one store
+for every --name of the run: a rerun after a kill (or a device call's deadline) measures only the rest,
+and an --incumbent measured before on the same target and prompts is read, not measured again.
 
 curve: the same tau (k=3, T=0) for each checkpoint a training run kept (train.save_at), against the real
 tokens it had trained on, with the held-out acc_0..acc_n logged at that step; learning_curve.png beside
@@ -33,7 +34,7 @@ from bench.runs import holdout_at
 from common.config import RunConfig
 from common.files import sha256_file, write_json_atomic
 from eval.batched_eval import GreedyReferences, acceptance
-from eval.quality import DEFAULT_SETTINGS, MEASURED, load_drafter, parse_settings, quality, setup
+from eval.quality import DEFAULT_SETTINGS, figures_store, load_drafter, parse_settings, quality, setup
 from train.run_checkpoints import STATE_DIR, TRAINER_FILE, complete_checkpoints, read_trainer_state
 
 
@@ -41,7 +42,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cfg, target, prompts = setup(args.config, args.limit, overrides=args.set)
     figures = quality(cfg, target, prompts, args.checkpoint, parse_settings(args.settings), args.timing_prompts,
                       args.limit or args.context_prompts, incumbent=args.incumbent,
-                      keep_dir=cfg.eval_dir / args.name / MEASURED)
+                      keep_dir=figures_store(cfg))
     figures["goal_tau_mtbench"] = 3.0
     record(args.name, figures)
     print(json.dumps(figures, indent=1))

@@ -1,9 +1,10 @@
 """Figures and target outputs kept on disk under a key that names everything they depend on, so that nothing
 measured is measured again: the oracle's acceptance across evals (``eval.oracle_cache``: it depends on the target,
 the prompts and the setting, never on a drafter), the target's greedy references and later turns' histories across
-evals (``target_outputs_dir``: the target's alone, the same for every candidate gated against it), and an ``eval
-quality`` run's own figures (in its report folder: a run cut by a kill or a device deadline resumes there, measuring
-only the datasets and settings it had not finished).
+evals (``target_outputs_dir``: the target's alone, the same for every candidate gated against it), and each drafter's
+figures in ``eval quality`` (``eval.quality.figures_store``: one store for every report of a run, so a run cut by a
+kill or a device deadline resumes, measuring only the datasets and settings it had not finished, and a later gate
+reads its incumbent's figures instead of measuring them again).
 
 An entry is one dataset's value (JSON), written atomically as soon as it is computed; its name is the sha256 of the
 key's JSON. A damaged entry is said and computed again.

@@ -24,7 +24,7 @@ from eval import breakeven
 from eval.evaluate import evaluate, evaluate_live, save_report
 from eval.gate_flow import gate
 from eval.live_gate import live_gate, live_prompts, run_live
-from eval.quality import DEFAULT_SETTINGS, MEASURED, parse_settings, quality, quality_config, target_and_prompts
+from eval.quality import DEFAULT_SETTINGS, figures_store, parse_settings, quality, quality_config, target_and_prompts
 from eval.serving_sweep import SweepError, markdown, measure_table, read_table, recommend, write_sweep
 from eval.sglang_client import ServerError
 
@@ -65,8 +65,9 @@ def quality_command(config: str | Path, checkpoint: str | Path, overrides: Seque
     lossless check at T = 0, tau* per k, tau by history length on the held-out conversations (``context_prompts``
     per bucket, ``limit`` in a smoke run) and the gate's decision at the first setting, against the ``incumbent``
     too when given (``eval.quality``); writes run_dir/eval/<name>/quality.json. The target runs in float32 unless
-    ``overrides`` set target.dtype. Each drafter's figures per dataset and setting are kept in
-    run_dir/eval/<name>/measured/ as they land: a rerun after a kill measures only the rest."""
+    ``overrides`` set target.dtype. Each drafter's figures per dataset and setting are kept as they land in
+    run_dir/eval/measured/, one store for every report of the run: a rerun after a kill measures only the rest, and a
+    drafter measured before on the same target and prompts (an incumbent) is read, not measured again."""
     checkpoint = str(checkpoint)
     report_name = _report_name(checkpoint, name)
     pairs = parse_settings(settings)
@@ -77,7 +78,7 @@ def quality_command(config: str | Path, checkpoint: str | Path, overrides: Seque
     with run_lock(cfg.root, "eval quality"):
         target, prompts = target_and_prompts(cfg, limit)
         figures = quality(cfg, target, prompts, checkpoint, pairs, timing_prompts, limit or context_prompts,
-                          incumbent=incumbent, keep_dir=cfg.eval_dir / report_name / MEASURED)
+                          incumbent=incumbent, keep_dir=figures_store(cfg))
         out = cfg.eval_dir / report_name / "quality.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out, json_text(figures, indent=1) + "\n")

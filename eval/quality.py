@@ -44,8 +44,13 @@ from eval.turns import EvalPrompts, eval_prompts, records_skipped_short
 from target_model.hf_model import TargetModel, load_target_from_config, stop_token_ids
 
 DEFAULT_SETTINGS = ("3:0", "3:1", "5:0")  # k:T; the first one is the one the gate's decision reads
-STORE_VERSION = 1  # in the key of a run's kept figures (keep_dir): changes when the measurement does
-MEASURED = "measured"  # a report folder's kept figures (keep_dir)
+STORE_VERSION = 1  # in the key of kept figures (keep_dir): changes when the measurement does
+
+
+def figures_store(cfg: RunConfig) -> Path:
+    """Where ``eval quality`` keeps each drafter's figures per dataset and setting (its keep_dir): one store for every
+    report of the run, since the key names all a figure depends on (target, drafter, prompts, setting)."""
+    return cfg.eval_dir / "measured"
 
 
 class QualityError(ValueError):

@@ -99,7 +99,7 @@ def test_records_skipped_as_short_stand_beside_each_datasets_prompts(tmp_path, m
 
 
 @pytest.mark.real
-def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys):
+def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys, monkeypatch):
     from drafter.factory import fresh_drafter, shape_for_target
     from drafter.vocab_map import build_vocab_map
 
@@ -128,6 +128,14 @@ def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys
     assert figures["gate"]["intervals"]["mtbench"]["tau"]["prompts"] == 2
     assert "conversations.jsonl: not found" in figures["tau_by_context"]["skipped"]  # this run has none
     assert "quality: " in capsys.readouterr().out
+    # every report of the run shares one store: under another name (a later gate with this drafter as its
+    # incumbent, say) the same drafter is read, not measured again, and gives the same figures
+    monkeypatch.setattr("eval.quality.acceptance", lambda *a, **k: pytest.fail("measured again under another name"))
+    assert quality_command(write_config(tmp_path), ckpt, name="again", settings=["3:0", "2:1"], timing_prompts=2,
+                           limit=2) == 0
+    again = json.loads((tmp_path / "run" / "eval" / "again" / "quality.json").read_text())
+    assert again["settings"] == figures["settings"]
+    assert f"k=3 T=0: mtbench read from {tmp_path / 'run' / 'eval' / 'measured'}" in capsys.readouterr().out
 
 
 def test_per_prompt_columns_add_up_to_tau_for_a_paired_comparison(tmp_path, smollm2):
