@@ -1,7 +1,7 @@
-"""SGLang capture backend (UNVERIFIED: sglang cannot be installed here; written against its documented
-offline ``sgl.Engine`` API and never run). For a target at Kimi-K2.5's scale prefer ``capture.backend:
-specforge`` (``data_prep/specforge_import.py``): SpecForge patches SGLang to get the aux *and* final
-states out, which the stock engine used here does not do.
+"""SGLang capture backend (not run: sglang cannot be installed here; read against sglang 0.5.23's ``sgl.Engine``
+and ``ServerArgs`` and tested on bodies shaped like its own). For a target at Kimi-K2.5's scale prefer
+``capture.backend: specforge`` (``data_prep/specforge_import.py``): SpecForge patches SGLang to get the aux *and*
+final states out, which the stock engine used here does not do.
 
 Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLang already is one. How:
 - aux states: SGLang captures the drafter's layers when it serves an EAGLE-3 drafter (the target's
@@ -14,6 +14,10 @@ Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLa
   first output's ``output_top_logprobs`` for the last position. The config refuses teacher 'hidden' here.
 - parallelism: ``capture.tensor_parallel_size`` / ``expert_parallel_size`` become the engine's ``tp_size`` /
   ``ep_size`` (sglang ServerArgs).
+- no chunked prompt: SGLang stores a prompt's hidden states only when its last prefill chunk commits (sglang 0.5.23,
+  ``batch_result_processor``), so a prompt longer than ``chunked_prefill_size`` would come back with its last chunk's
+  rows alone. The engine's chunk is therefore at least ``capture.max_length`` (and never below SGLang's own 8192 on an
+  80-160 GB GPU), and a sample whose rows do not match its tokens is an error, never a short sample.
 Same interface as ``capture.HFCaptureBackend.run``, but it returns the teacher signal directly.
 """
 
@@ -25,6 +29,10 @@ import torch
 from torch import Tensor
 
 from common.config import RunConfig
+from data_prep.capture_sample import CaptureError
+
+# SGLang's default chunked prefill on an 80-160 GB GPU (H100, H200); a longer capture.max_length raises it
+SGLANG_DEFAULT_CHUNK = 8192
 
 
 class SGLangUnavailable(ValueError):
@@ -45,7 +53,8 @@ class SGLangCaptureBackend:
                                  trust_remote_code=cfg.target.trust_remote_code,
                                  tp_size=cfg.capture.tensor_parallel_size, ep_size=cfg.capture.expert_parallel_size,
                                  enable_return_hidden_states=True, speculative_algorithm="EAGLE3",
-                                 speculative_draft_model_path=cfg.drafter.init_from)
+                                 speculative_draft_model_path=cfg.drafter.init_from,
+                                 chunked_prefill_size=max(cfg.capture.max_length, SGLANG_DEFAULT_CHUNK))
 
     def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:
         outs = self.engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 1, "temperature": 0.0},
@@ -55,6 +64,10 @@ class SGLangCaptureBackend:
 
     def _sample(self, seq: list[int], meta: dict[str, Any]) -> dict[str, Tensor]:
         aux = torch.tensor(meta["hidden_states"][0], dtype=torch.float32)[: len(seq)]
+        if aux.shape[0] != len(seq):
+            raise CaptureError(f"capture.backend sglang: SGLang returned {aux.shape[0]} hidden-state rows for a "
+                               f"{len(seq)}-token sample (a chunked prompt keeps only its last chunk's); lower "
+                               "capture.max_length or use capture.backend: specforge")
         # entries are (logprob, token_id, text); position t's next-token distribution is entry t+1
         tops = meta["input_top_logprobs"][1:] + meta["output_top_logprobs"][:1]
         lps = torch.tensor([[e[0] for e in row] for row in tops], dtype=torch.float32)

@@ -127,13 +127,14 @@ def accept_sglang(logits: Tensor, draft: Draft | Sequence[int], temperature: flo
                   generator: torch.Generator | None) -> tuple[int, int]:
     """SGLang's EAGLE verify at T > 0 for a chain of greedy drafts (``--speculative-eagle-topk 1``).
 
-    SGLang calls ``tree_speculative_sampling_target_only`` with ``draft_probs`` all zero (sglang
-    srt/speculative/eagle_utils.py, unless ``--speculative-use-rejection-sampling``); the kernel (sgl-kernel
-    csrc/speculative/speculative_sampling.cuh, ``TreeSpeculativeSamplingTargetOnly``) keeps draft i iff its coin
-    is below p_i(d_i) (thresholds ``speculative_accept_threshold_single``/``_acc`` at their default 1); at the
-    first rejection it writes p(d) into ``draft_probs[d]`` and samples from relu(p - draft_probs): p without d,
-    renormalised; after k kept drafts, the bonus from p. p is softmax(logits / T) (top-k/top-p renormalised
-    there when set; eval sets neither). ``draft.probs`` is not read: the drafts are the drafter's argmax.
+    SGLang calls ``tree_speculative_sampling_target_only`` with ``draft_probs`` all zero (unless
+    ``--speculative-use-rejection-sampling``); the kernel (sglang 0.5.23's
+    kernels/jit/include/sgl_kernel/speculative/sampling.cuh) keeps draft i iff its coin is below p_i(d_i)
+    (thresholds ``speculative_accept_threshold_single``/``_acc`` at their default 1; p = 0 never); on ROCm SGLang
+    verifies greedily at any T unless rejection sampling is on. At the first rejection it writes p(d) into
+    ``draft_probs[d]`` and samples from relu(p - draft_probs): p without d, renormalised; after k kept drafts, the
+    bonus from p. p is softmax(logits / T) (top-k/top-p renormalised there when set; eval sets neither).
+    ``draft.probs`` is not read: the drafts are the drafter's argmax.
     """
     p = torch.softmax(logits.float().cpu() / temperature, -1)  # (k+1, V)
     for i, tok in enumerate(_tokens(draft)):
