@@ -1,6 +1,6 @@
 """The user documentation, the shipped drafters' READMEs included: every relative link in it points to a file (and
 heading) that exists, and README.md and ARCHITECTURE.md stay user documentation (their size bounds; no session numbers,
-issue numbers or dates)."""
+issue numbers or dates); prose stays wrapped at 120 columns (the generated config reference aside)."""
 
 from __future__ import annotations
 
@@ -76,3 +76,25 @@ def test_user_documentation_carries_no_history(name: str) -> None:
     text = (ROOT / name).read_text()
     history = re.findall(r"(?i)\bsession\b|issue #\d+|\b20\d\d-\d\d-\d\d\b", text)
     assert history == [], f"{name} carries history ({history}); figures belong in bench/results.json"
+
+
+def long_prose_lines(markdown: str, width: int = 120) -> list[int]:
+    """Line numbers of prose wider than ``width``: code blocks and table rows are left as they are."""
+    long, in_code = [], False
+    for n, line in enumerate(markdown.splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and not line.startswith("|") and len(line) > width:
+            long.append(n)
+    return long
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name != "config-reference.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_prose_is_wrapped_at_120_columns(page: Path) -> None:
+    assert long_prose_lines(page.read_text()) == [], f"{page.relative_to(ROOT)}: rewrap these lines"
+
+
+def test_a_long_prose_line_is_found_and_code_and_tables_are_not() -> None:
+    page = "short\n" + "x" * 121 + "\n```\n" + "y" * 200 + "\n```\n| " + "z" * 200 + " |\n"
+    assert long_prose_lines(page) == [2]
