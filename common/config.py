@@ -514,9 +514,6 @@ class RunConfig(Section):
             raise ValueError("capture.backend 'sglang' cannot give capture.teacher 'hidden': SGLang's engine returns "
                              "no final hidden state next to the aux states; set capture.teacher: topk, or use "
                              "capture.backend: specforge")
-        if cap.backend == "sglang" and self.drafter.init_from is None:
-            raise ValueError("capture.backend 'sglang' needs drafter.init_from: SGLang captures the aux layers of "
-                             "the EAGLE-3 drafter it serves")
         if cap.backend == "specforge" and not cap.specforge_dir:
             raise ValueError("capture.backend 'specforge' needs capture.specforge_dir (SpecForge's --output-path)")
         if cap.backend == "specforge" and self.target.aux_layer_ids is None and self.drafter.init_from is None:

@@ -425,7 +425,7 @@ def capture_inputs(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int]
 def make_capture_backend(cfg: RunConfig, target: CaptureTarget, aux_ids: Sequence[int]) -> CaptureBackend:
     """The forward for rendered samples: the HF model, or a stock SGLang engine."""
     if cfg.capture.backend == "sglang":
-        return SGLangCaptureBackend(cfg)
+        return SGLangCaptureBackend(cfg, aux_ids)
     return HFCaptureBackend(target, aux_ids)  # type: ignore[arg-type]
 
 

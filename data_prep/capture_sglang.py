@@ -4,11 +4,12 @@ and ``ServerArgs`` and tested on bodies shaped like its own). For a target at Ki
 final states out, which the stock engine used here does not do.
 
 Why: an HF forward of a 1T-parameter target needs a tensor-parallel server; SGLang already is one. How:
-- aux states: SGLang captures the drafter's layers when it serves an EAGLE-3 drafter (the target's
-  ``set_eagle3_layers_to_capture(ids)`` records what SGLang captures for the architecture:
-  ``target_model.aux_layers.sglang_captured_outputs``), and
-  ``return_hidden_states`` then returns those concatenated states (3H) for every prompt token. So the
-  engine is started with the warm-start drafter (``drafter.init_from``, whose ids capture resolved).
+- aux states: ``enable_return_aux_hidden_states`` (sglang >= 0.5.23) captures on the target alone, no drafter
+  loaded: ``speculative_algorithm`` then only names the capture convention (EAGLE3) and
+  ``return_aux_hidden_state_layer_ids`` takes the ids a drafter's config carries, handed to the same
+  ``set_eagle3_layers_to_capture(ids)`` that serving calls, so capture and serving read the same layers
+  (``target_model.aux_layers.sglang_captured_outputs``). ``return_hidden_states`` then returns the
+  concatenated states (3H) for every prompt token.
 - teacher: SGLang does not return the final hidden state next to the aux states, so only teacher
   'topk' is supported: ``input_top_logprobs`` (position i holds the distribution of token i) plus the
   first output's ``output_top_logprobs`` for the last position. The config refuses teacher 'hidden' here.
@@ -23,6 +24,7 @@ Same interface as ``capture.HFCaptureBackend.run``, but it returns the teacher s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,20 +42,20 @@ class SGLangUnavailable(ValueError):
 
 
 class SGLangCaptureBackend:
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, aux_ids: Sequence[int]):
         try:
             import sglang as sgl
         except ImportError:
             raise SGLangUnavailable("capture.backend 'sglang' needs the sglang package (pip install "
                                     "'eagle3-drafter-pipeline[sglang]' on a GPU host); or use capture.backend: hf"
                                     ) from None
-        # teacher "topk" and drafter.init_from (the drafter whose layers SGLang captures) are checked at config load
+        # teacher "topk" is checked at config load; aux_ids are the resolved ids a drafter's config carries
         self.topk = cfg.capture.topk
         self.engine = sgl.Engine(model_path=cfg.target.name, skip_tokenizer_init=True,
                                  trust_remote_code=cfg.target.trust_remote_code,
                                  tp_size=cfg.capture.tensor_parallel_size, ep_size=cfg.capture.expert_parallel_size,
-                                 enable_return_hidden_states=True, speculative_algorithm="EAGLE3",
-                                 speculative_draft_model_path=cfg.drafter.init_from,
+                                 enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                                 return_aux_hidden_state_layer_ids=list(aux_ids),
                                  chunked_prefill_size=max(cfg.capture.max_length, SGLANG_DEFAULT_CHUNK))
 
     def run(self, batch: list[list[int]]) -> list[dict[str, Tensor]]:

@@ -58,8 +58,6 @@ def test_shipped_values() -> None:
 @pytest.mark.parametrize(("edit", "words"), [
     ({"capture": {"backend": "sglang", "teacher": "hidden"}, "drafter": {"init_from": "d"}},
      ["capture.backend 'sglang'", "capture.teacher 'hidden'"]),
-    ({"capture": {"backend": "sglang", "teacher": "topk"}, "drafter": {"init_from": None}},
-     ["capture.backend 'sglang'", "drafter.init_from"]),
     ({"capture": {"backend": "specforge"}}, ["capture.backend 'specforge'", "capture.specforge_dir"]),
     ({"capture": {"backend": "specforge", "specforge_dir": "x"}, "target": {"aux_layer_ids": None},
       "drafter": {"init_from": None}},

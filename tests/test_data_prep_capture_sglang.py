@@ -1,7 +1,9 @@
-"""The SGLang capture backend against an engine answering with bodies shaped like sglang 0.5.23's ``Engine.generate``
+"""The SGLang capture backend against an engine that checks its arguments as sglang 0.5.23's ServerArgs does for
+aux capture (``handle_aux_hidden_state_capture``) and answers with bodies shaped like its ``Engine.generate``
 (``meta_info``: ``hidden_states`` [prompt rows, then one per new token], ``input_top_logprobs`` with None first,
 ``output_top_logprobs``; entries ``(logprob, token_id, None)`` without a tokenizer). sglang itself cannot be
-installed here: what these tests pin is our side of that body, and that a short body is an error."""
+installed here: what these tests pin is our side of those arguments and that body, and that a short body is an
+error."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from data_prep.capture_sample import CaptureError
 from data_prep.capture_sglang import SGLANG_DEFAULT_CHUNK, SGLangCaptureBackend
 
 REPO = Path(__file__).resolve().parents[1]
+AUX_IDS = (2, 15, 27)
 AUX_WIDTH = 6  # 3 aux layers x hidden 2
 TOPK = 3
 
@@ -35,6 +38,16 @@ class FakeEngine:
     rows_kept: int | None = None
 
     def __init__(self, **kwargs: Any) -> None:
+        if kwargs.get("enable_return_aux_hidden_states"):  # 0.5.23's rules for capture without a draft
+            ids = kwargs.get("return_aux_hidden_state_layer_ids")
+            if (kwargs.get("speculative_algorithm") or "").upper() not in ("EAGLE3", "DFLASH", "DSPARK"):
+                raise ValueError("--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3")
+            if kwargs.get("speculative_draft_model_path") is not None:
+                raise ValueError("--enable-return-aux-hidden-states captures without a draft")
+            if ids is not None and (not ids or min(ids) < 0 or len(set(ids)) != len(ids)):
+                raise ValueError(f"--return-aux-hidden-state-layer-ids {ids}")
+        elif kwargs.get("return_aux_hidden_state_layer_ids") is not None:
+            raise ValueError("--return-aux-hidden-state-layer-ids requires --enable-return-aux-hidden-states.")
         self.kwargs = kwargs
         FakeEngine.made.append(self)
 
@@ -64,8 +77,8 @@ def fake_sglang(monkeypatch: pytest.MonkeyPatch) -> type[FakeEngine]:
 def backend(max_length: int) -> SGLangCaptureBackend:
     cfg = load_config(REPO / "configs" / "smollm2-135m.yaml",
                       ["capture.backend=sglang", "capture.teacher=topk", f"capture.topk={TOPK}",
-                       f"capture.max_length={max_length}"])
-    return SGLangCaptureBackend(cfg)
+                       "drafter.init_from=null", f"capture.max_length={max_length}"])
+    return SGLangCaptureBackend(cfg, AUX_IDS)
 
 
 @pytest.mark.parametrize(("max_length", "chunk"), [(2048, SGLANG_DEFAULT_CHUNK), (20000, 20000)])
@@ -73,8 +86,16 @@ def test_no_capture_sequence_is_ever_chunked(fake_sglang: type[FakeEngine], max_
     backend(max_length)
     kwargs = fake_sglang.made[-1].kwargs
     assert kwargs["chunked_prefill_size"] == chunk >= max_length
-    assert kwargs["enable_return_hidden_states"] and kwargs["speculative_algorithm"] == "EAGLE3"
-    assert kwargs["speculative_draft_model_path"] == "drafters/smollm2-135m-eagle3"
+
+
+
+def test_the_target_alone_captures_the_ids_a_drafter_config_carries(fake_sglang: type[FakeEngine]) -> None:
+    """No drafter is loaded (nothing reserved for one); the ids go to the hook serving calls, unchanged."""
+    backend(2048)
+    kwargs = fake_sglang.made[-1].kwargs
+    assert kwargs["enable_return_aux_hidden_states"] and kwargs["speculative_algorithm"] == "EAGLE3"
+    assert kwargs["return_aux_hidden_state_layer_ids"] == list(AUX_IDS)
+    assert "speculative_draft_model_path" not in kwargs
 
 
 def test_every_position_gets_its_own_row_and_next_token_distribution(fake_sglang: type[FakeEngine]) -> None:
