@@ -52,8 +52,10 @@ FIGURES: tuple[tuple[str, str, tuple[Step, ...]], ...] = (
      ("settings", "k3_T1", "mtbench", "oracle_tau")),
     ("τ on HumanEval at T = 1 (SGLang's rule)", "quality", ("settings", "k3_T1", "humaneval", "tau")),
     ("the oracle's τ on HumanEval at T = 1", "quality", ("settings", "k3_T1", "humaneval", "oracle_tau")),
-    ("τ on held-out turns with 2-4k tokens of history (k = 3, T = 0), the sixth stage (a parent of the shipped one)",
-     "stage6_vs_shipped", ("tau_by_context", "buckets", "2-4k", "tau")),
+    ("τ on held-out turns with under 1k tokens of history (k = 3, T = 0)", "quality",
+     ("tau_by_context", "buckets", "<1k", "tau")),
+    ("τ on held-out turns with 1-2k tokens of history", "quality", ("tau_by_context", "buckets", "1-2k", "tau")),
+    ("τ on held-out turns with 2-4k tokens of history", "quality", ("tau_by_context", "buckets", "2-4k", "tau")),
     ("break-even τ* at k = 3 (this repository's HF engine, batch 1, one H100)", "stage6_vs_shipped",
      ("tau_star", "3")),
     ("shipped drafter (the sixth and seventh stages averaged) minus the sixth, which it replaced, MT-Bench τ "
