@@ -88,7 +88,6 @@ def test_no_capture_sequence_is_ever_chunked(fake_sglang: type[FakeEngine], max_
     assert kwargs["chunked_prefill_size"] == chunk >= max_length
 
 
-
 def test_the_target_alone_captures_the_ids_a_drafter_config_carries(fake_sglang: type[FakeEngine]) -> None:
     """No drafter is loaded (nothing reserved for one); the ids go to the hook serving calls, unchanged."""
     backend(2048)
