@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import faulthandler
 import functools
+import os
 import signal
 import sys
 import traceback
@@ -116,11 +117,14 @@ def stop_on_sigterm() -> Iterator[StopRequest]:
         faulthandler.cancel_dump_traceback_later()
 
 
-def ignore_stop_signals(*_: object) -> None:
-    """For helper processes (data loader workers): ``timeout`` signals the whole process group, and a helper
-    that died of it would break its parent's orderly stop; the parent ends its helpers itself."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def own_process_group(*_: object) -> None:
+    """For helper processes (data loader workers): ``timeout`` and a terminal's Ctrl-C signal the whole process
+    group, and a helper that died of it would break its parent's orderly stop (finish the step, save). In a group
+    of its own the helper misses those, yet still dies of a signal sent to it alone. Ignoring SIGTERM instead
+    would hang the parent's exit whenever a loader iterator is still open then: multiprocessing ends daemonic
+    helpers at exit with SIGTERM and waits for them. A helper whose parent was killed ends itself (torch's
+    watchdog)."""
+    os.setpgrp()
 
 
 def exception_line(e: BaseException) -> str:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from common.cli import ignore_stop_signals
+from common.cli import own_process_group
 from common.config import RunConfig
 from data_prep.capture import LeftOut, end_of_turn_rule, read_conversations, render_all, teacher_signal
 from data_prep.dataset import ShardDataset, collate, in_holdout
@@ -71,12 +71,12 @@ class TrainingData:
 
     def loader(self, ds: Dataset, batches: list[list[int]], device: torch.device, pad_to_multiple: int) -> DataLoader:
         """Collated batches in ``batches`` order, prepared ahead in worker processes and pinned on a GPU, so
-        reading and padding overlap the step. The workers outlive a SIGTERM to the process group (``timeout``'s)
-        so that the trainer can finish its step and save."""
+        reading and padding overlap the step. The workers sit in a process group of their own: a SIGTERM to the
+        trainer's group (``timeout``'s) leaves them reading while the trainer finishes its step and saves."""
         cuda = device.type == "cuda"
         return DataLoader(ds, batch_sampler=batches, num_workers=2 if cuda else 0, pin_memory=cuda,
                           prefetch_factor=4 if cuda else None, collate_fn=_Collate(pad_to_multiple),
-                          worker_init_fn=ignore_stop_signals if cuda else None)
+                          worker_init_fn=own_process_group if cuda else None)
 
 
 class _Collate:
