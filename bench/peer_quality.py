@@ -9,13 +9,14 @@ Rows (--rows picks some):
 - specforge: SpecForge 0.2.0's training step on our batches with our recipe (our initial weights, lr, warm-up,
   mask alignment): the trainer is the only difference (bench/peer_specforge.py);
 - specforge_shipped: SpecForge's step as it ships (random init, lr 1e-4, warm-up 1.5 %, its loss-mask offset).
-Every row trains in a process of its own (a data loader forked from a process holding a CUDA context can hang),
-then this process loads the target once and measures each drafter. A trained row is kept (<out>/<row>/), a
-measured one too (<out>/row-<name>.json): a rerun after a kill redoes only what was cut (our trainer resumes
-from its last checkpoint; a SpecForge row cut mid-training starts over). The eval data wheels and specforge are
-what the GPU machine lacks (bench/device_assets.sh carries them). "peer_quality" in the results file is
-rewritten as each row is measured; ``ours_minus.<row>.<dataset>`` is our tau minus that row's with its paired
-interval (the same prompts resampled for both, from the per-prompt columns each row's file keeps).
+Every row trains in a process of its own (a data loader forked from a process holding a CUDA context can hang) and
+is measured as soon as it is trained, by this process, which loads the target once. A trained row is kept
+(<out>/<row>/), a measured one too (<out>/row-<name>.json; a measured row is not trained again): a rerun after a
+kill redoes only what was cut (our trainer resumes from its last checkpoint; a SpecForge row cut mid-training starts
+over). The eval data wheels and specforge are what the GPU machine lacks (bench/device_assets.sh carries them).
+"peer_quality" in the results file is rewritten as each row is measured; ``ours_minus.<row>.<dataset>`` is our tau
+minus that row's with its paired interval (the same prompts resampled for both, from the per-prompt columns each
+row's file keeps).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench.results import record
+from bench.results import measured_here, record
 from bench.runs import make_run, run, train_command
 from common.files import write_json_atomic
 from eval.intervals import Bootstrap, paired_difference
@@ -48,10 +49,10 @@ def row_config(args: argparse.Namespace, name: str) -> Path:
 
 
 def train_row(args: argparse.Namespace, name: str) -> None:
-    """Train ``name`` unless it is done (its ``TRAINED`` file): ours through the user's command, SpecForge's
-    through this script's ``specforge`` subcommand, each in its own process."""
+    """Train ``name`` unless it is done (its ``TRAINED`` file) or measured: ours through the user's command,
+    SpecForge's through this script's ``specforge`` subcommand, each in its own process."""
     config, row_dir = row_config(args, name), args.out / name
-    if (row_dir / TRAINED).is_file():
+    if (row_dir / TRAINED).is_file() or measured_file(args, name).is_file():
         return
     if name == "ours":
         run(train_command(config), log=row_dir / "train.out")  # resumes from its last checkpoint after a kill
@@ -123,31 +124,49 @@ def summary(rows: dict[str, dict[str, Any]], args: argparse.Namespace, boot: Boo
             "tokens_seen_equal": len(seen) == 1, "rows_pending": [n for n in args.rows if n not in rows]}
 
 
-def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """Each trained row measured by ``eval quality``'s function (k=3, T=0, every prompt, fp32 target)."""
-    from eval.gate_stats import bootstrap
-    from eval.quality import quality, setup
+def measured_file(args: argparse.Namespace, name: str) -> Path:
+    return args.out / f"row-{name}.json"
 
-    cfg = target = prompts = None
-    rows: dict[str, dict[str, Any]] = {}
-    for name in args.rows:
-        kept = args.out / f"row-{name}.json"
+
+class RowMeasurer:
+    """Each trained row measured by ``eval quality``'s function (k=3, T=0, every prompt, fp32 target), the target
+    loaded once, on the first row that needs it. Once this run has measured a row, the results object is rewritten
+    after each row, so a cut call keeps every row it measured; a kept row (measured by an earlier run) joins it with
+    the device and date that measured it, and alone rewrites nothing."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.loaded: tuple[Any, Any, Any] | None = None  # (run config, target, prompts)
+
+    def __call__(self, name: str) -> None:
+        from eval.gate_stats import bootstrap
+
+        kept = measured_file(self.args, name)
         if kept.is_file():
-            rows[name] = json.loads(kept.read_text())
-            continue
-        training = json.loads((args.out / name / TRAINED).read_text())
+            self.rows[name] = json.loads(kept.read_text())
+        else:
+            self.rows[name] = self.measure(name)
+            write_json_atomic(kept, self.rows[name])
+        if self.loaded is not None:
+            record("peer_quality", summary(self.rows, self.args, bootstrap(self.loaded[0].gate)))
+
+    def measure(self, name: str) -> dict[str, Any]:
+        from eval.quality import quality, setup
+
+        training = json.loads((self.args.out / name / TRAINED).read_text())
         ckpt = training.pop("checkpoint")
-        if target is None:
-            cfg, target, prompts = setup(args.config, args.limit)
-        figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], args.timing_prompts, context_prompts=0,
-                          per_prompt_columns=True, keep_dir=args.out / "measured")
-        rows[name] = {"checkpoint": str(ckpt), "training": training,
-                      **{ds: {key: figures[ds][key] for key in ("tau", "ci", "alpha", "prompts", "lossless_mismatches",
-                                                                "per_prompt")}
-                         for ds in prompts}}
-        write_json_atomic(kept, rows[name])
-        record("peer_quality", summary(rows, args, bootstrap(cfg.gate)))
-    return rows
+        if self.loaded is None:
+            self.loaded = setup(self.args.config, self.args.limit)
+        cfg, target, prompts = self.loaded
+        figures = quality(cfg, target, prompts, ckpt, [(3, 0.0)], self.args.timing_prompts, context_prompts=0,
+                          per_prompt_columns=True, keep_dir=self.args.out / "measured")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next row trains in another process on the same GPU
+        return {"checkpoint": str(ckpt), "training": training, **measured_here(),
+                **{ds: {key: figures[ds][key] for key in ("tau", "ci", "alpha", "prompts", "lossless_mismatches",
+                                                          "per_prompt")}
+                   for ds in prompts}}
 
 
 def main() -> int:
@@ -171,11 +190,12 @@ def main() -> int:
         return cmd_specforge(args)
     if args.config is None or args.conversations is None:
         ap.error("--config and --conversations are required")
+    torch.set_grad_enabled(False)  # this process only measures; each row trains in a process of its own
+    measure = RowMeasurer(args)
     for name in args.rows:
         train_row(args, name)
-    torch.set_grad_enabled(False)
-    rows = measure(args)
-    for name, row in rows.items():
+        measure(name)
+    for name, row in measure.rows.items():
         print(name, {ds: round(v["tau"], 3) for ds, v in row.items() if isinstance(v, dict) and "tau" in v})
     return 0
 

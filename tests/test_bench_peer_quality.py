@@ -3,9 +3,17 @@ the per-prompt columns stay in the rows' own files."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
-from bench.peer_quality import ours_minus, without_columns
+import eval.quality as eval_quality
+from bench import peer_quality
+from bench.peer_quality import TRAINED, ours_minus, without_columns
+from common.config import GateConfig
 from eval.intervals import Bootstrap
 
 BOOT = Bootstrap(level=0.95, samples=2000, seed=0)
@@ -38,3 +46,46 @@ def test_a_row_without_columns_has_no_difference_and_columns_leave_the_record() 
 
     assert ours_minus({"ours": ours, "specforge": old}, BOOT) == {}
     assert without_columns(ours)["mtbench"] == {"tau": ours["mtbench"]["tau"]}
+
+
+def test_each_row_is_measured_before_the_next_trains_and_a_measured_row_is_not_trained_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call cut while the second row trains keeps the first row's figures; a row measured elsewhere (its file
+    carried into --out) is read, not trained or measured again. Training and measuring are stood in for; the
+    order and the files are what is checked."""
+    events: list[str] = []
+    out = tmp_path / "peer"
+    out.mkdir()
+    carried = {"checkpoint": "elsewhere", "training": {"tokens_seen": 100}, "mtbench": {"tau": 1.5}}
+    (out / "row-specforge_shipped.json").write_text(json.dumps(carried))
+
+    def train(args, name: str) -> None:
+        if (out / f"row-{name}.json").is_file():
+            return
+        events.append(f"train {name}")
+        (out / name).mkdir()
+        (out / name / TRAINED).write_text(json.dumps({"checkpoint": f"ckpt-{name}", "tokens_seen": 100}))
+
+    def quality(cfg, target, prompts, ckpt, settings, timing, **kw) -> dict:
+        events.append(f"measure {ckpt}")
+        return {"mtbench": {"tau": 1.7, "ci": [1.6, 1.8], "alpha": [0.4], "prompts": 2, "lossless_mismatches": 0,
+                            "per_prompt": {"tokens": [3.0, 4.0], "cycles": [2.0, 2.0]}}}
+
+    def setup(config, limit) -> tuple:
+        events.append("load target")
+        return SimpleNamespace(gate=GateConfig()), object(), {"mtbench": []}
+
+    recorded: list[dict] = []
+    monkeypatch.setattr(peer_quality, "train_row", train)
+    monkeypatch.setattr(eval_quality, "quality", quality)
+    monkeypatch.setattr(eval_quality, "setup", setup)
+    monkeypatch.setattr(peer_quality, "record", lambda name, obj: recorded.append(obj))
+    monkeypatch.setattr(sys, "argv", ["peer_quality.py", "--config", "c.yaml", "--conversations", "x.jsonl",
+                                      "--out", str(out)])
+
+    assert peer_quality.main() == 0
+    assert events == ["train ours", "load target", "measure ckpt-ours", "train specforge", "measure ckpt-specforge"]
+    assert recorded[0]["rows_pending"] == ["specforge", "specforge_shipped"]  # what a cut call would have kept
+    assert recorded[-1]["rows_pending"] == [] and recorded[-1]["specforge_shipped"]["mtbench"]["tau"] == 1.5
+    ours = json.loads((out / "row-ours.json").read_text())
+    assert ours["mtbench"]["per_prompt"]["tokens"] == [3.0, 4.0] and {"device", "date"} <= ours.keys()
