@@ -190,11 +190,11 @@ def main() -> int:
         return cmd_specforge(args)
     if args.config is None or args.conversations is None:
         ap.error("--config and --conversations are required")
-    torch.set_grad_enabled(False)  # this process only measures; each row trains in a process of its own
     measure = RowMeasurer(args)
-    for name in args.rows:
-        train_row(args, name)
-        measure(name)
+    with torch.no_grad():  # this process only measures; each row trains in a process of its own
+        for name in args.rows:
+            train_row(args, name)
+            measure(name)
     for name, row in measure.rows.items():
         print(name, {ds: round(v["tau"], 3) for ds, v in row.items() if isinstance(v, dict) and "tau" in v})
     return 0
