@@ -51,20 +51,19 @@ def test_a_row_without_columns_has_no_difference_and_columns_leave_the_record() 
 def test_each_row_is_measured_before_the_next_trains_and_a_measured_row_is_not_trained_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A call cut while the second row trains keeps the first row's figures; a row measured elsewhere (its file
-    carried into --out) is read, not trained or measured again. Training and measuring are stood in for; the
-    order and the files are what is checked."""
+    carried into --out) is read, not trained or measured again. The training processes and the measuring are
+    stood in for; the order and the files are what is checked."""
     events: list[str] = []
     out = tmp_path / "peer"
     out.mkdir()
     carried = {"checkpoint": "elsewhere", "training": {"tokens_seen": 100}, "mtbench": {"tau": 1.5}}
     (out / "row-specforge_shipped.json").write_text(json.dumps(carried))
 
-    def train(args, name: str) -> None:
-        if (out / f"row-{name}.json").is_file():
-            return
+    def train_process(cmd: list[str], log: Path) -> None:  # the row's training process: its TRAINED file
+        name = log.parent.name
         events.append(f"train {name}")
-        (out / name).mkdir()
-        (out / name / TRAINED).write_text(json.dumps({"checkpoint": f"ckpt-{name}", "tokens_seen": 100}))
+        if name != "ours":  # ours' is written by train_row from its checkpoints
+            (log.parent / TRAINED).write_text(json.dumps({"checkpoint": f"ckpt-{name}", "tokens_seen": 100}))
 
     def quality(cfg, target, prompts, ckpt, settings, timing, **kw) -> dict:
         events.append(f"measure {ckpt}")
@@ -76,7 +75,9 @@ def test_each_row_is_measured_before_the_next_trains_and_a_measured_row_is_not_t
         return SimpleNamespace(gate=GateConfig()), object(), {"mtbench": []}
 
     recorded: list[dict] = []
-    monkeypatch.setattr(peer_quality, "train_row", train)
+    monkeypatch.setattr(peer_quality, "row_config", lambda args, name: (out / name).mkdir() or out / name / "c.yaml")
+    monkeypatch.setattr(peer_quality, "run", train_process)
+    monkeypatch.setattr(peer_quality, "ours_trained", lambda row_dir: {"checkpoint": "ckpt-ours", "tokens_seen": 100})
     monkeypatch.setattr(eval_quality, "quality", quality)
     monkeypatch.setattr(eval_quality, "setup", setup)
     monkeypatch.setattr(peer_quality, "record", lambda name, obj: recorded.append(obj))

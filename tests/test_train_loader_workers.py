@@ -26,12 +26,13 @@ def batches():
     yield from DataLoader(list(range(10**6)), batch_size=4, num_workers=2, prefetch_factor=4,
                           worker_init_fn=own_process_group)
 OPEN = batches()
+last = 300 if sys.argv[1] == "exit" else None  # the batch it stops after
 for i, _ in enumerate(OPEN):
     if i == 5:
         print("reading", flush=True)
-    if stop and "last" not in globals():
+    if stop and last is None:
         last = i + 20
-    if i == globals().get("last", 300 if sys.argv[1] == "exit" else 10**9):
+    if i == last:
         break
     time.sleep(0.01)
 print("finished its step at batch", i, flush=True)
