@@ -154,8 +154,11 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
     other = save_checkpoint(fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)),
                                           smollm2.embed_weight().detach(), d2t, t2d, seed=1),
                             tmp_path / "step-2", dtype="float32")
-    four = [two[0] | {"limit": 4}]  # four timing prompts: tau* interval narrow enough to call the loss
-    measured = write_config(tmp_path, datasets=four)
+    # Four timing prompts of 32 new tokens each: a stall of the shared cores during one prompt's 7 steps (the other
+    # test worker starting a server) can stretch the tau* interval over the loss; over 31 steps it moves that prompt's
+    # time a quarter as much, and the interval stays clear of tau ~ 1.
+    four = [two[0] | {"limit": 4}]
+    measured = write_config(tmp_path, datasets=four, max_new_tokens=32)
     assert gate_command(measured, other, name="again") == 1
     report = json.loads((tmp_path / "run" / "eval" / "again" / "report.json").read_text())
     assert set(report["drafters"]) == {"candidate", "incumbent"} and report["breakeven"]["source"] == "measured"
