@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from bench.peer_specforge import loss_tenths
 from bench.results import measured_here, record
 from bench.runs import make_run, run, train_command
 from common.files import write_json_atomic
@@ -76,7 +77,7 @@ def cmd_specforge(args: argparse.Namespace) -> int:
 
 def ours_trained(row_dir: Path) -> dict[str, Any]:
     """What our trainer did: its last step's checkpoint (not the best by held-out accept length: SpecForge's rows
-    have no such choice), its steps, tokens and first and last losses."""
+    have no such choice), its steps, tokens and the first and last tenth's mean losses."""
     from train.run_checkpoints import latest, read_trainer_state
 
     ckpt = latest(row_dir / "checkpoints")
@@ -85,7 +86,7 @@ def ours_trained(row_dir: Path) -> dict[str, Any]:
     position = read_trainer_state(ckpt)["position"]
     losses = [r["loss"] for r in read_train_log(row_dir) if r.get("loss") is not None]
     return {"checkpoint": str(ckpt), "steps": position["step"], "tokens_seen": position["tokens_seen"],
-            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
+            **loss_tenths(losses)}
 
 
 def ours_minus(rows: dict[str, dict[str, Any]], boot: Bootstrap) -> dict[str, dict[str, dict[str, Any]]]:

@@ -13,6 +13,7 @@ import pytest
 import eval.quality as eval_quality
 from bench import peer_quality
 from bench.peer_quality import TRAINED, ours_minus, without_columns
+from bench.peer_specforge import loss_tenths
 from common.config import GateConfig
 from eval.intervals import Bootstrap
 
@@ -90,3 +91,10 @@ def test_each_row_is_measured_before_the_next_trains_and_a_measured_row_is_not_t
     assert recorded[-1]["rows_pending"] == [] and recorded[-1]["specforge_shipped"]["mtbench"]["tau"] == 1.5
     ours = json.loads((out / "row-ours.json").read_text())
     assert ours["mtbench"]["per_prompt"]["tokens"] == [3.0, 4.0] and {"device", "date"} <= ours.keys()
+
+
+def test_a_row_reports_the_mean_loss_of_its_first_and_last_tenth_not_one_noisy_step() -> None:
+    swings = [27.0, 6.0] * 10 + [5.0, 3.0] * 10  # 40 steps: tenths of 4; single steps swing with their batch
+    assert loss_tenths(swings) == {"loss_first_tenth": 16.5, "loss_last_tenth": 4.0}
+    assert loss_tenths([2.0, 1.0]) == {"loss_first_tenth": 2.0, "loss_last_tenth": 1.0}  # fewer than 10: one step
+    assert loss_tenths([]) == {"loss_first_tenth": None, "loss_last_tenth": None}

@@ -102,7 +102,7 @@ def test_specforge_trains_on_our_batches_and_saves_a_servable_drafter(tmp_path: 
     out = tmp_path / "specforge" / "drafter"
     done = peer_specforge.train(load_config(config), peer_specforge.RECIPES["ours"], out, torch.device("cpu"))
     assert (done["steps"], done["tokens_seen"]) == (ours_steps, ours_tokens)
-    assert done["first_loss"] > 0 and done["last_loss"] == done["last_loss"]  # finite
+    assert done["loss_first_tenth"] > 0 and done["loss_last_tenth"] == done["loss_last_tenth"]  # finite
     assert check_checkpoint(out) == []
     names = ["fc.weight", "midlayer.mlp.down_proj.weight", "lm_head.weight"]
     saved = load_tensors(out, names)
@@ -126,7 +126,7 @@ def test_specforge_as_it_ships_trains_from_its_own_init_at_its_own_lr(tmp_path: 
     total, _ = peer_specforge.our_batches(cfg, training_data(cfg, torch.device("cpu")), torch.device("cpu"))
     assert done["steps"] == total and done["lr"] == 1e-4 and done["warmup_ratio"] == 0.015
     assert done["mask"] == "SpecForge's (unshifted)" and done["initial"].startswith("SpecForge's random init")
-    assert done["last_loss"] == done["last_loss"]  # finite
+    assert done["loss_last_tenth"] == done["loss_last_tenth"]  # finite
     assert check_checkpoint(out) == []
     initial, _ = build_drafter(cfg, training_data(cfg, torch.device("cpu")))
     saved = load_tensors(out, ["midlayer.self_attn.q_proj.weight"])["midlayer.self_attn.q_proj.weight"]
