@@ -58,7 +58,8 @@
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
 #   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
-#   stop-check   90 s of training under `timeout`: its SIGTERM must save the current step ("stopped on SIGTERM")
+#   stop-check   90 s of training under `timeout`: its SIGTERM must save the current step ("stopped on SIGTERM");
+#                epochs without end, so that a run on a few conversations is still training when the signal comes
 #   k25-bench    bench/train_k25.py: our K2.5-shape training step (eager, compiled) against SpecForge 0.2.0's in one
 #                call (its benchmark carried as .gpu/peer/bench_specforge.py, or SPECFORGE_BENCH; K25_ARGS adds
 #                options, e.g. --rounds 2 for both orders)          -> "train_k25"
@@ -273,7 +274,8 @@ print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
       phase stop-check bash -c "rm -rf runs/stop-check && mkdir -p runs/stop-check && \
         ln -s ../smollm2-h200/conversations.jsonl runs/stop-check/conversations.jsonl && \
         timeout --kill-after=15 90 python3 -m train --config '$CONFIG' --set run_dir=runs/stop-check \
-          --set train.max_steps=100000 --set train.eval_every=100000 --set train.save_every=100000 \
+          --set train.epochs=1000 --set train.max_steps=100000 --set train.eval_every=100000 \
+          --set train.save_every=100000 \
           > runs/stop-check/train.out 2>&1; rc=\$?; tr '\\r' '\\n' < runs/stop-check/train.out | tail -n 60; \
         echo \"timeout exit \$rc\"; ls runs/stop-check/checkpoints; \
         grep -q 'stopped on SIGTERM at step' runs/stop-check/train.out" ;;
