@@ -29,9 +29,11 @@ from typing import Any
 
 import torch
 
-from bench.peer_specforge import loss_tenths
+from bench.peer_specforge import RECIPES, loss_tenths
+from bench.peer_specforge import train as train_specforge
 from bench.results import measured_here, record
 from bench.runs import make_run, run, train_command
+from common.config import load_config
 from common.files import write_json_atomic
 from eval.intervals import Bootstrap, paired_difference
 from train.holdout_curve import read_train_log
@@ -65,11 +67,8 @@ def train_row(args: argparse.Namespace, name: str) -> None:
 
 def cmd_specforge(args: argparse.Namespace) -> int:
     """One SpecForge row's training (a process of its own)."""
-    from bench.peer_specforge import RECIPES, train
-    from common.config import load_config
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    done = train(load_config(args.config), RECIPES[args.recipe], args.out / DRAFTER, device)
+    done = train_specforge(load_config(args.config), RECIPES[args.recipe], args.out / DRAFTER, device)
     write_json_atomic(args.out / TRAINED, {"checkpoint": str(args.out / DRAFTER), **done})
     print(json.dumps(done), flush=True)
     return 0

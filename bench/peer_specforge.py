@@ -150,8 +150,8 @@ def our_batches(cfg: RunConfig, data: TrainingData, device: torch.device) -> tup
 
 def loss_tenths(losses: list[float]) -> dict[str, float | None]:
     """The mean loss over the first and the last tenth of the steps: one step's loss swings several-fold with its
-    batch (SpecForge's from 6 to 27 over its first ten steps on the CPU), so a single first and last step's say
-    nothing of whether the row learned. The two trainers' losses are defined differently: compare within a row."""
+    batch, so a single first and last step's say nothing of whether the row learned. The two trainers' losses are
+    defined differently: compare within a row."""
     n = max(1, len(losses) // 10)
     return {"loss_first_tenth": sum(losses[:n]) / n if losses else None,
             "loss_last_tenth": sum(losses[-n:]) / n if losses else None}

@@ -1,7 +1,7 @@
 """The training loader's worker processes (train/data.py): a SIGTERM to the trainer's process group (``timeout``'s,
 at a device call's deadline) must leave them reading while the trainer finishes its step, and a loader iterator
-still open when the trainer exits must not hang that exit (it hung SpecForge's peer row for minutes after its
-last line). Real DataLoader workers on the CPU, each scenario in a process of its own."""
+still open when the trainer exits must not hang that exit. Real DataLoader workers on the CPU, each scenario in a
+process of its own."""
 
 from __future__ import annotations
 
