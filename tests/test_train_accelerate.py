@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from train_fixtures import make_config, make_store
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,12 +27,34 @@ def two_processes(port: int) -> list[str]:
             "-m", "train"]
 
 
+def run_launch(cmd: Sequence[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """``cmd`` run to its end; past ``timeout`` every worker is asked for its Python stacks (SIGUSR1, which
+    ``python -m train`` answers through ``common.cli.stacks_on_signal``), then killed with the launcher, and the test
+    fails with the stacks: a hang then says where each rank stood instead of only that it hung."""
+    proc = subprocess.Popen(list(cmd), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        workers = {rank: _rank_pid(proc.pid, rank) for rank in (0, 1)}
+        pids = [pid for pid in workers.values() if pid] or [proc.pid]  # none: cmd is the trainer itself
+        for pid in pids:  # one at a time, so that the ranks' stacks do not interleave
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.5)
+        for pid in {*pids, proc.pid}:  # torchrun's workers hold the pipes: the launcher's death alone leaves them
+            os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        lines = err[max(0, err.find("most recent call first") - 200):].replace("\r", "\n").splitlines()
+        stacks = "\n".join(x for x in lines if "step/s" not in x and "s/step" not in x)  # no progress bars
+        pytest.fail(f"{' '.join(cmd[-4:])} still running after {timeout:.0f} s; worker pids by rank {workers}; "
+                    f"their stacks:\n{stacks[-8000:]}\nstdout's tail:\n{out[-2000:]}")
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
 def test_two_cpu_processes_train_and_checkpoint(tmp_path):
     cfg = make_config(tmp_path, max_steps=4, epochs=2, save_every=2, eval_every=2, batch_tokens=48,
                       holdout_fraction=0.2)
     make_store(tmp_path / "run" / "store", n_samples=24, length=16)
-    proc = subprocess.run([*two_processes(29561), "--config", str(cfg)], env=ENV, capture_output=True, text=True,
-                          timeout=240, cwd=REPO)
+    proc = run_launch([*two_processes(29561), "--config", str(cfg)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("drafter: from scratch") == 1  # printed by the main process only
     assert "2 processes" in proc.stdout
@@ -50,8 +76,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
         cfg = make_config(root, max_steps=6, epochs=5, save_every=100, eval_every=100, batch_tokens=48,
                           holdout_fraction=0.0, log_every=100)
         make_store(root / "run" / "store", n_samples=32, length=16)
-        proc = subprocess.run([*launch, "--config", str(cfg)], env=ENV, capture_output=True,
-                              text=True, timeout=240, cwd=REPO)
+        proc = run_launch([*launch, "--config", str(cfg)])
         assert proc.returncode == 0, proc.stderr[-3000:]
         log = [json.loads(x) for x in (root / "run" / "train_log.jsonl").read_text().splitlines()]
         losses[name] = [r["loss"] for r in log if "loss" in r]
@@ -76,9 +101,6 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
 def test_sigterm_to_one_process_stops_every_process_at_the_same_saved_step(tmp_path):
     """A scheduler may signal one worker only: the others learn it in the step's reduction, all save that step
     together, and the main process reports the stop (not "done") for every rank."""
-    import signal
-    import time
-
     cfg = make_config(tmp_path, max_steps=400, epochs=1000, save_every=1000, eval_every=1000, batch_tokens=48,
                       holdout_fraction=0.0, log_every=1)
     make_store(tmp_path / "run" / "store", n_samples=24, length=16)
