@@ -57,7 +57,10 @@
 #                warm-started from the shipped drafter on both)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
 #   online-bench bench/online_vs_offline.py, all in fp32 (ONLINE_ARGS replaces --fp32) -> "online_vs_offline"
-#   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/)
+#   gpu-tests    the CUDA-only tests (decode graphs against eager and generate, flex backward; pytest is carried in .whl/),
+#                one file at a time: a file that passed is listed in $LOGS/gpu-tests.passed and skipped by the
+#                next call on the same machine, so a deadline's cut costs only the file it was in (GPU_TESTS:
+#                other test files)
 #   stop-check   90 s of training under `timeout`: its SIGTERM must save the current step ("stopped on SIGTERM");
 #                epochs without end, so that a run on a few conversations is still training when the signal comes
 #   k25-bench    bench/train_k25.py: our K2.5-shape training step (eager, compiled) against SpecForge 0.2.0's in one
@@ -266,10 +269,16 @@ print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
       phase online-bench python3 bench/online_vs_offline.py --config "$CONFIG" --conversations $RUN/conversations.jsonl \
         --convs 300 --steps 30 ${ONLINE_ARGS---fp32} ;;
     gpu-tests)  # the tests that skip without CUDA (decode graphs = eager = generate; flex backward), tiny models
-      phase gpu-tests python3 -m pytest -q -p no:cacheprovider -m "not real and not server" -rs \
-        tests/test_engine_decode_graphs.py tests/test_engine_continuous_batching.py tests/test_train_ttt.py \
-        tests/test_common_queued_copy.py tests/test_train_target_ahead.py tests/test_target_model_compiled_layers.py \
-        tests/test_train_shared_weight_grad.py ;;
+      # shellcheck disable=SC2016,SC2086
+      phase gpu-tests bash -c 'passed=$1; shift; touch "$passed"; rc=0
+        for f in "$@"; do
+          if grep -qxF "$f" "$passed"; then echo "$f: passed on this machine before"; continue; fi
+          if python3 -m pytest -q -p no:cacheprovider -m "not real and not server" -rs "$f"; then echo "$f" >> "$passed"
+          else rc=1; fi
+        done; exit $rc' gpu-tests "$LOGS/gpu-tests.passed" ${GPU_TESTS:-tests/test_engine_decode_graphs.py \
+          tests/test_engine_continuous_batching.py tests/test_train_ttt.py tests/test_common_queued_copy.py \
+          tests/test_train_target_ahead.py tests/test_target_model_compiled_layers.py \
+          tests/test_train_shared_weight_grad.py} ;;
     stop-check)  # the deadline's SIGTERM saves the step the trainer is on; the rerun resumes from it
       phase stop-check bash -c "rm -rf runs/stop-check && mkdir -p runs/stop-check && \
         ln -s ../smollm2-h200/conversations.jsonl runs/stop-check/conversations.jsonl && \

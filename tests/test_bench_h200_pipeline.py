@@ -94,3 +94,20 @@ def test_a_regeneration_cut_short_leaves_whole_conversations(tmp_path: Path) -> 
     assert "=== regenerate FAILED" in done.stdout
     assert (run / "conversations.jsonl").read_text() == '{"id": "a", "messages": []}\n'
     assert not (run / ".regenerated").exists()
+
+
+def test_gpu_tests_runs_file_by_file_and_a_rerun_skips_the_files_that_passed(tmp_path: Path) -> None:
+    """A deadline may cut the phase: what passed is kept, so the next call on the machine goes on from there."""
+    good, bad = tmp_path / "test_good.py", tmp_path / "test_bad.py"
+    good.write_text("def test_ok():\n    assert True\n")
+    bad.write_text("def test_fails():\n    assert False\n")
+    run = tmp_path / "run"
+    env = {"RUN": str(run), "GPU_TESTS": f"{good} {bad}"}
+
+    first = run_phases("gpu-tests", **env)
+    assert "=== gpu-tests FAILED" in first.stdout, first.stdout
+    assert (run / "logs" / "gpu-tests.passed").read_text().splitlines() == [str(good)]
+
+    second = run_phases("gpu-tests", **env)
+    assert f"{good}: passed on this machine before" in second.stdout
+    assert "1 failed" in second.stdout and "=== gpu-tests FAILED" in second.stdout
