@@ -4,6 +4,7 @@ through mpirun, and otherwise silently starts one process): training works, its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,10 +39,12 @@ def run_launch(cmd: Sequence[str], timeout: float = 240) -> subprocess.Completed
         workers = {rank: _rank_pid(proc.pid, rank) for rank in (0, 1)}
         pids = [pid for pid in workers.values() if pid] or [proc.pid]  # none: cmd is the trainer itself
         for pid in pids:  # one at a time, so that the ranks' stacks do not interleave
-            os.kill(pid, signal.SIGUSR1)
+            with contextlib.suppress(ProcessLookupError):  # (it may have ended since)
+                os.kill(pid, signal.SIGUSR1)
             time.sleep(1.5)
         for pid in {*pids, proc.pid}:  # torchrun's workers hold the pipes: the launcher's death alone leaves them
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         out, err = proc.communicate()
         lines = err[max(0, err.find("most recent call first") - 200):].replace("\r", "\n").splitlines()
         stacks = "\n".join(x for x in lines if "step/s" not in x and "s/step" not in x)  # no progress bars
