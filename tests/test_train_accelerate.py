@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +43,7 @@ def run_launch(cmd: Sequence[str], timeout: float = 240) -> subprocess.Completed
             with contextlib.suppress(ProcessLookupError):  # (it may have ended since)
                 os.kill(pid, signal.SIGUSR1)
             time.sleep(1.5)
+        native = "\n".join(f"pid {pid}:\n{native_stacks(pid)[-6000:]}" for pid in pids)  # main thread last
         for pid in {*pids, proc.pid}:  # torchrun's workers hold the pipes: the launcher's death alone leaves them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -49,8 +51,21 @@ def run_launch(cmd: Sequence[str], timeout: float = 240) -> subprocess.Completed
         lines = err[max(0, err.find("most recent call first") - 200):].replace("\r", "\n").splitlines()
         stacks = "\n".join(x for x in lines if "step/s" not in x and "s/step" not in x)  # no progress bars
         pytest.fail(f"{' '.join(cmd[-4:])} still running after {timeout:.0f} s; worker pids by rank {workers}; "
-                    f"their stacks:\n{stacks[-8000:]}\nstdout's tail:\n{out[-2000:]}")
+                    f"their stacks:\n{stacks[-8000:]}\nnative stacks:\n{native}\nstdout's tail:\n{out[-2000:]}")
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def native_stacks(pid: int) -> str:
+    """Every thread's C stack of ``pid`` (gdb, where the machine has it): a hang inside a destructor or a collective
+    shows no Python frame below the line that called it."""
+    if shutil.which("gdb") is None:
+        return "no gdb on this machine"
+    try:
+        done = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"], capture_output=True,
+                              text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        return "gdb did not answer within 90 s"
+    return "\n".join(x[:160] for x in done.stdout.splitlines() if x.startswith(("#", "Thread")))
 
 
 def test_two_cpu_processes_train_and_checkpoint(tmp_path):
