@@ -52,7 +52,8 @@ class Evidence:
     """What the gate reads for one dataset, every figure with its interval (``eval.intervals``): tau, tau*, the gap
     tau - tau* (1 + margin) (its bar is 0) and, given an incumbent measured on the same prompts, its tau and the
     paired difference tau - incumbent tau (its bar is min_delta). ``gap`` and ``difference``: the two comparisons'
-    estimates, from which ``decide`` reads their upper ends at the family-wise level."""
+    estimates, from which ``decide`` reads their upper ends at the family-wise level. ``influential``: the prompts
+    the paired difference leans on most (``eval.gate_stats.influential_prompts``), for the record, not the decision."""
 
     tau: Interval
     tau_star: Interval
@@ -61,6 +62,7 @@ class Evidence:
     vs_incumbent: Interval | None = None
     gap: Estimate | None = field(default=None, repr=False, compare=False)
     difference: Estimate | None = field(default=None, repr=False, compare=False)
+    influential: list[dict] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def comparisons(self) -> int:

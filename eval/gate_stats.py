@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from common.config import GateConfig
 from eval.gate import Decision, Evidence
 from eval.intervals import Bootstrap, Estimate, constant, paired_difference, ratio_estimate, tau_star_estimate
@@ -39,6 +41,29 @@ def timed_tau_star(plain: Mapping, timing: Mapping, boot: Bootstrap) -> Estimate
     return tau_star_estimate(p["decode_s"], p["steps"], t["cycle_s"], t["cycles"], boot)
 
 
+INFLUENTIAL_PROMPTS = 3  # how many prompts a record names as moving the paired difference most
+
+
+def influential_prompts(cand: PerPrompt, inc: PerPrompt, n: int = INFLUENTIAL_PROMPTS) -> list[dict]:
+    """The ``n`` prompts the paired difference leans on most: for each prompt where both drafters ran a verify
+    cycle (the prompts ``paired_difference`` uses), ``shift`` = the difference with it minus the difference without
+    it (leave-one-out), so a wide interval driven by one prompt (say, a long run of one token the candidate no longer
+    follows) names that prompt. ``prompt``: its index in the dataset; ``tau`` and ``incumbent_tau``: its own."""
+    (tc, cc), (ti, ci) = ((np.asarray(t, dtype=float), np.asarray(c, dtype=float)) for t, c in (cand, inc))
+    if tc.shape != ti.shape:
+        raise ValueError(f"a paired comparison needs the same prompts: {tc.size} vs {ti.size}")
+    both = np.flatnonzero((cc > 0) & (ci > 0))
+    if both.size < 2:
+        return []
+    sums = [float(x[both].sum()) for x in (tc, cc, ti, ci)]
+    whole = sums[0] / sums[1] - sums[2] / sums[3]
+    without = (sums[0] - tc[both]) / (sums[1] - cc[both]) - (sums[2] - ti[both]) / (sums[3] - ci[both])
+    shift = whole - without
+    order = np.argsort(-np.abs(shift), kind="stable")[:n]
+    return [{"prompt": int(both[j]), "shift": float(shift[j]), "tau": float(tc[both[j]] / cc[both[j]]),
+             "incumbent_tau": float(ti[both[j]] / ci[both[j]])} for j in order]
+
+
 def evidence(cand: PerPrompt, tau_star: Estimate, margin: float, boot: Bootstrap,
              inc: PerPrompt | None = None) -> Evidence:
     """One dataset's evidence: tau, tau*, tau - tau* (1 + margin) and, with an incumbent on the same prompts, the
@@ -52,7 +77,8 @@ def evidence(cand: PerPrompt, tau_star: Estimate, margin: float, boot: Bootstrap
         return Evidence(tau.interval(level), tau_star.interval(level), gap.interval(level), gap=gap)
     diff = paired_difference(cand, inc, boot)
     return Evidence(tau.interval(level), tau_star.interval(level), gap.interval(level),
-                    ratio_estimate(*inc, boot).interval(level), diff.interval(level), gap=gap, difference=diff)
+                    ratio_estimate(*inc, boot).interval(level), diff.interval(level), gap=gap, difference=diff,
+                    influential=influential_prompts(cand, inc))
 
 
 def report_tau_star(report: Mapping, boot: Bootstrap) -> Estimate:
@@ -90,5 +116,6 @@ def evidence_record(ev: Mapping[str, Evidence], d: Decision) -> dict:
         out[name] = {"tau": e.tau.to_dict(), "tau_star": e.tau_star.to_dict(),
                      "vs_breakeven": e.vs_breakeven.to_dict(), "line": d.lines.get(name)}
         if e.vs_incumbent is not None:
-            out[name] |= {"incumbent_tau": e.incumbent_tau.to_dict(), "vs_incumbent": e.vs_incumbent.to_dict()}
+            out[name] |= {"incumbent_tau": e.incumbent_tau.to_dict(), "vs_incumbent": e.vs_incumbent.to_dict(),
+                          "influential_prompts": e.influential}
     return out

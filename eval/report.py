@@ -95,7 +95,21 @@ def markdown(r: dict) -> str:
         lines.append("")
     if "gate" in r:
         lines += [*gate_lines(r["gate"]), ""]
+    lines += influence_lines(r.get("intervals") or {})
     return "\n".join(lines)
+
+
+def influence_lines(intervals: dict) -> list[str]:
+    """Per dataset gated against an incumbent, the prompts its paired difference leans on most: one prompt that
+    moves it far is worth reading before trusting (or doubting) the interval."""
+    rows = [f"- {ds}: " + "; ".join(f"prompt {p['prompt']} {p['shift']:+.3f} (tau {p['tau']:.2f} against "
+                                    f"{p['incumbent_tau']:.2f})" for p in rec["influential_prompts"])
+            for ds, rec in intervals.items() if rec.get("influential_prompts")]
+    if not rows:
+        return []
+    return ["## What moves the paired difference", "",
+            "Each prompt's share of the difference (the difference with it minus without it), largest first:", "",
+            *rows, ""]
 
 
 def gate_lines(g: dict) -> list[str]:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from eval.gate import decide
-from eval.gate_stats import evidence
+from eval.gate_stats import evidence, influential_prompts
 from eval.intervals import (
     RESOLVE_CAP,
     Bootstrap,
@@ -259,3 +259,29 @@ def test_a_loss_is_real_only_at_the_level_all_comparisons_together_call_for():
             in d.lines["a"]) and "unresolved, not a real loss" in d.lines["a"]
     assert d.lines["b"].startswith("b: PASS")
     assert decide({"a": evidence(lose, ts, 0.0, BOOT, lose_inc)}, 0.0, 0.0, comparisons=6).verdict == "unresolved"
+
+
+def test_the_record_names_the_prompt_a_wide_difference_leans_on():
+    """One prompt where the candidate no longer follows a long run (100 cycles for 255 tokens become 220) among
+    163 where it gains a little: the record names that prompt first, with its share of the difference, which is
+    the difference with it minus the difference without it."""
+    cand, inc = pair(164, 0.03, seed=3, spread=0.1)
+    tc, cc = np.asarray(cand[0], dtype=float), np.asarray(cand[1], dtype=float)
+    tc[56], cc[56], inc[0][56], inc[1][56] = 255.0, 220.0, 255.0, 100.0
+    top = influential_prompts((tc, cc), inc)
+    assert [p["prompt"] for p in top][:1] == [56] and len(top) == 3
+    keep = np.arange(164) != 56
+    without = tc[keep].sum() / cc[keep].sum() - inc[0][keep].sum() / inc[1][keep].sum()
+    whole = tc.sum() / cc.sum() - inc[0].sum() / inc[1].sum()
+    assert top[0]["shift"] == pytest.approx(whole - without) and top[0]["shift"] < -0.02
+    assert (top[0]["tau"], top[0]["incumbent_tau"]) == pytest.approx((255 / 220, 2.55))
+    assert abs(top[1]["shift"]) <= abs(top[0]["shift"]) and abs(top[2]["shift"]) <= abs(top[1]["shift"])
+    ev = evidence((tc, cc), constant(1.2, BOOT), 0.0, BOOT, inc)
+    assert ev.influential == top  # what evidence_record writes beside the paired interval
+
+
+def test_prompts_without_a_cycle_on_either_side_are_never_named():
+    cand = ([10.0, 0.0, 9.0, 30.0], [5.0, 0.0, 3.0, 10.0])
+    inc = ([10.0, 8.0, 0.0, 20.0], [4.0, 4.0, 0.0, 10.0])
+    assert [p["prompt"] for p in influential_prompts(cand, inc)] == [3, 0]
+    assert influential_prompts(([1.0, 0.0], [1.0, 0.0]), ([1.0, 2.0], [1.0, 1.0])) == []

@@ -79,6 +79,9 @@ def test_the_report_carries_the_intervals_and_the_plots(report, tmp_path):
     assert "| dataset | prompts | cycles | tau | interval | alpha_1 |" in md
     assert "95% interval [" in md and "over 12 timing prompts" in md
     assert all(line in md for line in d.lines.values())
+    moved = written["intervals"]["mtbench"]["influential_prompts"]
+    assert moved and moved == ev["mtbench"].influential  # the prompts the paired difference leans on, named in both
+    assert "## What moves the paired difference" in md and f"prompt {moved[0]['prompt']} {moved[0]['shift']:+.3f}" in md
     for stem in PLOTS:
         assert (out / f"{stem}.png").stat().st_size > 1000
     assert markdown(written) == md
