@@ -14,7 +14,15 @@ import numpy as np
 
 from common.config import GateConfig
 from eval.gate import Decision, Evidence
-from eval.intervals import Bootstrap, Estimate, constant, paired_difference, ratio_estimate, tau_star_estimate
+from eval.intervals import (
+    Bootstrap,
+    Estimate,
+    constant,
+    paired_columns,
+    paired_difference,
+    ratio_estimate,
+    tau_star_estimate,
+)
 
 PerPrompt = tuple[Sequence[float], Sequence[float]]  # (tokens, cycles) per prompt
 
@@ -49,19 +57,14 @@ def influential_prompts(cand: PerPrompt, inc: PerPrompt, n: int = INFLUENTIAL_PR
     cycle (the prompts ``paired_difference`` uses), ``shift`` = the difference with it minus the difference without
     it (leave-one-out), so a wide interval driven by one prompt (say, a long run of one token the candidate no longer
     follows) names that prompt. ``prompt``: its index in the dataset; ``tau`` and ``incumbent_tau``: its own."""
-    (tc, cc), (ti, ci) = ((np.asarray(t, dtype=float), np.asarray(c, dtype=float)) for t, c in (cand, inc))
-    if tc.shape != ti.shape:
-        raise ValueError(f"a paired comparison needs the same prompts: {tc.size} vs {ti.size}")
-    both = np.flatnonzero((cc > 0) & (ci > 0))
+    both, tc, cc, ti, ci = paired_columns(cand, inc)
     if both.size < 2:
         return []
-    sums = [float(x[both].sum()) for x in (tc, cc, ti, ci)]
-    whole = sums[0] / sums[1] - sums[2] / sums[3]
-    without = (sums[0] - tc[both]) / (sums[1] - cc[both]) - (sums[2] - ti[both]) / (sums[3] - ci[both])
-    shift = whole - without
+    whole = tc.sum() / cc.sum() - ti.sum() / ci.sum()
+    shift = whole - ((tc.sum() - tc) / (cc.sum() - cc) - (ti.sum() - ti) / (ci.sum() - ci))
     order = np.argsort(-np.abs(shift), kind="stable")[:n]
-    return [{"prompt": int(both[j]), "shift": float(shift[j]), "tau": float(tc[both[j]] / cc[both[j]]),
-             "incumbent_tau": float(ti[both[j]] / ci[both[j]])} for j in order]
+    return [{"prompt": int(both[j]), "shift": float(shift[j]), "tau": float(tc[j] / cc[j]),
+             "incumbent_tau": float(ti[j] / ci[j])} for j in order]
 
 
 def evidence(cand: PerPrompt, tau_star: Estimate, margin: float, boot: Bootstrap,

@@ -185,15 +185,26 @@ def ratio_estimate(num: Sequence[float], den: Sequence[float], boot: Bootstrap, 
     return Estimate.resampled(*_ratio_draws(n_, d_, boot.indices(n_.size, stream)), n_.size)
 
 
-def paired_difference(a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]],
-                      boot: Bootstrap) -> Estimate:
-    """ratio(a) - ratio(b) for two drafters measured on the same prompts (those where both ran a verify cycle),
-    both recomputed on one matrix of resampled prompt indices. ``a``, ``b``: (tokens, cycles) per prompt, in the
+PairedColumns = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def paired_columns(a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]]
+                   ) -> PairedColumns:
+    """The prompts a paired comparison reads: those where both drafters ran a verify cycle, as (their indices in
+    the dataset, a's tokens, a's cycles, b's tokens, b's cycles). ``a``, ``b``: (tokens, cycles) per prompt, in the
     same prompt order."""
     if len(a[0]) != len(b[0]):
         raise ValueError(f"a paired comparison needs the same prompts: {len(a[0])} vs {len(b[0])}")
-    both = (np.asarray(a[1], dtype=float) > 0) & (np.asarray(b[1], dtype=float) > 0)
-    (ta, ca), (tb, cb) = ((np.asarray(t, dtype=float)[both], np.asarray(c, dtype=float)[both]) for t, c in (a, b))
+    (ta, ca), (tb, cb) = ((np.asarray(t, dtype=float), np.asarray(c, dtype=float)) for t, c in (a, b))
+    both = np.flatnonzero((ca > 0) & (cb > 0))
+    return both, ta[both], ca[both], tb[both], cb[both]
+
+
+def paired_difference(a: tuple[Sequence[float], Sequence[float]], b: tuple[Sequence[float], Sequence[float]],
+                      boot: Bootstrap) -> Estimate:
+    """ratio(a) - ratio(b) for two drafters measured on the same prompts (``paired_columns``), both recomputed on
+    one matrix of resampled prompt indices."""
+    _, ta, ca, tb, cb = paired_columns(a, b)
     if not ta.size:
         return constant(float("nan"), boot)
     idx = boot.indices(ta.size, PROMPTS)
