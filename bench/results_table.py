@@ -29,8 +29,35 @@ PROVENANCE = frozenset(results_file.PROVENANCE)
 
 # A path step is a key (str), a list index (int) or a selector (dict: the list element whose fields match).
 Step = str | int | dict
-# (what the figure is, the results.json object, the path to it inside that object)
-FIGURES: tuple[tuple[str, str, tuple[Step, ...]], ...] = (
+Figure = tuple[str, str, tuple[Step, ...]]  # (what the figure is, the results.json object, the path inside it)
+
+
+def paired(dataset: str) -> tuple[Step, ...]:
+    """The path to a gated candidate's paired difference from the incumbent on ``dataset``."""
+    return ("gate", "intervals", dataset, "vs_incumbent", "point")
+
+
+def gated_stage(ordinal: str, name: str, note: str = "not shipped") -> tuple[Figure, ...]:
+    """A stage gated against the shipped drafter (``name``, an ``eval quality --incumbent`` object): its MT-Bench τ,
+    its paired differences on each set, and the verdict."""
+    return ((f"the {ordinal} stage ({note}), MT-Bench τ at T = 0", name,
+             ("gate", "intervals", "mtbench", "tau", "point")),
+            (f"the {ordinal} stage minus the shipped drafter, MT-Bench τ (paired)", name, paired("mtbench")),
+            ("the same, MT-Bench second turns τ (paired)", name, paired("mtbench_turn2")),
+            ("the same, HumanEval τ (paired)", name, paired("humaneval")),
+            (f"the gate's verdict on the {ordinal} stage", name, ("gate", "verdict")))
+
+
+def stage_overlap(ordinal: str, name: str, batch: str) -> tuple[Figure, ...]:
+    """The eval prompts sharing a 13-word run with a stage's self-written batch (``batch``, a run under runs/)."""
+    path = f"runs/{batch}/conversations.jsonl"
+    return ((f"MT-Bench prompts sharing a 13-word run with the {ordinal} stage's self-written prompts", name,
+             ("ngram", "13", "mtbench", path, "sharing")),
+            ("HumanEval prompts sharing a 13-word run with the same", name,
+             ("ngram", "13", "humaneval", path, "sharing")))
+
+
+FIGURES: tuple[Figure, ...] = (
     ("τ on MT-Bench, shipped SmolLM2 drafter (every prompt, k = 3, T = 0)", "quality", ("mtbench", "tau")),
     ("peer run, one epoch: MT-Bench τ of our trainer", "peer_quality", ("ours", "mtbench", "tau")),
     ("peer run, one epoch: MT-Bench τ of SpecForge 0.2.0's step, our recipe, same batches", "peer_quality",
@@ -78,39 +105,15 @@ FIGURES: tuple[tuple[str, str, tuple[Step, ...]], ...] = (
     ("the seventh stage alone minus the sixth, HumanEval τ (paired)", "stage7_vs_shipped",
      ("gate", "intervals", "humaneval", "vs_incumbent", "point")),
     ("the gate's verdict on the seventh stage alone", "stage7_vs_shipped", ("gate", "verdict")),
-    ("the eighth stage (not shipped), MT-Bench τ at T = 0", "stage8_vs_shipped",
-     ("gate", "intervals", "mtbench", "tau", "point")),
-    ("the eighth stage minus the shipped drafter, MT-Bench τ (paired)", "stage8_vs_shipped",
-     ("gate", "intervals", "mtbench", "vs_incumbent", "point")),
-    ("the same, MT-Bench second turns τ (paired)", "stage8_vs_shipped",
-     ("gate", "intervals", "mtbench_turn2", "vs_incumbent", "point")),
-    ("the same, HumanEval τ (paired)", "stage8_vs_shipped",
-     ("gate", "intervals", "humaneval", "vs_incumbent", "point")),
-    ("the gate's verdict on the eighth stage", "stage8_vs_shipped", ("gate", "verdict")),
+    *gated_stage("eighth", "stage8_vs_shipped"),
     ("the eighth stage averaged with the shipped drafter, minus the shipped drafter, MT-Bench τ (paired)",
      "soup8_vs_shipped", ("gate", "intervals", "mtbench", "vs_incumbent", "point")),
     ("the gate's verdict on that average", "soup8_vs_shipped", ("gate", "verdict")),
-    ("the ninth stage (not shipped; TTT loss weights 0.5 ** i), MT-Bench τ at T = 0", "stage9_vs_shipped",
-     ("gate", "intervals", "mtbench", "tau", "point")),
-    ("the ninth stage minus the shipped drafter, MT-Bench τ (paired)", "stage9_vs_shipped",
-     ("gate", "intervals", "mtbench", "vs_incumbent", "point")),
-    ("the same, MT-Bench second turns τ (paired)", "stage9_vs_shipped",
-     ("gate", "intervals", "mtbench_turn2", "vs_incumbent", "point")),
-    ("the same, HumanEval τ (paired)", "stage9_vs_shipped",
-     ("gate", "intervals", "humaneval", "vs_incumbent", "point")),
-    ("the gate's verdict on the ninth stage", "stage9_vs_shipped", ("gate", "verdict")),
+    *gated_stage("ninth", "stage9_vs_shipped", "not shipped; TTT loss weights 0.5 ** i"),
     ("the ninth stage averaged with the shipped drafter, minus the shipped drafter, HumanEval τ (paired)",
      "soup9_vs_shipped", ("gate", "intervals", "humaneval", "vs_incumbent", "point")),
     ("the gate's verdict on that average", "soup9_vs_shipped", ("gate", "verdict")),
-    ("the tenth stage (not shipped), MT-Bench τ at T = 0", "stage10_vs_shipped",
-     ("gate", "intervals", "mtbench", "tau", "point")),
-    ("the tenth stage minus the shipped drafter, MT-Bench τ (paired)", "stage10_vs_shipped",
-     ("gate", "intervals", "mtbench", "vs_incumbent", "point")),
-    ("the same, MT-Bench second turns τ (paired)", "stage10_vs_shipped",
-     ("gate", "intervals", "mtbench_turn2", "vs_incumbent", "point")),
-    ("the same, HumanEval τ (paired)", "stage10_vs_shipped",
-     ("gate", "intervals", "humaneval", "vs_incumbent", "point")),
-    ("the gate's verdict on the tenth stage", "stage10_vs_shipped", ("gate", "verdict")),
+    *gated_stage("tenth", "stage10_vs_shipped"),
     ("the ninth and tenth stages averaged, minus the shipped drafter, MT-Bench τ (paired)", "soup910_vs_shipped",
      ("gate", "intervals", "mtbench", "vs_incumbent", "point")),
     ("the gate's verdict on that average", "soup910_vs_shipped", ("gate", "verdict")),
@@ -122,18 +125,9 @@ FIGURES: tuple[tuple[str, str, tuple[Step, ...]], ...] = (
      ("ngram", "13", "humaneval", "runs/smollm2-h200-self/conversations.jsonl", "sharing")),
     ("HumanEval prompts sharing a 13-word run with a ShareGPT training prompt", "prompt_overlap",
      ("ngram", "13", "humaneval", "runs/smollm2-h200-mt/conversations.jsonl", "sharing")),
-    ("MT-Bench prompts sharing a 13-word run with the seventh stage's self-written prompts", "prompt_overlap_stage7",
-     ("ngram", "13", "mtbench", "runs/smollm2-h200-self-7/conversations.jsonl", "sharing")),
-    ("HumanEval prompts sharing a 13-word run with the same", "prompt_overlap_stage7",
-     ("ngram", "13", "humaneval", "runs/smollm2-h200-self-7/conversations.jsonl", "sharing")),
-    ("MT-Bench prompts sharing a 13-word run with the eighth stage's self-written prompts", "prompt_overlap_stage8",
-     ("ngram", "13", "mtbench", "runs/smollm2-h200-self-8/conversations.jsonl", "sharing")),
-    ("HumanEval prompts sharing a 13-word run with the same", "prompt_overlap_stage8",
-     ("ngram", "13", "humaneval", "runs/smollm2-h200-self-8/conversations.jsonl", "sharing")),
-    ("MT-Bench prompts sharing a 13-word run with the tenth stage's self-written prompts", "prompt_overlap_stage10",
-     ("ngram", "13", "mtbench", "runs/smollm2-h200-self-10/conversations.jsonl", "sharing")),
-    ("HumanEval prompts sharing a 13-word run with the same", "prompt_overlap_stage10",
-     ("ngram", "13", "humaneval", "runs/smollm2-h200-self-10/conversations.jsonl", "sharing")),
+    *stage_overlap("seventh", "prompt_overlap_stage7", "smollm2-h200-self-7"),
+    *stage_overlap("eighth", "prompt_overlap_stage8", "smollm2-h200-self-8"),
+    *stage_overlap("tenth", "prompt_overlap_stage10", "smollm2-h200-self-10"),
     ("MT-Bench τ, learning curve's first point (1 of 6 epochs)", "learning_curve", ("points", 0, "tau", "mtbench")),
     ("MT-Bench τ, learning curve's second point (3 of 6 epochs)", "learning_curve", ("points", 1, "tau", "mtbench")),
     ("ablations, 800 steps on every regenerated turn (`baseline`): MT-Bench τ", "ablations",
