@@ -48,6 +48,8 @@
 #                $SELF/conversations.jsonl). The draws' system turns: SELF_SYSTEMS_FILE, a JSON list (null: the
 #                template's own; configs/self-prompt-systems.json steers them over the kinds of task chat users
 #                ask for), else every third under SELF_SYSTEM, a coding assistant's, the rest under the template's.
+#                With SELF_FOLLOW_UP (a conversations.jsonl, e.g. an earlier batch's) the target writes instead the
+#                user's next turn after each of its first SELF_COUNT conversations, answered with the conversation.
 #                Another batch: another SELF and SELF_SEED. An earlier machine's conversations
 #                (.gpu/<SELF without runs/smollm2-h200->/conversations.jsonl.gz.part-*, returned by
 #                `RUN=$SELF OUT_CONVERSATIONS=1 ... out`) are unpacked instead when carried
@@ -240,7 +242,9 @@ for p in "$@"; do
         unpack_carried self-prompts $SELF_CARRIED $SELF/conversations.jsonl
         continue
       fi
-      if [ -n "${SELF_SYSTEMS_FILE:-}" ]; then
+      if [ -n "${SELF_FOLLOW_UP:-}" ]; then
+        SELF_SYSTEMS='[null]'  # a follow-up continues its conversation as it was answered
+      elif [ -n "${SELF_SYSTEMS_FILE:-}" ]; then
         SELF_SYSTEMS=$(python3 -c 'import json, sys; v = json.load(open(sys.argv[1]))
 assert isinstance(v, list) and v and all(x is None or isinstance(x, str) for x in v)
 print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
@@ -251,7 +255,8 @@ print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
       fi
       export SELF_SYSTEMS  # JSON is YAML: any text of a system turn reaches the config as it is
       phase self-prompts bash -c "set -e; mkdir -p $SELF; derive_config '$CONFIG' $SELF/config.yaml run_dir=$SELF \
-          'data.synthesize={count: ${SELF_COUNT:-20000}, seed: ${SELF_SEED:-0}}' \"data.synthesize.systems=\$SELF_SYSTEMS\" \
+          'data.synthesize={count: ${SELF_COUNT:-20000}, seed: ${SELF_SEED:-0}${SELF_FOLLOW_UP:+, follow_up: $SELF_FOLLOW_UP}}' \
+          \"data.synthesize.systems=\$SELF_SYSTEMS\" \
           'data.sources=[{kind: openai, path: $SELF/self_prompts.jsonl}]'; \
         for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
         wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl"

@@ -156,6 +156,17 @@ class SynthesizeConfig(Section):
                                       "draws are written under, in turn (draw i: systems[i % len]); null is the "
                                       "template's own. A system turn steers the domain (e.g. a coding assistant's "
                                       "users ask for code); the kept prompt is the user's turn alone.")
+    follow_up: str | None = Field(None, description="A conversations.jsonl regenerate wrote: draw i writes instead "
+                                  "the user's next turn after conversation i (its own system turn, if any; count at "
+                                  "most its conversations), and the kept record is that conversation with the new "
+                                  "turn, for regenerate to answer. Default none: first turns.")
+
+    @model_validator(mode="after")
+    def _systems_or_follow_ups(self) -> SynthesizeConfig:
+        if self.follow_up is not None and self.systems != [None]:
+            raise ValueError("systems: a follow-up continues its conversation as it was answered; leave systems "
+                             "unset with follow_up")
+        return self
 
 
 class DataConfig(Section):

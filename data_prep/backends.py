@@ -46,6 +46,13 @@ ERROR_BODY_BYTES = 1 << 16  # read this much of an error body, redact it, then k
 CONTEXT_FULL = "context_full"  # finish reason of a chat whose prompt already fills the target's context
 
 
+def context_limit(hf_config: Any, max_context_tokens: int | None) -> int | None:
+    """The positions a prompt and its answer share: the target's own (max_position_embeddings) or
+    regenerate.max_context_tokens, the lower; None when neither is known."""
+    limits = [getattr(hf_config, "max_position_embeddings", None), max_context_tokens]
+    return min((x for x in limits if x), default=None)
+
+
 class BackendError(ValueError):
     """A backend that cannot start (bad URL, missing API key); the message is for the user."""
 
@@ -119,8 +126,7 @@ class HFChatBackend:
         self.cfg = cfg
         self.batch_size = cfg.batch_size
         self.stop_ids = stop_token_ids(self.tok)
-        limits = [getattr(self.target.hf_config, "max_position_embeddings", None), cfg.max_context_tokens]
-        self.max_context = min((x for x in limits if x), default=None)  # prompt + answer positions
+        self.max_context = context_limit(self.target.hf_config, cfg.max_context_tokens)
 
     def stream(self, wanted: int | None = None, profile: EngineProfile | None = None) -> HFChatStream:
         """An engine run that chats can be submitted to while it answers (``wanted``: chats expected, so a

@@ -5,6 +5,10 @@ the kind of request its own instruction tuning was made of. Answered by the same
 prompts are data in the target's domain that never runs out, where a prompt corpus does (ShareGPT's 16k
 prompts are all used by the shipped config).
 
+With ``data.synthesize.follow_up`` (a conversations.jsonl regenerate wrote), draw ``i`` writes instead the user's
+next turn after conversation ``i`` (data_prep/follow_ups.py): the kept record is that conversation with the new
+turn, which regenerate answers. Draws that leave no room in the target's context for max_new_tokens are dropped.
+
 Each draw ``i`` samples from its own seed (``data.synthesize.seed`` and the draw's key, the engine's
 ``request_seed``), so a resumed run makes the draws an unbroken one makes, up to the rounding another batch
 brings. Draw ``i`` is written under system turn ``i % len(systems)`` (data.synthesize.systems, null: the
@@ -12,10 +16,10 @@ template's own), which steers its domain. The target runs in-process (regenerate
 OpenAI-compatible servers (openai: the prefix sent as a raw text completion that stops at the template's end of
 turn, with the draw's seed). A draw is kept, or dropped under one reason: ``unfinished`` (no end of turn within
 max_new_tokens), ``loop`` (regenerate's loop stop), ``short`` (fewer than min_chars characters), ``duplicate``
-(the same text as a kept one, whitespace aside). Kept prompts go to ``run_dir/self_prompts.jsonl`` (OpenAI
-messages, one user turn: list it in data.sources, kind openai); every dropped draw to
-``run_dir/self_prompts.dropped.jsonl`` with its reason, so a resumed run knows which draws were made. Both are
-appended whole line by line; a torn last line is cut on resume.
+(the same text as a kept one, whitespace aside), ``context`` (its prefix leaves no room for max_new_tokens). Kept
+prompts go to ``run_dir/self_prompts.jsonl`` (OpenAI messages, one user turn or a followed-up conversation: list
+it in data.sources, kind openai); every dropped draw to ``run_dir/self_prompts.dropped.jsonl`` with its reason, so
+a resumed run knows which draws were made. Both are appended whole line by line; a torn last line is cut on resume.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from tqdm import tqdm
 
 from common.config import RunConfig, SynthesizeConfig
 from common.files import JsonlAppender, cut_torn_tail, iter_jsonl, named_errors
-from data_prep.backends import OpenAIChatBackend
+from data_prep.backends import OpenAIChatBackend, context_limit
 from data_prep.decontaminate import turn_key
+from data_prep.follow_ups import FollowUps
 from data_prep.step_failed import StepFailed, over_failure_share
+from data_prep.user_turn import SynthesizeError, query_prefix, query_stop, server_prompt
 from engine.batched import BatchedTarget
 from engine.continuous_batching import Stream
 from engine.loops import LoopStop
@@ -43,50 +49,51 @@ from target_model.hf_model import load_target_from_config, stop_token_ids, token
 
 KEPT_FILE = "self_prompts.jsonl"
 DROPPED_FILE = "self_prompts.dropped.jsonl"
-REASONS = ("unfinished", "loop", "short", "duplicate")
-SENTINEL = "\u2063SELF-PROMPT\u2063"  # text no template writes: where the user's words would go
+REASONS = ("unfinished", "loop", "short", "duplicate", "context")
 DRAWS_PER_PROMPT = 4  # draws made per prompt still wanted before the step gives up (a target that rarely ends a turn)
 
 
-class SynthesizeError(ValueError):
-    pass
+class FirstTurns:
+    """Draw ``i`` opens a chat under system turn ``i % len(systems)`` (None: the template's own); draws never run
+    out (``limit`` None)."""
+
+    limit = None
+
+    def __init__(self, systems: list[str | None], template_kwargs: dict[str, Any] | None):
+        self.systems, self.template_kwargs = systems, template_kwargs
+        self._prefixes: dict[int, str] = {}
+
+    def prefix(self, tokenizer: Any, index: int) -> str:
+        which = index % len(self.systems)
+        if which not in self._prefixes:
+            self._prefixes[which] = query_prefix(tokenizer, self.template_kwargs, self.systems[which])
+        return self._prefixes[which]
+
+    def follows(self, index: int) -> None:
+        return None
+
+    def record(self, key: str, index: int, text: str) -> dict[str, Any]:
+        """The kept line: the user's turn alone (the system turn only steered it)."""
+        return {"id": key, "source": "self", "messages": [{"role": "user", "content": text}]}
+
+    def kept_key(self, index: int, text: str) -> str:
+        return turn_key(text)
 
 
-def _around_users_words(tokenizer: Any, template_kwargs: dict[str, Any] | None, system: str | None
-                        ) -> tuple[str, str]:
-    """The chat template's rendering of one user turn (under ``system``; None: the template's own system turn, as it
-    serves), split where the user's words go: (the text before them, the text after)."""
-    chat = [{"role": "system", "content": system}] if system is not None else []
-    text = tokenizer.apply_chat_template([*chat, {"role": "user", "content": SENTINEL}], tokenize=False,
-                                         add_generation_prompt=False, **(template_kwargs or {}))
-    if text.count(SENTINEL) != 1:
-        raise SynthesizeError("target chat template: a user turn's text does not appear once in its rendering; "
-                              "synthesize needs a template that writes the user's words as given")
-    before, after = text.split(SENTINEL)
-    return before, after
+Openings = FirstTurns | FollowUps  # what each draw continues
 
 
-def query_prefix(tokenizer: Any, template_kwargs: dict[str, Any] | None = None, system: str | None = None) -> str:
-    """The chat template's text before a user turn's words, under ``system`` (None: the template's own)."""
-    return _around_users_words(tokenizer, template_kwargs, system)[0]
-
-
-def query_stop(tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> str:
-    """The text the template writes right after a user's words (its end-of-turn marker): where a server that
-    continues the prefix as raw text is to stop."""
-    after = _around_users_words(tokenizer, template_kwargs, None)[1]
-    stop = next(iter(after.split()), "")  # the marker itself, without what may follow it
-    if not stop:
-        raise SynthesizeError("target chat template: nothing follows a user turn's text, so a server cannot be told "
-                              "where the turn ends; use regenerate.backend hf")
-    return stop
-
-
-def server_prompt(tokenizer: Any, prefix: str) -> str:
-    """The prefix as a server's text completion takes it: without the BOS text a template writes itself (Llama 3,
-    Mistral, Gemma), since the server adds its special tokens when it tokenizes the prompt."""
-    bos = getattr(tokenizer, "bos_token", None)
-    return prefix.removeprefix(bos) if bos else prefix
+def openings_of(cfg: RunConfig) -> Openings:
+    s = cfg.data.synthesize
+    assert s is not None
+    kwargs = cfg.target.chat_template_kwargs
+    if s.follow_up is None:
+        return FirstTurns(s.systems, kwargs)
+    follow_ups = FollowUps(s.follow_up, kwargs)
+    if follow_ups.limit < s.count:
+        raise SynthesizeError(f"data.synthesize.count: {s.count} follow-ups asked of the {follow_ups.limit} "
+                              f"conversations of follow_up {s.follow_up} (one each); lower count")
+    return follow_ups
 
 
 def draw_key(seed: int, index: int) -> str:
@@ -101,6 +108,7 @@ def draw_index(key: str) -> int:
 class SynthesizeSummary:
     output: str
     wanted: int
+    follow_up: str | None = None  # the conversations the prompts follow up, when they do
     kept: int = 0
     drawn: int = 0  # by this run
     kept_before: int = 0  # by earlier runs (resumed)
@@ -111,7 +119,8 @@ class SynthesizeSummary:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"output": self.output, "wanted": self.wanted, "kept": self.kept, "kept_before": self.kept_before,
+        return {"output": self.output, "wanted": self.wanted, "follow_up": self.follow_up, "kept": self.kept,
+                "kept_before": self.kept_before,
                 "drawn": self.drawn, "dropped": {r: self.dropped[r] for r in REASONS}, "failed": dict(self.failed),
                 "first_failure": self.first_failure,
                 "generated_tokens": self.generated_tokens, "seconds": round(self.seconds, 1),
@@ -145,18 +154,21 @@ class Draws:
     done: set[int] = field(default_factory=set)
     next_index: int = 0
 
-    def keys(self, seed: int, n: int) -> list[str]:
-        """``n`` draws: first those a killed run left in flight (below next_index, never written), then new ones,
-        so a resumed run draws the keys an unbroken one draws."""
+    def keys(self, seed: int, n: int, limit: int | None = None) -> list[str]:
+        """``n`` draws: first those a killed run left in flight (below next_index, never written), then new ones
+        (below ``limit``, the draws there can be, when there is one), so a resumed run draws the keys an unbroken
+        one draws."""
         left = [i for i in range(self.next_index) if i not in self.done][:n]
-        fresh = list(range(self.next_index, self.next_index + n - len(left)))
+        end = self.next_index + n - len(left)
+        fresh = list(range(self.next_index, end if limit is None else min(end, limit)))
         self.next_index += len(fresh)
         return [draw_key(seed, i) for i in left + fresh]
 
 
-def read_draws(kept_path: Path, dropped_path: Path, seed: int) -> Draws:
-    """Both files read after their torn last lines are cut; a whole line that is not a draw, or a draw of another
-    seed (its prompts would count towards this one's), is an error naming it."""
+def read_draws(kept_path: Path, dropped_path: Path, seed: int, openings: Openings) -> Draws:
+    """Both files read after their torn last lines are cut; a whole line that is not a draw, a draw of another
+    seed (its prompts would count towards this one's), or a follow-up of another conversation than its draw's is an
+    error naming it."""
     draws = Draws()
     for path in (kept_path, dropped_path):
         if not path.exists():
@@ -165,9 +177,17 @@ def read_draws(kept_path: Path, dropped_path: Path, seed: int) -> Draws:
         for lineno, rec in iter_jsonl(path, SynthesizeError, fix="the file is damaged: move it away and rerun"):
             try:
                 index = draw_index(rec["id"])
+                if openings.limit is not None and not 0 <= index < openings.limit:
+                    raise IndexError
                 if path == kept_path:
-                    draws.kept.add(turn_key(rec["messages"][0]["content"]))
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                    if rec.get("follows") != openings.follows(index):
+                        raise SynthesizeError(f"{path}:{lineno}: draw {rec['id']} follows {rec.get('follows')!r}, "
+                                              f"not {openings.follows(index)!r} as data.synthesize.follow_up has it; "
+                                              "move the files away for another follow_up, or name the same one")
+                    draws.kept.add(openings.kept_key(index, rec["messages"][-1]["content"]))
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+                if isinstance(e, SynthesizeError):
+                    raise
                 raise SynthesizeError(f"{path}:{lineno}: a whole line that is not a synthesized draw; the file is "
                                       "damaged: move it away and rerun") from None
             if rec["id"] != draw_key(seed, index):
@@ -178,15 +198,16 @@ def read_draws(kept_path: Path, dropped_path: Path, seed: int) -> Draws:
     return draws
 
 
-def verdict(text: str, finish_reason: str, s: SynthesizeConfig, kept: set[str]) -> str | None:
-    """Why a draw is dropped (one of REASONS), or None to keep it."""
+def verdict(text: str, finish_reason: str, s: SynthesizeConfig, kept: set[str], key: str) -> str | None:
+    """Why a draw is dropped (one of REASONS), or None to keep it. ``key``: the draw's kept key (its openings'
+    ``kept_key``), ``kept`` those of the prompts kept so far."""
     if finish_reason == "length":
         return "unfinished"
-    if finish_reason == "loop":
-        return "loop"
+    if finish_reason in ("loop", "context"):
+        return finish_reason
     if len(text.strip()) < s.min_chars:
         return "short"
-    if turn_key(text) in kept:
+    if key in kept:
         return "duplicate"
     return None
 
@@ -194,34 +215,48 @@ def verdict(text: str, finish_reason: str, s: SynthesizeConfig, kept: set[str]) 
 Draw = tuple[str, str, str, int, str | None]  # key, text, finish reason, tokens, error (a server's failure)
 
 
+def fitting(keys: list[str], lengths: list[int], max_new_tokens: int, limit: int | None
+            ) -> tuple[list[int], list[Draw]]:
+    """The indices into ``keys`` of the draws whose prefix of ``lengths`` tokens leaves room for max_new_tokens
+    within the target's context (``limit``, None: no limit known), and a "context" draw for each of the others."""
+    if limit is None:
+        return list(range(len(keys))), []
+    room = [n + max_new_tokens <= limit for n in lengths]
+    return ([i for i, ok in enumerate(room) if ok],
+            [(key, "", "context", 0, None) for key, ok in zip(keys, room, strict=True) if not ok])
+
+
 class HFDrawer:
-    """The target in-process, loaded once; each round of draws is one engine run over the systems' prefixes."""
+    """The target in-process, loaded once; each round of draws is one engine run over the draws' prefixes."""
 
     gave_up = False  # an engine raises rather than failing a draw
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, openings: Openings):
+        self.cfg, self.openings = cfg, openings
         target = load_target_from_config(cfg.target)
         self.tok = target.tokenizer
         self.engine = BatchedTarget(target.model)
+        self.max_context = context_limit(target.hf_config, cfg.regenerate.max_context_tokens)
         # the tokenizer's EOS and ChatML's end of turn, and the template's own end-of-turn marker when it is a token
         marker = self.tok(query_stop(self.tok, cfg.target.chat_template_kwargs), add_special_tokens=False)["input_ids"]
         self.stop_ids = sorted(set(stop_token_ids(self.tok)) | (set(marker) if len(marker) == 1 else set()))
-        s = cfg.data.synthesize
-        assert s is not None
-        self.prefixes = [self.tok(query_prefix(self.tok, cfg.target.chat_template_kwargs, system),
-                                  add_special_tokens=False)["input_ids"] for system in s.systems]
 
     def draw(self, keys: list[str]) -> Iterator[Draw]:
-        """Each draw as the engine finishes it."""
+        """Each draw as the engine finishes it (first those whose prefix leaves no room in the context)."""
         s, r = self.cfg.data.synthesize, self.cfg.regenerate
         assert s is not None
+        texts = [self.openings.prefix(self.tok, draw_index(key)) for key in keys]
+        prefixes = self.tok(texts, add_special_tokens=False)["input_ids"]
+        room, no_room = fitting(keys, list(map(len, prefixes)), s.max_new_tokens, self.max_context)
+        yield from no_room
+        if not room:
+            return
         loops = LoopStop(r.loop_min_repeat_tokens, r.loop_max_period) if r.stop_loops else None
         stream = Stream(self.engine, self.stop_ids, Sampling(s.temperature, s.top_p, None, s.seed),
-                        max_len=max(map(len, self.prefixes)) + s.max_new_tokens, rows=r.slots,
-                        cpu_rows=r.batch_size, wanted=len(keys), loops=loops)
-        for key in keys:
-            stream.submit(key, self.prefixes[draw_index(key) % len(self.prefixes)], s.max_new_tokens)
+                        max_len=max(len(prefixes[i]) for i in room) + s.max_new_tokens, rows=r.slots,
+                        cpu_rows=r.batch_size, wanted=len(room), loops=loops)
+        for i in room:
+            stream.submit(keys[i], prefixes[i], s.max_new_tokens)
         while stream.busy:
             finished = stream.poll()
             if finished:
@@ -233,19 +268,17 @@ class HFDrawer:
 class ServerDrawer:
     """The target behind OpenAI-compatible servers (regenerate.backend openai: SGLang, vLLM, llama.cpp): the
     prefix, rendered here with the target's tokenizer, is sent as a raw text completion that stops at the
-    template's end of turn; each draw sends its own seed. A loop is cut afterwards (the backend's, as for answers)."""
+    template's end of turn; each draw sends its own seed. A loop is cut afterwards (the backend's, as for answers).
+    The context is known here only as regenerate.max_context_tokens."""
 
     gave_up = False  # regenerate.max_consecutive_failures draws in a row failed: a dead server
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, openings: Openings):
+        self.cfg, self.openings = cfg, openings
         t = cfg.target
-        tok = tokenizer_from_config(t)
-        s = cfg.data.synthesize
-        assert s is not None
-        self.prefixes = [server_prompt(tok, query_prefix(tok, t.chat_template_kwargs, system)) for system in s.systems]
-        self.stop = query_stop(tok, t.chat_template_kwargs)
-        self.backend = OpenAIChatBackend(cfg.regenerate, t.chat_template_kwargs, t, tokenizer=tok)
+        self.tok = tokenizer_from_config(t)
+        self.stop = query_stop(self.tok, t.chat_template_kwargs)
+        self.backend = OpenAIChatBackend(cfg.regenerate, t.chat_template_kwargs, t, tokenizer=self.tok)
 
     def draw(self, keys: list[str]) -> Iterator[Draw]:
         """Each draw, in order, as the servers answer: ``batch_size`` requests at a time, none after
@@ -255,12 +288,17 @@ class ServerDrawer:
         in_a_row = 0
         for start in range(0, len(keys), self.backend.batch_size):
             part = keys[start:start + self.backend.batch_size]
-            bodies = ({"prompt": self.prefixes[draw_index(key) % len(self.prefixes)], "max_tokens": s.max_new_tokens,
-                       "temperature": s.temperature, "top_p": s.top_p,
-                       "seed": request_seed(s.seed, key) & 0x7FFFFFFF, "stop": [self.stop]} for key in part)
-            for key, c in zip(part, self.backend.complete_text(bodies), strict=True):
+            prompts = [server_prompt(self.tok, self.openings.prefix(self.tok, draw_index(key))) for key in part]
+            lengths = ([len(x) for x in self.tok(prompts, add_special_tokens=False)["input_ids"]]
+                       if r.max_context_tokens else [0] * len(part))
+            room, no_room = fitting(part, lengths, s.max_new_tokens, r.max_context_tokens)
+            yield from no_room
+            bodies = ({"prompt": prompts[i], "max_tokens": s.max_new_tokens, "temperature": s.temperature,
+                       "top_p": s.top_p, "seed": request_seed(s.seed, part[i]) & 0x7FFFFFFF, "stop": [self.stop]}
+                      for i in room)
+            for i, c in zip(room, self.backend.complete_text(bodies), strict=True):
                 in_a_row = in_a_row + 1 if c.error else 0
-                yield key, c.text, c.finish_reason, c.tokens or 0, c.error and f"{c.error}: {c.detail}"
+                yield part[i], c.text, c.finish_reason, c.tokens or 0, c.error and f"{c.error}: {c.detail}"
             if in_a_row >= r.max_consecutive_failures:
                 self.gave_up = True
                 return
@@ -279,12 +317,14 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
         raise SynthesizeError("data.synthesize: not set; give its count (and seed) to have the target write prompts")
     cfg.root.mkdir(parents=True, exist_ok=True)
     kept_path, dropped_path = cfg.root / KEPT_FILE, cfg.root / DROPPED_FILE
-    draws = read_draws(kept_path, dropped_path, s.seed)
-    summary = SynthesizeSummary(str(kept_path), s.count, kept=len(draws.kept), kept_before=len(draws.kept))
+    openings = openings_of(cfg)
+    draws = read_draws(kept_path, dropped_path, s.seed, openings)
+    summary = SynthesizeSummary(str(kept_path), s.count, kept=len(draws.kept), kept_before=len(draws.kept),
+                                follow_up=s.follow_up)
     if summary.kept >= s.count:
         return summary
     start = time.perf_counter()
-    drawer = HFDrawer(cfg) if cfg.regenerate.backend == "hf" else ServerDrawer(cfg)
+    drawer = HFDrawer(cfg, openings) if cfg.regenerate.backend == "hf" else ServerDrawer(cfg, openings)
     budget = DRAWS_PER_PROMPT * (s.count - summary.kept)
     too_many = False
     try:
@@ -292,7 +332,9 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
             kept_out, dropped_out = JsonlAppender(kf), JsonlAppender(df)
             bar = tqdm(total=s.count, initial=summary.kept, desc="synthesize", unit="prompt")
             while summary.kept < s.count and budget > 0 and not too_many:
-                keys = draws.keys(s.seed, min(budget, s.count - summary.kept))  # never more than wanted
+                keys = draws.keys(s.seed, min(budget, s.count - summary.kept), openings.limit)  # at most as wanted
+                if not keys:  # every conversation to follow up was drawn
+                    break
                 budget -= len(keys)
                 for key, text, reason, tokens, error in drawer.draw(keys):
                     if error is not None:
@@ -301,16 +343,17 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                         continue
                     summary.drawn += 1
                     summary.generated_tokens += tokens
-                    if (why := verdict(text, reason, s, draws.kept)) is None:
-                        draws.kept.add(turn_key(text))
-                        kept_out.append({"id": key, "source": "self",
-                                         "messages": [{"role": "user", "content": text.strip()}]})
+                    index, text = draw_index(key), text.strip()
+                    kept_key = openings.kept_key(index, text)
+                    if (why := verdict(text, reason, s, draws.kept, kept_key)) is None:
+                        draws.kept.add(kept_key)
+                        kept_out.append(openings.record(key, index, text))
                         summary.kept += 1
                         bar.update(1)
                     else:
                         summary.dropped[why] += 1
                         dropped_out.append({"id": key, "reason": why})
-                    draws.done.add(draw_index(key))
+                    draws.done.add(index)
                 too_many = drawer.gave_up or over_failure_share(summary.failures, summary.tried,
                                                                    cfg.regenerate.max_failure_share)
             bar.close()
@@ -328,5 +371,6 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                          f"({dict(summary.failed)}; first: {summary.first_failure}); rerun to make them again", summary)
     if summary.kept < s.count:
         raise StepFailed(f"data.synthesize: {summary.kept} of {s.count} prompts after {summary.drawn} draws "
-                         f"(dropped: {dict(summary.dropped)}); raise max_new_tokens or lower min_chars", summary)
+                         f"(dropped: {dict(summary.dropped)}); raise max_new_tokens or lower min_chars"
+                         + ("" if openings.limit is None else ", or follow up more conversations"), summary)
     return summary

@@ -92,6 +92,15 @@ def test_self_prompts_refuses_a_systems_file_that_is_not_a_json_list_of_system_t
         assert not (tmp_path / "self").exists()
 
 
+def test_self_prompts_with_follow_up_continue_its_conversations_under_their_own_systems(tmp_path: Path) -> None:
+    missing = tmp_path / "earlier" / "conversations.jsonl"
+    done = run_phases("self-prompts", SELF=str(tmp_path / "self"), SELF_FOLLOW_UP=str(missing), SELF_COUNT="7",
+                      SELF_SEED="3", SELF_SYSTEMS_FILE="configs/self-prompt-systems.json")
+    assert done.returncode != 0 and f"data.synthesize.follow_up: {missing} is not a file" in done.stdout + done.stderr
+    synthesize = yaml.safe_load((tmp_path / "self" / "config.yaml").read_text())["data"]["synthesize"]
+    assert synthesize == {**synthesize, "count": 7, "seed": 3, "follow_up": str(missing), "systems": [None]}
+
+
 def test_a_regeneration_cut_short_leaves_whole_conversations(tmp_path: Path) -> None:
     """A regenerate phase that ends early (here its config names no prompts, so it fails at once; on the GPU machine,
     the deadline) leaves the conversations it finished as whole lines, which a later phase may train on."""
