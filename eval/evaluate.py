@@ -48,7 +48,7 @@ def evaluate(cfg: RunConfig, checkpoints: dict[str, str], name: str) -> dict:
         source = f"config (eval.timings, k = {s.num_steps})"
     else:
         decode = report["plain"]["decode_ms"]
-        cycle, source = report["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"], "measured"
+        cycle, source = report["drafters"]["candidate"]["cycle_ms"], "measured"
     report["breakeven"] = breakeven.breakeven(decode, cycle, s.num_steps, cfg.eval.target_tps) | {"source": source}
     return annotate(report, bootstrap(cfg.gate))
 

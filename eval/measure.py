@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from eval import breakeven, lossless, metrics
 from eval.speculative import Engine, Generation, Proposer
+from eval.stall_free import stall_free_s, stalled
 
 
 @dataclass
@@ -62,14 +63,17 @@ def summarize(per_dataset: Mapping[str, Sequence[Generation]], references: Mappi
     times = metrics.PhaseTimes(sum(g.draft_s for g in gens), sum(g.verify_s for g in gens),
                                sum(g.overhead_s for g in gens), sum(len(g.accepted) for g in gens))
     ms = times.ms_per_cycle()
+    cycle_s = [stall_free_s(g.cycle_s) for g in gens]
+    cycle_ms = 1000 * sum(cycle_s) / times.cycles if times.cycles else float("nan")
     out = {"datasets": {name: dataset_stats(gs, s.num_steps) for name, gs in per_dataset.items()},
            "phases_ms_per_cycle": ms, "phase_lines": metrics.phase_lines(times),
+           "cycle_ms": cycle_ms,  # without the stalls (eval.stall_free), as tau* reads it; the phases: their means
+           "stalled_cycles": sum(stalled(g.cycle_s) for g in gens),
            "draft_step_ms": ms["draft"] / s.num_steps,
            "speed": metrics.speed(sum(g.cycle_tokens for g in gens), times, decode_ms),
            # every prompt of every dataset in order, as plain's per_prompt: the timing samples of tau*
-           "per_prompt_timing": {"cycle_s": [g.draft_s + g.verify_s + g.overhead_s for g in gens],
-                                 "cycles": [len(g.accepted) for g in gens]}}
-    out["measured_breakeven"] = breakeven.breakeven(decode_ms, ms["cycle"], s.num_steps) if times.cycles else None
+           "per_prompt_timing": {"cycle_s": cycle_s, "cycles": [len(g.accepted) for g in gens]}}
+    out["measured_breakeven"] = breakeven.breakeven(decode_ms, cycle_ms, s.num_steps) if times.cycles else None
     reason = lossless.unchecked_reason(s.temperature, dtype)
     if reason is None:
         found = [m for name, gs in per_dataset.items() for m in divergences(references[name], gs, name, s.tie_epsilon)]
@@ -100,14 +104,16 @@ def measure(engine: Engine, prompts: Mapping[str, Sequence[Sequence[int]]], prop
                                                          _generator(s.seed, i), s.acceptance))
                 bar.update()
     bar.close()
-    steps = sum(g.steps for gs in plain.values() for g in gs)
-    decode_s = sum(g.decode_s for gs in plain.values() for g in gs)
-    decode_ms = 1000 * decode_s / steps if steps else float("nan")
+    runs = [g for gs in plain.values() for g in gs]
+    steps = sum(g.steps for g in runs)
+    decode_s = [stall_free_s(g.step_s) for g in runs]  # each prompt's, without the stalls (eval.stall_free)
+    decode_ms = 1000 * sum(decode_s) / steps if steps else float("nan")
     return {"settings": vars(s) | {"batch_size": 1},
             "prompts": {ds: len(p) for ds, p in prompts.items()},
             "plain": {"decode_ms": decode_ms, "decode_steps": steps,
+                      "decode_ms_with_stalls": 1000 * sum(g.decode_s for g in runs) / steps if steps else float("nan"),
+                      "stalled_steps": sum(stalled(g.step_s) for g in runs),
                       "tokens_per_s": 1000 / decode_ms if steps else float("nan"),
-                      "prefill_s": sum(g.prefill_s for gs in plain.values() for g in gs),
-                      "per_prompt": {"decode_s": [g.decode_s for gs in plain.values() for g in gs],
-                                     "steps": [g.steps for gs in plain.values() for g in gs]}},
+                      "prefill_s": sum(g.prefill_s for g in runs),
+                      "per_prompt": {"decode_s": decode_s, "steps": [g.steps for g in runs]}},
             "drafters": {name: summarize(spec[name], plain, decode_ms, s, engine.target.dtype) for name in proposers}}

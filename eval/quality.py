@@ -146,7 +146,7 @@ def timings(target: TargetModel, drafter: Eagle3Drafter, aux_ids: Sequence[int],
     out, estimates = {}, {}
     for k in ks:
         rep = measure(engine, {"timing": prompts}, {"d": Eagle3Proposer(drafter, aux_ids)}, Settings(k, 0.0, max_new))
-        cycle = rep["drafters"]["d"]["phases_ms_per_cycle"]["cycle"]
+        cycle = rep["drafters"]["d"]["cycle_ms"]
         estimates[str(k)] = est = timed_tau_star(rep["plain"], rep["drafters"]["d"]["per_prompt_timing"], boot)
         iv = est.interval(boot.level)
         out[str(k)] = breakeven.breakeven(rep["plain"]["decode_ms"], cycle, k) | {"ci": [iv.low, iv.high]}

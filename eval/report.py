@@ -11,6 +11,7 @@ from typing import Any
 
 from common.files import json_safe, json_text, remove_temps, write_bytes_atomic, write_text_atomic
 from common.tracking import flat_config, make_trackers
+from eval.stall_free import STALL_FACTOR
 
 PLOTS = ("alpha", "tau", "tau_per_prompt")  # the PNGs beside report.json, by stem
 
@@ -33,6 +34,17 @@ def prompt_counts(r: dict) -> str:
     skipped = r.get("records_skipped_short") or {}
     return ", ".join(f"{n} {d}" + (f" ({k} record{'s' * (k != 1)} with too few user turns skipped)"
                                    if (k := skipped.get(d)) else "") for d, n in r["prompts"].items())
+
+
+def stalls_note(r: dict) -> str:
+    """The steps a shared machine stalled (eval.stall_free), which the timings leave out, when there were any."""
+    plain = r["plain"].get("stalled_steps", 0)
+    cycles = {name: d.get("stalled_cycles", 0) for name, d in r["drafters"].items()}
+    if not plain and not any(cycles.values()):
+        return ""
+    return (f" Stalled steps left out of the timings (over {STALL_FACTOR:g}x their run's lower quartile): {plain} of "
+            f"{r['plain']['decode_steps']} plain, " + ", ".join(f"{c} {name} cycles" for name, c in cycles.items())
+            + f"; with them, plain decode {decimals(r['plain']['decode_ms_with_stalls'], 2)} ms/token.")
 
 
 def markdown(r: dict) -> str:
@@ -58,7 +70,7 @@ def markdown(r: dict) -> str:
                      f"{decimals(be['alpha_required']['k_infinity'])} (k -> inf)")
     p = r["plain"]
     lines += ["", f"Plain target decode: {decimals(p['decode_ms'], 2)} ms/token "
-              f"({decimals(p['tokens_per_s'], 1)} tok/s).", ""]
+              f"({decimals(p['tokens_per_s'], 1)} tok/s)." + stalls_note(r), ""]
     for name, d in r["drafters"].items():
         ck = r.get("checkpoints", {}).get(name, {})
         lines += [f"## Drafter `{name}`" + (f" — `{ck['path']}`" if ck else ""), ""]
@@ -74,7 +86,8 @@ def markdown(r: dict) -> str:
             lines.append("| " + " | ".join(row) + " |")
         sp = d["speed"]
         lines += ["", *[f"- {x}" for x in d["phase_lines"]],
-                  f"- cycle {decimals(d['phases_ms_per_cycle']['cycle'], 2)} ms; "
+                  f"- cycle {decimals(d.get('cycle_ms', d['phases_ms_per_cycle']['cycle']), 2)} ms without stalls "
+                  f"({decimals(d['phases_ms_per_cycle']['cycle'], 2)} ms with them); "
                   f"speculative {decimals(sp['spec_tps'], 1)} tok/s "
                   f"vs plain {decimals(sp['plain_tps'], 1)} tok/s: speed-up x{decimals(sp['speedup'], 2)}"]
         ll = d["lossless"]

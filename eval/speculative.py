@@ -225,7 +225,9 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0  # plain loop: time of the steps after prefill
     steps: int = 0  # plain loop: tokens produced by decode steps (prefill's token excluded)
+    step_s: list[float] = field(default_factory=list)  # plain loop: each decode step's seconds
     accepted: list[int] = field(default_factory=list)  # per verify cycle
+    cycle_s: list[float] = field(default_factory=list)  # per verify cycle: its seconds, draft to extend
     draft_s: float = 0.0
     verify_s: float = 0.0
     overhead_s: float = 0.0
@@ -268,14 +270,17 @@ class Engine:
         gen = Generation([])
         gen.margins.append(top2_margin(res.logits[0, -1]))
         done = self._finish(gen.tokens, [pick(res.logits[0, -1], temperature, generator)], max_new)
-        t1 = self.clock()
+        t1 = last = self.clock()
         gen.prefill_s = t1 - t0
         while not done:
             res = self._forward(gen.tokens[-1:], n + len(gen.tokens) - 1, cache)
             gen.margins.append(top2_margin(res.logits[0, -1]))
             done = self._finish(gen.tokens, [pick(res.logits[0, -1], temperature, generator)], max_new)
             gen.steps += 1
-        gen.decode_s = self.clock() - t1
+            now = self.clock()
+            gen.step_s.append(now - last)
+            last = now
+        gen.decode_s = last - t1
         return gen
 
     @torch.no_grad()
@@ -317,4 +322,5 @@ class Engine:
             gen.draft_s += (t_drafted - t_start) + (t_end - t_extend)
             gen.verify_s += t_verified - t_drafted
             gen.overhead_s += t_extend - t_verified
+            gen.cycle_s.append(t_end - t_start)
         return gen

@@ -154,9 +154,9 @@ def test_cli_gate_promotes_then_rejects_against_measured_breakeven(tmp_path, smo
     other = save_checkpoint(fresh_drafter(shape_for_target(smollm2.hf_config, 1024, (2, 15, 27)),
                                           smollm2.embed_weight().detach(), d2t, t2d, seed=1),
                             tmp_path / "step-2", dtype="float32")
-    # Four timing prompts of 32 new tokens each: a stall of the shared cores (another process's burst) during one
-    # prompt's 7 steps can stretch the tau* interval over the loss; over 31 steps it moves that prompt's time a
-    # quarter as much, and the interval stays clear of tau ~ 1.
+    # Four timing prompts of 32 new tokens each: each run's time is its steps times their lower quartile
+    # (eval.stall_free), so a burst of another process on the shared cores during a few of its 31 steps does not
+    # stretch the tau* interval over the loss.
     four = [two[0] | {"limit": 4}]
     measured = write_config(tmp_path, datasets=four, max_new_tokens=32)
     assert gate_command(measured, other, name="again") == 1

@@ -42,7 +42,7 @@ def report() -> dict:
     engine = Engine(TargetModel(target, TinyTokenizer(), "tiny", None), AUX, [1])
     proposers = {"candidate": Eagle3Proposer(drafter, AUX), "incumbent": Eagle3Proposer(other, AUX)}
     r = {"name": "t", "target": "tiny", "device": "cpu", **measure(engine, prompts, proposers, Settings(K, 0.0, 16))}
-    cycle = r["drafters"]["candidate"]["phases_ms_per_cycle"]["cycle"]
+    cycle = r["drafters"]["candidate"]["cycle_ms"]
     r["breakeven"] = breakeven.breakeven(r["plain"]["decode_ms"], cycle, K) | {"source": "measured"}
     return annotate(r, BOOT)
 
