@@ -178,16 +178,18 @@ def read_draws(kept_path: Path, dropped_path: Path, seed: int, openings: Opening
             try:
                 index = draw_index(rec["id"])
                 if openings.limit is not None and not 0 <= index < openings.limit:
-                    raise IndexError
+                    raise SynthesizeError(f"{path}:{lineno}: draw {rec['id']} is past the {openings.limit} "
+                                          "conversations of data.synthesize.follow_up; move the files away for "
+                                          "another follow_up, or name the same one")
                 if path == kept_path:
                     if rec.get("follows") != openings.follows(index):
                         raise SynthesizeError(f"{path}:{lineno}: draw {rec['id']} follows {rec.get('follows')!r}, "
                                               f"not {openings.follows(index)!r} as data.synthesize.follow_up has it; "
                                               "move the files away for another follow_up, or name the same one")
                     draws.kept.add(openings.kept_key(index, rec["messages"][-1]["content"]))
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-                if isinstance(e, SynthesizeError):
-                    raise
+            except SynthesizeError:
+                raise
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError):
                 raise SynthesizeError(f"{path}:{lineno}: a whole line that is not a synthesized draw; the file is "
                                       "damaged: move it away and rerun") from None
             if rec["id"] != draw_key(seed, index):

@@ -262,7 +262,7 @@ def test_a_resumed_follow_up_run_is_of_the_same_conversations(tmp_path: Path) ->
     with pytest.raises(SynthesizeError, match=rf"{KEPT_FILE}:1: draw self-0-00000001 follows 'openai-0+1', not "):
         read_draws(kept, tmp_path / DROPPED_FILE, 0, other)
     short = FollowUps(write_conversations(tmp_path / "short.jsonl", CONVERSATIONS[:1]), None)
-    with pytest.raises(SynthesizeError, match=rf"{KEPT_FILE}:1: a whole line that is not a synthesized draw"):
+    with pytest.raises(SynthesizeError, match=rf"{KEPT_FILE}:1: draw self-0-00000001 is past the 1 conversations of"):
         read_draws(kept, tmp_path / DROPPED_FILE, 0, short)
 
 
