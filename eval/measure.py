@@ -70,7 +70,7 @@ def summarize(per_dataset: Mapping[str, Sequence[Generation]], references: Mappi
            "cycle_ms": cycle_ms,  # without the stalls (eval.stall_free), as tau* reads it; the phases: their means
            "stalled_cycles": sum(stalled(g.cycle_s) for g in gens),
            "draft_step_ms": ms["draft"] / s.num_steps,
-           "speed": metrics.speed(sum(g.cycle_tokens for g in gens), times, decode_ms),
+           "speed": metrics.speed(sum(g.cycle_tokens for g in gens), sum(cycle_s), decode_ms),
            # every prompt of every dataset in order, as plain's per_prompt: the timing samples of tau*
            "per_prompt_timing": {"cycle_s": cycle_s, "cycles": [len(g.accepted) for g in gens]}}
     out["measured_breakeven"] = breakeven.breakeven(decode_ms, cycle_ms, s.num_steps) if times.cycles else None

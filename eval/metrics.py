@@ -72,8 +72,9 @@ def phase_lines(times: PhaseTimes) -> list[str]:
     return [f"{PHASE_LABELS[p]}: {ms[p]:.2f} ms/cyc ({100 * ms[p] / total:.1f}%)" for p in PHASE_LABELS]
 
 
-def speed(tokens: int, times: PhaseTimes, decode_ms: float) -> dict[str, float]:
-    """tok/s with speculation (cycle tokens over cycle time) and without (1000 / plain ms per token)."""
-    spec_tps = tokens / times.total_s if times.total_s > 0 else float("nan")
+def speed(tokens: int, cycle_s: float, decode_ms: float) -> dict[str, float]:
+    """tok/s with speculation (cycle tokens over the cycles' seconds) and without (1000 / plain ms per token), both
+    timed the same way (eval.stall_free's read, as tau* is)."""
+    spec_tps = tokens / cycle_s if cycle_s > 0 else float("nan")
     plain_tps = 1000.0 / decode_ms if decode_ms > 0 else float("nan")
     return {"spec_tps": spec_tps, "plain_tps": plain_tps, "speedup": spec_tps / plain_tps}

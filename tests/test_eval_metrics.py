@@ -43,7 +43,7 @@ def test_phase_lines_and_speed():
     t = metrics.PhaseTimes(draft_s=0.0010, verify_s=0.01998, overhead_s=0.00016, cycles=1)
     lines = metrics.phase_lines(t)
     assert lines[1] == "Target verify: 19.98 ms/cyc (94.5%)"
-    sp = metrics.speed(tokens=3, times=t, decode_ms=12.0)
+    sp = metrics.speed(tokens=3, cycle_s=t.total_s, decode_ms=12.0)
     assert sp["spec_tps"] == pytest.approx(3 / 0.02114)
     assert sp["speedup"] == pytest.approx(sp["spec_tps"] / (1000 / 12.0))
 
