@@ -1,6 +1,8 @@
 """The table at the top of bench/RESULTS.md, generated from bench/results.json: each headline figure with its
-value, the command that measured it, the device and the date. Figures live only in results.json, written by the
-benchmarks; this script copies them into the block between the two marker lines, so nobody types one.
+value, the command that measured it, the device and the date; then every candidate gated against the shipped drafter,
+with its paired differences, and the confidence that that many tries on the same prompts ask of each. Figures live
+only in results.json, written by the benchmarks; this script copies them into the block between the two marker
+lines, so nobody types one.
 
     python bench/results_table.py        # after a benchmark wrote results.json: rewrite the block
 
@@ -11,6 +13,7 @@ results.json no longer holds (a benchmark's object changed shape) is an error na
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -281,9 +284,45 @@ def table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+GATED_SETS = (("mtbench", "MT-Bench"), ("mtbench_turn2", "second turns"), ("humaneval", "HumanEval"))
+
+
+def _difference(obj: Mapping[str, Any], dataset: str) -> str:
+    """``+0.025 [+0.003, +0.046]``: a candidate's paired difference from the incumbent on ``dataset``, or a dash."""
+    d = obj["gate"]["intervals"].get(dataset, {}).get("vs_incumbent")
+    return f"{d['point']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" if d else "—"
+
+
+def candidates_table(results: Mapping[str, Any]) -> str:
+    """Every candidate gated against the shipped drafter (an object whose gate's incumbent has the fingerprint of the
+    drafter ``quality`` measured), with its paired differences and verdict, and the confidence that trying that many
+    on the same prompts asks of each (docs/gate-and-promotion.md: 1 - 5 %/c); empty before ``quality`` exists."""
+    shipped = results.get("quality", {}).get("fingerprint")
+    against = [name for name, obj in results.items()
+               if shipped and isinstance(obj, dict) and obj.get("gate", {}).get("incumbent_fingerprint") == shipped]
+    # by date, then by name with its numbers read as numbers (stage9 before stage10)
+    tried = sorted(((results[n]["date"], n) for n in against),
+                   key=lambda t: (t[0], [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", t[1])]))
+    if not tried:
+        return ""
+    lines = ["", f"Candidates gated against the shipped drafter (`quality.fingerprint` {shipped[:12]}…), every prompt,",
+             "k = 3, T = 0; paired differences from it with their intervals:", "",
+             "| object | checkpoint | MT-Bench τ | " + " | ".join(f"{label} Δ" for _, label in GATED_SETS)
+             + " | level | verdict | date |", "|---" * (6 + len(GATED_SETS)) + "|"]
+    for date, name in tried:
+        obj = results[name]
+        tau = obj["gate"]["intervals"]["mtbench"]["tau"]["point"]
+        lines.append(f"| `{name}` | `{obj['checkpoint']}` | {tau:.3f} | "
+                     + " | ".join(_difference(obj, ds) for ds, _ in GATED_SETS)
+                     + f" | {100 * obj['confidence']:g} % | {obj['gate']['verdict']} | {date} |")
+    lines += ["", f"{len(tried)} candidates tried on the same prompts: gating each at 1 − 5 %/{len(tried)} asks "
+              f"{100 * (1 - 0.05 / len(tried)):.1f} %."]
+    return "\n".join(lines)
+
+
 def block(results: Mapping[str, Any]) -> str:
     """The marked block as RESULTS.md holds it, markers included."""
-    return f"{BEGIN}\n{table(results)}\n{END}"
+    return f"{BEGIN}\n{table(results)}\n{candidates_table(results)}\n{END}"
 
 
 def current_block(markdown: str, where: str = "bench/RESULTS.md") -> str:

@@ -56,3 +56,27 @@ def test_rewrite_replaces_only_the_marked_block_and_needs_the_markers(tmp_path, 
     md.write_text("# Results\n")
     with pytest.raises(rt.TableError, match="marker lines are missing"):
         rt.rewrite(results, md)
+
+
+def _gated(fingerprint: str, date: str, mt: float, with_turn2: bool = True) -> dict:
+    iv = {"mtbench": {"tau": {"point": 2.6}, "vs_incumbent": {"point": mt, "ci": [mt - 0.02, mt + 0.02]}},
+          "humaneval": {"vs_incumbent": {"point": -0.01, "ci": [-0.05, 0.03]}}}
+    if with_turn2:
+        iv["mtbench_turn2"] = {"vs_incumbent": {"point": 0.004, "ci": [-0.01, 0.02]}}
+    return {"command": "python bench/drafter_quality.py eval", "device": "cpu (2 cores)", "date": date,
+            "checkpoint": "runs/c", "confidence": 0.95,
+            "gate": {"incumbent_fingerprint": fingerprint, "verdict": "unresolved", "intervals": iv}}
+
+
+def test_the_candidates_table_lists_every_try_against_the_shipped_drafter_and_the_level_they_ask() -> None:
+    shipped = {"command": "python bench/x.py", "device": "cpu", "date": "2030-01-01", "fingerprint": "f" * 64}
+    results = {"quality": shipped,
+               "stage10_vs_shipped": _gated("f" * 64, "2030-01-02", 0.025),
+               "stage9_vs_shipped": _gated("f" * 64, "2030-01-02", 0.006, with_turn2=False),
+               "stage2_vs_older": _gated("e" * 64, "2030-01-01", 0.1)}
+    text = rt.candidates_table(results)
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert [r.split("`")[1] for r in rows] == ["stage9_vs_shipped", "stage10_vs_shipped"]  # numbers read as numbers
+    assert "+0.025 [+0.005, +0.045]" in rows[1] and "| — |" in rows[0]  # no second turns measured: a dash
+    assert text.endswith("2 candidates tried on the same prompts: gating each at 1 − 5 %/2 asks 97.5 %.")
+    assert rt.candidates_table({"stage9_vs_shipped": results["stage9_vs_shipped"]}) == ""  # no shipped drafter yet
