@@ -247,8 +247,8 @@ class HFDrawer:
         """Each draw as the engine finishes it (first those whose prefix leaves no room in the context)."""
         s, r = self.cfg.data.synthesize, self.cfg.regenerate
         assert s is not None
-        texts = [self.openings.prefix(self.tok, draw_index(key)) for key in keys]
-        prefixes = self.tok(texts, add_special_tokens=False)["input_ids"]
+        rendered = [self.openings.prefix(self.tok, draw_index(key)) for key in keys]
+        prefixes = self.tok(rendered, add_special_tokens=False)["input_ids"]
         room, no_room = fitting(keys, list(map(len, prefixes)), s.max_new_tokens, self.max_context)
         yield from no_room
         if not room:

@@ -20,13 +20,16 @@ QUANTILE = 0.25
 STALL_FACTOR = 2.0
 
 
+def _step(durations: Sequence[float]) -> float:
+    """A step's time read past the stalls: the lower quartile of the run's step durations (0 without steps)."""
+    return float(np.quantile(durations, QUANTILE)) if len(durations) else 0.0
+
+
 def stall_free_s(durations: Sequence[float]) -> float:
     """The run's seconds: its steps times the lower quartile of their durations (0 for a run without steps)."""
-    return len(durations) * float(np.quantile(durations, QUANTILE)) if len(durations) else 0.0
+    return len(durations) * _step(durations)
 
 
 def stalled(durations: Sequence[float]) -> int:
     """Steps that took over STALL_FACTOR times the run's lower quartile."""
-    if not len(durations):
-        return 0
-    return int((np.asarray(durations) > STALL_FACTOR * np.quantile(durations, QUANTILE)).sum())
+    return int((np.asarray(durations, dtype=float) > STALL_FACTOR * _step(durations)).sum())
