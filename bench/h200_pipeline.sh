@@ -49,7 +49,8 @@
 #                template's own; configs/self-prompt-systems.json steers them over the kinds of task chat users
 #                ask for), else every third under SELF_SYSTEM, a coding assistant's, the rest under the template's.
 #                With SELF_FOLLOW_UP (a conversations.jsonl, e.g. an earlier batch's) the target writes instead the
-#                user's next turn after each of its first SELF_COUNT conversations, answered with the conversation.
+#                user's next turn after each of its first SELF_COUNT conversations, answered with the conversation
+#                under the system turn it had (so SELF_SYSTEMS_FILE with it is refused).
 #                Another batch: another SELF and SELF_SEED. An earlier machine's conversations
 #                (.gpu/<SELF without runs/smollm2-h200->/conversations.jsonl.gz.part-*, returned by
 #                `RUN=$SELF OUT_CONVERSATIONS=1 ... out`) are unpacked instead when carried
@@ -242,7 +243,11 @@ for p in "$@"; do
         unpack_carried self-prompts $SELF_CARRIED $SELF/conversations.jsonl
         continue
       fi
-      if [ -n "${SELF_FOLLOW_UP:-}" ]; then
+      if [ -n "${SELF_FOLLOW_UP:-}" ] && [ -n "${SELF_SYSTEMS_FILE:-}" ]; then
+        echo "=== self-prompts: SELF_FOLLOW_UP and SELF_SYSTEMS_FILE together: a follow-up keeps the system turn its"\
+          "conversation was answered under; drop SELF_SYSTEMS_FILE"
+        failed+=(self-prompts); continue
+      elif [ -n "${SELF_FOLLOW_UP:-}" ]; then
         SELF_SYSTEMS='[null]'  # a follow-up continues its conversation as it was answered
       elif [ -n "${SELF_SYSTEMS_FILE:-}" ]; then
         SELF_SYSTEMS=$(python3 -c 'import json, sys; v = json.load(open(sys.argv[1]))

@@ -94,8 +94,12 @@ def test_self_prompts_refuses_a_systems_file_that_is_not_a_json_list_of_system_t
 
 def test_self_prompts_with_follow_up_continue_its_conversations_under_their_own_systems(tmp_path: Path) -> None:
     missing = tmp_path / "earlier" / "conversations.jsonl"
+    refused = run_phases("self-prompts", SELF=str(tmp_path / "self"), SELF_FOLLOW_UP=str(missing),
+                         SELF_SYSTEMS_FILE="configs/self-prompt-systems.json")
+    assert refused.returncode != 0 and "SELF_FOLLOW_UP and SELF_SYSTEMS_FILE together" in refused.stdout
+    assert not (tmp_path / "self").exists()
     done = run_phases("self-prompts", SELF=str(tmp_path / "self"), SELF_FOLLOW_UP=str(missing), SELF_COUNT="7",
-                      SELF_SEED="3", SELF_SYSTEMS_FILE="configs/self-prompt-systems.json")
+                      SELF_SEED="3")
     assert done.returncode != 0 and f"data.synthesize.follow_up: {missing} is not a file" in done.stdout + done.stderr
     synthesize = yaml.safe_load((tmp_path / "self" / "config.yaml").read_text())["data"]["synthesize"]
     assert synthesize == {**synthesize, "count": 7, "seed": 3, "follow_up": str(missing), "systems": [None]}
