@@ -1,0 +1,122 @@
+"""How much of a drafter's tau comes from the target's degenerate loops: tau outside the loop tails and inside them,
+per eval set, k = 3, T = 0, fp32 target, each with its bootstrap interval; and for each drafter after the first, its
+paired difference from the first outside the loops and inside them.
+
+    python bench/loop_split.py --config configs/smollm2-135m-h200.yaml --set target.device=cpu \
+        --checkpoint drafters/smollm2-135m-eagle3 runs/smollm2-h200-stage11
+
+A greedy small target often ends an answer in a loop (the same block again until max_new_tokens), and a drafter
+copies such a tail almost perfectly, so tau over a whole answer mixes two things: how well the drafter predicts
+the target's text, and how much of the answer is a loop. A target that does not loop when it is served (the
+mission's) sees only the first. A loop is what regeneration cuts (``engine.loops.loop_start`` with
+``regenerate.loop_min_repeat_tokens`` and ``loop_max_period``); a verify cycle is inside it when the first token it
+produces is one of the loop's copies. At T = 0 every drafter yields the target's greedy tokens, so every drafter's
+answers share one split. Recorded as "loop_split".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from bench.results import record
+from engine.batched import BatchedTarget
+from engine.loops import loop_start
+from eval.batched_speculative import speculative_batch
+from eval.gate_stats import bootstrap
+from eval.intervals import Bootstrap, paired_difference, ratio_estimate
+from eval.quality import load_drafter, quality_config, target_and_prompts
+from target_model.hf_model import stop_token_ids
+
+PARTS = ("outside_loops", "in_loops")
+PerPrompt = dict[str, list[int]]
+
+
+def split_cycles(tokens: Sequence[int], accepted: Sequence[int], min_repeat_tokens: int, max_period: int
+                 ) -> dict[str, tuple[int, int]]:
+    """(tokens, cycles) of one answer's verify cycles outside its tail loop and inside it. ``tokens`` starts with the
+    prefill's token; cycle i produces ``accepted[i] + 1`` tokens from where the previous one stopped."""
+    start = loop_start(tokens, min_repeat_tokens, max_period)
+    out = {part: [0, 0] for part in PARTS}
+    pos = 1
+    for a in accepted:
+        part = out["in_loops" if start is not None and pos >= start else "outside_loops"]
+        part[0] += a + 1
+        part[1] += 1
+        pos += a + 1
+    return {part: (t, c) for part, (t, c) in out.items()}
+
+
+def per_prompt_split(rows: Sequence[tuple[Sequence[int], Sequence[int]]], min_repeat_tokens: int,
+                     max_period: int) -> dict[str, PerPrompt]:
+    """Per part, the per-prompt columns (tokens, cycles) that ``eval.intervals`` resamples."""
+    splits = [split_cycles(t, a, min_repeat_tokens, max_period) for t, a in rows]
+    return {part: {"tokens": [s[part][0] for s in splits], "cycles": [s[part][1] for s in splits]} for part in PARTS}
+
+
+def part_figures(cols: PerPrompt, boot: Bootstrap) -> dict:
+    """tau of one part with its interval, and the cycles and prompts behind it."""
+    iv = ratio_estimate(cols["tokens"], cols["cycles"], boot).interval(boot.level)
+    return {"tau": iv.point, "ci": [iv.low, iv.high], "cycles": sum(cols["cycles"]),
+            "prompts": sum(c > 0 for c in cols["cycles"])}
+
+
+def dataset_figures(split: dict[str, PerPrompt], boot: Bootstrap) -> dict:
+    """tau over every cycle, both parts' figures and the share of the cycles spent inside loops."""
+    tokens, cycles = ({part: sum(split[part][col]) for part in PARTS} for col in ("tokens", "cycles"))
+    total = sum(cycles.values())
+    return {"tau": sum(tokens.values()) / total if total else float("nan"),
+            **{part: part_figures(split[part], boot) for part in PARTS},
+            "loop_cycle_share": cycles["in_loops"] / total if total else 0.0}
+
+
+def paired(a: dict[str, PerPrompt], b: dict[str, PerPrompt], boot: Bootstrap) -> dict:
+    """a minus b in each part, on the prompts where both ran a cycle in it."""
+    out = {}
+    for part in PARTS:
+        iv = paired_difference((a[part]["tokens"], a[part]["cycles"]), (b[part]["tokens"], b[part]["cycles"]),
+                               boot).interval(boot.level)
+        out[part] = iv.to_dict()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--checkpoint", nargs="+", required=True,
+                    help="drafters to measure; each after the first is also paired against the first")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--name", default="loop_split", help="the results.json object to write")
+    ap.add_argument("--limit", type=int, default=None, help="the first N prompts of each set only (smoke runs)")
+    args = ap.parse_args(argv)
+    cfg = quality_config(args.config, overrides=args.set)
+    target, prompts = target_and_prompts(cfg, args.limit)
+    boot, regen = bootstrap(cfg.gate), cfg.regenerate
+    stops = stop_token_ids(target.tokenizer)
+    splits: dict[str, dict[str, dict[str, PerPrompt]]] = {}
+    for ckpt in args.checkpoint:
+        drafter, aux_ids = load_drafter(target, cfg, ckpt)
+        engine = BatchedTarget(target.model, aux_ids)
+        splits[ckpt] = {}
+        for name, ps in prompts.items():
+            with torch.no_grad():
+                rows = speculative_batch(engine, drafter, ps, 3, cfg.eval.max_new_tokens, stops,
+                                         desc=f"{ckpt} {name}")
+            splits[ckpt][name] = per_prompt_split([(r.tokens, r.accepted) for r in rows],
+                                                  regen.loop_min_repeat_tokens, regen.loop_max_period)
+    first = args.checkpoint[0]
+    record(args.name, {"checkpoints": args.checkpoint, "limit": args.limit, "k": 3, "temperature": 0.0, "confidence": boot.level,
+                       "loop": {"min_repeat_tokens": regen.loop_min_repeat_tokens,
+                                "max_period": regen.loop_max_period},
+                       "drafters": {c: {name: dataset_figures(split, boot) for name, split in by_set.items()}
+                                    for c, by_set in splits.items()},
+                       "minus_first": {c: {name: paired(splits[c][name], splits[first][name], boot)
+                                           for name in splits[c]} for c in args.checkpoint[1:]}})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
