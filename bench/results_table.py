@@ -35,22 +35,6 @@ Step = str | int | dict
 Figure = tuple[str, str, tuple[Step, ...]]  # (what the figure is, the results.json object, the path inside it)
 
 
-def paired(dataset: str) -> tuple[Step, ...]:
-    """The path to a gated candidate's paired difference from the incumbent on ``dataset``."""
-    return ("gate", "intervals", dataset, "vs_incumbent", "point")
-
-
-def gated_stage(ordinal: str, name: str, note: str = "not shipped") -> tuple[Figure, ...]:
-    """A stage gated against the shipped drafter (``name``, an ``eval quality --incumbent`` object): its MT-Bench τ,
-    its paired differences on each set, and the verdict."""
-    return ((f"the {ordinal} stage ({note}), MT-Bench τ at T = 0", name,
-             ("gate", "intervals", "mtbench", "tau", "point")),
-            (f"the {ordinal} stage minus the shipped drafter, MT-Bench τ (paired)", name, paired("mtbench")),
-            ("the same, MT-Bench second turns τ (paired)", name, paired("mtbench_turn2")),
-            ("the same, HumanEval τ (paired)", name, paired("humaneval")),
-            (f"the gate's verdict on the {ordinal} stage", name, ("gate", "verdict")))
-
-
 def stage_overlap(ordinal: str, name: str, batch: str) -> tuple[Figure, ...]:
     """The eval prompts sharing a 13-word run with a stage's self-written batch (``batch``, a run under runs/)."""
     path = f"runs/{batch}/conversations.jsonl"
@@ -108,19 +92,6 @@ FIGURES: tuple[Figure, ...] = (
     ("the seventh stage alone minus the sixth, HumanEval τ (paired)", "stage7_vs_shipped",
      ("gate", "intervals", "humaneval", "vs_incumbent", "point")),
     ("the gate's verdict on the seventh stage alone", "stage7_vs_shipped", ("gate", "verdict")),
-    *gated_stage("eighth", "stage8_vs_shipped"),
-    ("the eighth stage averaged with the shipped drafter, minus the shipped drafter, MT-Bench τ (paired)",
-     "soup8_vs_shipped", ("gate", "intervals", "mtbench", "vs_incumbent", "point")),
-    ("the gate's verdict on that average", "soup8_vs_shipped", ("gate", "verdict")),
-    *gated_stage("ninth", "stage9_vs_shipped", "not shipped; TTT loss weights 0.5 ** i"),
-    ("the ninth stage averaged with the shipped drafter, minus the shipped drafter, HumanEval τ (paired)",
-     "soup9_vs_shipped", ("gate", "intervals", "humaneval", "vs_incumbent", "point")),
-    ("the gate's verdict on that average", "soup9_vs_shipped", ("gate", "verdict")),
-    *gated_stage("tenth", "stage10_vs_shipped"),
-    ("the ninth and tenth stages averaged, minus the shipped drafter, MT-Bench τ (paired)", "soup910_vs_shipped",
-     ("gate", "intervals", "mtbench", "vs_incumbent", "point")),
-    ("the gate's verdict on that average", "soup910_vs_shipped", ("gate", "verdict")),
-    *gated_stage("eleventh", "stage11_vs_shipped", "not shipped; self-written follow-up turns"),
     ("lossless mismatches on MT-Bench (fp32 target, T = 0)", "quality", ("mtbench", "lossless_mismatches")),
     ("lossless mismatches on HumanEval (fp32 target, T = 0)", "quality", ("humaneval", "lossless_mismatches")),
     ("MT-Bench prompts sharing a 13-word run with a self-written training prompt", "prompt_overlap",
