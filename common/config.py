@@ -484,9 +484,10 @@ class GateConfig(Section):
     margin: NonNegativeFloat = Field(0.0, description="tau must clear tau* x (1 + margin), break-even plus a margin.")
     min_delta: NonNegativeFloat = Field(0.0, description="tau must beat the incumbent's by this much.")
     confidence: Annotated[float, Field(gt=0.5, lt=1.0), NotBool] = Field(
-        0.95, description="Two-sided level of each bootstrap interval (expanded for few prompts): the candidate is "
-        "promoted when every interval's lower end lies above its bar, rejected when an upper end is below it, "
-        "unresolved otherwise.")
+        0.95, description="Two-sided level of each bootstrap interval (expanded for few prompts) for the first "
+        "candidate tried against an incumbent: the candidate is promoted when every interval's lower end lies above "
+        "its bar, rejected when an upper end is below it, unresolved otherwise. The gate reads the c-th candidate "
+        "against the same incumbent on the same prompts at 1 - (1 - confidence) / c (its history counts the tries).")
     bootstrap_samples: Annotated[int, Field(ge=1000), NotBool] = Field(
         2000, description="Resamples of the prompts (and of the timing prompts) behind each interval; at least 1,000 "
         "(with fewer, a bound near its bar moves with the seed).")

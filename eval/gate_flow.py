@@ -33,6 +33,7 @@ from drafter.sglang_checkpoint import CheckpointError, check_checkpoint, fingerp
 from eval.evaluate import evaluate, save_report
 from eval.gate import already_serving, append_history, decide, promotion_path, promotions_held, record_decision
 from eval.gate_stats import bootstrap, evidence_record, report_evidence
+from eval.gate_tries import at_level, tries
 
 
 @dataclass
@@ -49,10 +50,11 @@ class Measured:
 
 
 def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
-             measure: Callable[[dict | None], Measured], save: Callable[[RunConfig, dict], Any],
+             measure: Callable[[dict | None, str], Measured], save: Callable[[RunConfig, dict], Any],
              record_fields: dict | None = None) -> str:
     """The gate's opening and closing, under the promotions lock (``holder`` names this gate in it).
-    ``measure(serving)`` is called with the history record of the candidate when it already serves (else None);
+    ``measure(serving, fp)`` is called with the history record of the candidate when it already serves (else None)
+    and the candidate's fingerprint;
     ``save(cfg, report)`` writes the report. ``record_fields`` go into every history record this gate writes.
     Returns "promoted", "passed", "unresolved" (recorded and exiting like a rejection) or "rejected"."""
     with promotions_held(cfg.gate.promoted_dir, cfg.gate.history_file, holder):
@@ -69,7 +71,7 @@ def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
         if serving is not None and do_promote:  # promoted by an earlier run, killed before its caller saw the exit code
             print(f"PROMOTED (already: serving since {serving.get('time')}, {cfg.gate.history_file})")
             return "promoted"
-        measured = measure(serving)
+        measured = measure(serving, record["fingerprint"])
         decision = (("promoted" if do_promote else "passed") if measured.passed
                     else "unresolved" if measured.unresolved else "rejected")
         reasons = list(measured.reasons)
@@ -79,7 +81,7 @@ def run_gate(cfg: RunConfig, checkpoint: str, do_promote: bool, holder: str,
         report = measured.report
         report["gate"] = {"decision": decision, "reasons": reasons, "datasets": gate_datasets(cfg),
                           "margin": cfg.gate.margin, "min_delta": cfg.gate.min_delta,
-                          "history_file": str(cfg.gate.history_file)}
+                          "history_file": str(cfg.gate.history_file), "tries": record.get("tries")}
         save(cfg, report)  # before the record: a recorded decision always has its report
         record_decision(checkpoint, record, cfg.gate.promoted_dir, cfg.gate.history_file)  # a promotion switches here
         print(decision.upper())
@@ -94,15 +96,17 @@ def gate_datasets(cfg: RunConfig) -> list[str]:
 def gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote: bool, name: str) -> str:
     """The decision: "promoted" (passed and now served from gate.promoted_dir), "passed", "unresolved" or
     "rejected"."""
-    def measure(serving: dict | None) -> Measured:
-        return _measure_hf(cfg, checkpoint, incumbent, serving, name)
+    def measure(serving: dict | None, fp: str) -> Measured:
+        return _measure_hf(cfg, checkpoint, incumbent, serving, name, fp)
 
     return run_gate(cfg, checkpoint, do_promote, "eval gate", measure, save_report)
 
 
-def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving: dict | None, name: str) -> Measured:
-    """The candidate and the incumbent (given, else what ``promoted`` serves) on the HF target; a candidate that
-    already serves, or an incumbent that fails the checker, is held to break-even only."""
+def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving: dict | None, name: str,
+                fp: str) -> Measured:
+    """The candidate (fingerprint ``fp``) and the incumbent (given, else what ``promoted`` serves) on the HF target,
+    read at the level this try calls for (``eval.gate_tries``); a candidate that already serves, or an incumbent that
+    fails the checker, is held to break-even only."""
     notes = []
     if serving is not None:
         notes.append("the candidate is the drafter serving now; compared against break-even only")
@@ -113,6 +117,9 @@ def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving:
         notes.append(f"incumbent {incumbent} fails check_checkpoint; compared against break-even only")
         incumbent = None
     checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
+    tried = tries(cfg, fp, fingerprint(incumbent) if incumbent else None, "hf")
+    cfg = at_level(cfg, tried.level)
+    notes.append(tried.line(cfg.gate.history_file))
     report = evaluate(cfg, checkpoints, name)
     gate_ds = gate_datasets(cfg)
     cand = report["drafters"]["candidate"]
@@ -127,7 +134,7 @@ def _measure_hf(cfg: RunConfig, checkpoint: str, incumbent: str | None, serving:
               "alpha": {ds: cand["datasets"][ds]["alpha_conditional"] for ds in gate_ds},
               "tau_star": report["breakeven"]["tau_star"], "timings_source": report["breakeven"]["source"],
               "records_skipped_short": {ds: report["records_skipped_short"][ds] for ds in gate_ds},
-              "intervals": evidence_record(evidence, d)}
+              "intervals": evidence_record(evidence, d), "tries": tried.record()}
     report["intervals"] = record["intervals"]
     return Measured(report, d.promote, d.reasons + notes, record, d.verdict == "unresolved")
 

@@ -42,11 +42,13 @@ from typing import Any
 
 from common.config import ConfigError, GateConfig, RunConfig
 from common.files import json_safe, json_text, write_text_atomic
+from drafter.sglang_checkpoint import fingerprint
 from eval import breakeven, metrics
 from eval.context_buckets import HeldOutBuckets, holdout_buckets
 from eval.gate import decide
 from eval.gate_flow import Measured, gate_datasets, run_gate
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, timed_tau_star
+from eval.gate_tries import at_level, tries
 from eval.intervals import constant
 from eval.prompts import rendered_datasets
 from eval.report import decimals, gate_lines
@@ -419,23 +421,28 @@ def live_gate(cfg: RunConfig, checkpoint: str, incumbent: str | None, do_promote
     """``eval gate --live``: "promoted", "passed", "unresolved" or "rejected"; history and report written as the HF
     gate's, in the same frame (``eval.gate_flow.run_gate``: the promotions lock, reconcile, the crash-safe
     promotion)."""
-    def measure(_serving: dict | None) -> Measured:
+    def measure(_serving: dict | None, fp: str) -> Measured:
         checkpoints = {"candidate": checkpoint} | ({"incumbent": incumbent} if incumbent else {})
         eval_prompts, context = live_inputs(cfg, prompts)
         report = measure_live(cfg, eval_prompts, checkpoints, context)
         report["name"] = name
         gate_ds = gate_datasets(cfg)
-        verdict, reasons, taus, intervals = decide_live(report, gate_ds, cfg.gate)
+        served = report["servers"].get("incumbent")
+        # the incumbent by its weights when its directory is given, else by the path its server names
+        tried = tries(cfg, fp, fingerprint(incumbent) if incumbent else served["draft_model_path"] if served else None,
+                      "live")
+        verdict, reasons, taus, intervals = decide_live(report, gate_ds, at_level(cfg, tried.level).gate)
+        reasons.append(tried.line(cfg.gate.history_file))
         report["intervals"] = intervals
         by_c = report["by_concurrency"]
-        served = report["servers"].get("incumbent")
         record = {
             "incumbent": {"served": served["draft_model_path"], "url": report["urls"]["incumbent"]} if served else None,
             "tau": taus,
             "incumbent_tau": {c: {ds: row["drafters"]["incumbent"]["datasets"][ds]["tau"] for ds in gate_ds}
                               for c, row in by_c.items()} if served else None,
             "tau_star": {c: row["breakeven"]["tau_star"] for c, row in by_c.items()},
-            "timings_source": {c: row["breakeven"]["source"] for c, row in by_c.items()}, "intervals": intervals}
+            "timings_source": {c: row["breakeven"]["source"] for c, row in by_c.items()}, "intervals": intervals,
+            "tries": tried.record()}
         return Measured(report, verdict == "promote", reasons, record, verdict == "unresolved")
 
     return run_gate(cfg, checkpoint, do_promote, "eval gate --live", measure, write_live_report, {"mode": "live"})

@@ -366,3 +366,58 @@ def test_a_kill_before_the_record_leaves_no_decision_and_the_rerun_decides_once(
     assert saved == ["rejected", "rejected"]
     rows = [json.loads(x) for x in (tmp_path / "promotions.jsonl").read_text().splitlines()]
     assert [r["decision"] for r in rows] == ["rejected"]
+
+
+def test_tries_count_the_other_candidates_gated_against_the_same_incumbent_on_the_same_prompts(tmp_path) -> None:
+    """Try c is read at 1 - 5 %/c: the same candidate again is the same try, and another incumbent, other prompts
+    or a record without a family are another family."""
+    from common.config import load_config
+    from eval.gate_tries import family_key, tries
+
+    cfg = load_config(write_config(tmp_path))
+    same = family_key(cfg, "inc", "hf")
+    (tmp_path / "b").mkdir()
+    other_prompts = load_config(write_config(tmp_path / "b", num_steps=5))
+    assert family_key(other_prompts, "inc", "hf") != same != family_key(cfg, "inc-2", "hf")
+    assert family_key(cfg, "inc", "live") != same
+    for fp, family in (("a", same), ("b", same), ("a", same), ("c", family_key(cfg, "inc-2", "hf")), ("d", None)):
+        append_history(cfg.gate.history_file, {"decision": "unresolved", "fingerprint": fp,
+                                               "tries": {"family": family} if family else None})
+    t = tries(cfg, "e", "inc", "hf")
+    assert t.earlier == ("a", "b") and t.count == 3 and t.level == pytest.approx(1 - 0.05 / 3)
+    assert tries(cfg, "a", "inc", "hf").count == 2  # "a" again: one other candidate ("b") was tried
+    assert tries(cfg, "e", "inc-3", "hf").level == pytest.approx(0.95)
+
+
+def test_the_second_candidate_against_an_incumbent_is_gated_at_the_level_two_tries_call_for(tmp_path, tiny_drafter,
+                                                                                             monkeypatch, capsys):
+    """Two candidates gated in turn against one incumbent on the same prompts: the second reads its intervals at
+    97.5 %, the history and the report say so, and gating the first again stays the second try."""
+    import eval.gate_flow
+
+    def ds(tokens: list[int]) -> dict:
+        return {"tau": sum(tokens) / 50, "alpha_conditional": [0.5],
+                "per_prompt": {"tokens": tokens, "cycles": [10] * 5}}
+
+    levels = []
+    report = {"drafters": {"candidate": {"datasets": {"mtbench": ds([26, 18, 31, 21, 27])}, "lossless": {"ok": True}},
+                           "incumbent": {"datasets": {"mtbench": ds([25, 21, 29, 23, 24])}}},
+              "breakeven": {"tau_star": 1.2, "source": "config"}, "checkpoints": {"incumbent": {"path": "x"}},
+              "records_skipped_short": {"mtbench": 0}}
+    monkeypatch.setattr(eval.gate_flow, "evaluate", lambda cfg, *a: levels.append(cfg.gate.confidence) or report)
+    monkeypatch.setattr(eval.gate_flow, "save_report", lambda *_a: None)
+    inc = save_checkpoint(tiny_drafter, tmp_path / "inc", dtype="float32")
+    first = save_checkpoint(tiny_drafter, tmp_path / "first", dtype="float32")
+    with torch.no_grad():
+        tiny_drafter.fc.weight.add_(0.01)
+    second = save_checkpoint(tiny_drafter, tmp_path / "second", dtype="float32")
+    cfg = write_config(tmp_path)
+    for ckpt in (first, second, first):
+        assert gate_command(cfg, ckpt, incumbent=str(inc)) == 1
+    rows = [json.loads(x) for x in (tmp_path / "promotions.jsonl").read_text().splitlines()]
+    assert levels == [0.95, pytest.approx(0.975), pytest.approx(0.975)]
+    assert [r["tries"]["count"] for r in rows] == [1, 2, 2] and rows[0]["tries"]["family"] == rows[1]["tries"]["family"]
+    assert rows[1]["reasons"][0].startswith("mtbench: UNRESOLVED (5 prompts, 97.5% intervals)")
+    assert any(r.startswith("tries: candidate 2 against this incumbent on these prompts (1 earlier in")
+               for r in rows[1]["reasons"])
+    assert report["gate"]["tries"]["level"] == pytest.approx(0.975)

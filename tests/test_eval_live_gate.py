@@ -192,6 +192,8 @@ def test_live_gate_promotes_k25_drafter_over_k2_drafter(tmp_path, serve, ckpts):
     assert "concurrency 3: mtbench: PASS (3 prompts, 95% intervals): tau 3.000 [3.000, 3.000]" in reasons
     assert report["intervals"]["3"]["mtbench"]["vs_incumbent"]["ci"] == pytest.approx([1.0, 1.0])
     assert row["intervals"]["1"]["humaneval"]["tau_star"]["prompts"] == 5  # every request to the baseline
+    assert row["tries"]["count"] == 1 and row["tries"]["level"] == 0.95 and report["gate"]["tries"] == row["tries"]
+    assert "tries: the first candidate against this incumbent on these prompts" in reasons
 
 
 def test_live_promotion_is_the_crash_safe_one(tmp_path, serve, ckpts, monkeypatch, capsys):
