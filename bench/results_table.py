@@ -44,6 +44,8 @@ def stage_overlap(ordinal: str, name: str, batch: str) -> tuple[Figure, ...]:
              ("ngram", "13", "humaneval", path, "sharing")))
 
 
+SHIPPED, STAGE11 = "drafters/smollm2-135m-eagle3", "runs/smollm2-h200-stage11"  # as loop_split names them
+
 FIGURES: tuple[Figure, ...] = (
     ("τ on MT-Bench, shipped SmolLM2 drafter (every prompt, k = 3, T = 0)", "quality", ("mtbench", "tau")),
     ("peer run, one epoch: MT-Bench τ of our trainer", "peer_quality", ("ours", "mtbench", "tau")),
@@ -158,6 +160,16 @@ FIGURES: tuple[Figure, ...] = (
      ("eval_greedy", "mtbench", "loop_token_share")),
     ("loop-tail tokens in the eval's own greedy answers, HumanEval", "data_quality",
      ("eval_greedy", "humaneval", "loop_token_share")),
+    ("MT-Bench verify cycles inside the target's loop tails, shipped drafter (k = 3, T = 0)", "loop_split",
+     ("drafters", SHIPPED, "mtbench", "loop_cycle_share")),
+    ("shipped drafter's MT-Bench τ outside the loop tails", "loop_split",
+     ("drafters", SHIPPED, "mtbench", "outside_loops", "tau")),
+    ("the same, inside them", "loop_split", ("drafters", SHIPPED, "mtbench", "in_loops", "tau")),
+    ("shipped drafter's HumanEval τ outside the loop tails", "loop_split",
+     ("drafters", SHIPPED, "humaneval", "outside_loops", "tau")),
+    ("the eleventh stage minus the shipped drafter outside the loop tails, HumanEval τ (paired)", "loop_split",
+     ("minus_first", STAGE11, "humaneval", "outside_loops", "point")),
+    ("the same inside them (paired)", "loop_split", ("minus_first", STAGE11, "humaneval", "in_loops", "point")),
     ("regeneration of the H200 config's 16,256 prompts (16,217 conversations written): answer tokens/s end to end, "
      "empty compile caches",
      "regenerate", ("gen_tokens_per_s",)),
