@@ -328,7 +328,7 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
     start = time.perf_counter()
     drawer = HFDrawer(cfg, openings) if cfg.regenerate.backend == "hf" else ServerDrawer(cfg, openings)
     budget = DRAWS_PER_PROMPT * (s.count - summary.kept)
-    too_many = False
+    too_many = exhausted = False
     try:
         with named_errors(kept_path), open(kept_path, "ab") as kf, open(dropped_path, "ab") as df:
             kept_out, dropped_out = JsonlAppender(kf), JsonlAppender(df)
@@ -336,6 +336,7 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
             while summary.kept < s.count and budget > 0 and not too_many:
                 keys = draws.keys(s.seed, min(budget, s.count - summary.kept), openings.limit)  # at most as wanted
                 if not keys:  # every conversation to follow up was drawn
+                    exhausted = True
                     break
                 budget -= len(keys)
                 for key, text, reason, tokens, error in drawer.draw(keys):
@@ -371,6 +372,12 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
     if too_many:
         raise StepFailed(f"data.synthesize: {summary.failures} of {summary.tried} draws failed "
                          f"({dict(summary.failed)}; first: {summary.first_failure}); rerun to make them again", summary)
+    if summary.kept < s.count and exhausted:
+        keep = (f"set data.synthesize.count to {summary.kept} to keep these (a rerun draws nothing again), or "
+                if summary.kept else "")
+        raise StepFailed(f"data.synthesize: {summary.kept} of {s.count} follow-ups: each of the {openings.limit} "
+                         f"conversations of follow_up was drawn once (dropped: {dict(summary.dropped)}); {keep}"
+                         "follow up a longer file", summary)
     if summary.kept < s.count:
         raise StepFailed(f"data.synthesize: {summary.kept} of {s.count} prompts after {summary.drawn} draws "
                          f"(dropped: {dict(summary.dropped)}); raise max_new_tokens or lower min_chars"

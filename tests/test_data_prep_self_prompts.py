@@ -252,6 +252,26 @@ def test_follow_ups_ask_no_more_than_the_conversations_and_keep_their_own_system
                       "eval": {"datasets": [{"name": "m", "kind": "mtbench"}]}})
 
 
+@pytest.mark.real
+def test_follow_ups_short_of_count_once_every_conversation_was_drawn_say_how_to_keep_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One draw per conversation: when drops leave fewer than count, no rerun can draw more, and the error says the
+    count that keeps what was kept; with that count the rerun draws nothing and keeps them."""
+    import data_prep.self_prompts
+
+    keep_all = data_prep.self_prompts.verdict
+    calls = []
+    monkeypatch.setattr(data_prep.self_prompts, "verdict",  # the first draw is dropped as short
+                        lambda *a: "short" if not calls.append(1) and len(calls) == 1 else keep_all(*a))
+    cfg = make_cfg(tmp_path, follow_up=write_conversations(tmp_path / "conversations.jsonl", CONVERSATIONS[:2]))
+    with pytest.raises(StepFailed, match=r"1 of 2 follow-ups: each of the 2 conversations of follow_up was drawn once "
+                                         r"\(dropped: {'short': 1}\); set data.synthesize.count to 1 to keep these"):
+        run_synthesize(cfg)
+    synthesize = cfg.data.synthesize.model_copy(update={"count": 1})
+    summary = run_synthesize(cfg.model_copy(update={"data": cfg.data.model_copy(update={"synthesize": synthesize})}))
+    assert summary.kept == summary.kept_before == 1 and summary.drawn == 0
+
+
 def test_a_resumed_follow_up_run_is_of_the_same_conversations(tmp_path: Path) -> None:
     follow_ups = FollowUps(write_conversations(tmp_path / "conversations.jsonl"), None)
     kept = tmp_path / KEPT_FILE
