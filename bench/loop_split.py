@@ -108,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             splits[ckpt][name] = per_prompt_split([(r.tokens, r.accepted) for r in rows],
                                                   regen.loop_min_repeat_tokens, regen.loop_max_period)
     first = args.checkpoint[0]
-    record(args.name, {"checkpoints": args.checkpoint, "limit": args.limit, "k": 3, "temperature": 0.0, "confidence": boot.level,
+    record(args.name, {"checkpoints": args.checkpoint, "limit": args.limit, "k": 3, "temperature": 0.0,
+                       "confidence": boot.level,
                        "loop": {"min_repeat_tokens": regen.loop_min_repeat_tokens,
                                 "max_period": regen.loop_max_period},
                        "drafters": {c: {name: dataset_figures(split, boot) for name, split in by_set.items()}

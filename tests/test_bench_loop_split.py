@@ -40,7 +40,8 @@ def test_one_object_per_run_with_every_drafters_split_and_differences_from_the_f
                             "--set", "regenerate.loop_min_repeat_tokens=16", "--set", "regenerate.loop_keep_tokens=0",
                             "--name", "loop_split_test"]) == 0
     obj = json.loads(bench_results.read_text())["loop_split_test"]
-    assert obj["checkpoints"] == [ckpt, ckpt] and obj["limit"] == 2 and obj["loop"] == {"min_repeat_tokens": 16, "max_period": 256}
+    assert obj["checkpoints"] == [ckpt, ckpt] and obj["limit"] == 2
+    assert obj["loop"] == {"min_repeat_tokens": 16, "max_period": 256}
     mt = obj["drafters"][ckpt]["mt"]
     cycles = mt["outside_loops"]["cycles"] + mt["in_loops"]["cycles"]
     assert cycles > 0 and mt["loop_cycle_share"] == pytest.approx(mt["in_loops"]["cycles"] / cycles)
