@@ -44,7 +44,8 @@ def stage_overlap(ordinal: str, name: str, batch: str) -> tuple[Figure, ...]:
              ("ngram", "13", "humaneval", path, "sharing")))
 
 
-SHIPPED, STAGE11 = "drafters/smollm2-135m-eagle3", "runs/smollm2-h200-stage11"  # as loop_split names them
+SHIPPED = "drafters/smollm2-135m-eagle3"  # as loop_split names them
+STAGE11, STAGE12 = "runs/smollm2-h200-stage11", "runs/smollm2-h200-stage12"
 
 FIGURES: tuple[Figure, ...] = (
     ("τ on MT-Bench, shipped SmolLM2 drafter (every prompt, k = 3, T = 0)", "quality", ("mtbench", "tau")),
@@ -171,6 +172,12 @@ FIGURES: tuple[Figure, ...] = (
     ("the eleventh stage minus the shipped drafter outside the loop tails, HumanEval τ (paired)", "loop_split",
      ("minus_first", STAGE11, "humaneval", "outside_loops", "point")),
     ("the same inside them (paired)", "loop_split", ("minus_first", STAGE11, "humaneval", "in_loops", "point")),
+    ("the twelfth stage minus the shipped drafter outside the loop tails, MT-Bench τ (paired)", "loop_split_stage12",
+     ("minus_first", STAGE12, "mtbench", "outside_loops", "point")),
+    ("the same, MT-Bench second turns (paired)", "loop_split_stage12",
+     ("minus_first", STAGE12, "mtbench_turn2", "outside_loops", "point")),
+    ("the same, HumanEval (paired)", "loop_split_stage12",
+     ("minus_first", STAGE12, "humaneval", "outside_loops", "point")),
     ("regeneration of the H200 config's 16,256 prompts (16,217 conversations written): answer tokens/s end to end, "
      "empty compile caches",
      "regenerate", ("gen_tokens_per_s",)),
