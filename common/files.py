@@ -279,6 +279,12 @@ def cut_torn_tail(path: Path) -> int:
     return len(data) - keep
 
 
+def sha256_json(value: Any) -> str:
+    """sha256 of a JSON value with its keys sorted: the same value names the same thing across runs (store keys,
+    the gate's families of tries)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
 def sha256_file(*paths: str | Path) -> str:
     """sha256 of the files' bytes in turn, read in blocks (a shard or checkpoint may not fit in memory);
     several paths give one digest over them all (a checkpoint's weight files)."""

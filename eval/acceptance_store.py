@@ -12,14 +12,13 @@ key's JSON. A damaged entry is said and computed again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from common.files import sha256_file, write_json_atomic
+from common.files import sha256_file, sha256_json, write_json_atomic
 from common.wheels import cache_root
 from drafter.sglang_checkpoint import fingerprint
 from target_model.hf_model import TargetModel, stop_token_ids
@@ -40,7 +39,7 @@ def drafter_key(checkpoint: str | Path) -> dict[str, str]:
 
 
 def entry_name(key: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest() + ".json"
+    return sha256_json(key) + ".json"
 
 
 def target_outputs_dir() -> Path:

@@ -11,12 +11,11 @@ family. Records written without a family are not counted.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import RunConfig
+from common.files import sha256_json
 from eval.gate import read_history
 
 
@@ -55,7 +54,7 @@ def family_key(cfg: RunConfig, incumbent: str | None, mode: str) -> str:
            "datasets": [d.model_dump(mode="json") for d in cfg.eval.datasets], "gate_datasets": cfg.gate.datasets,
            "num_steps": cfg.eval.num_steps, "temperature": cfg.eval.temperature,
            "max_new_tokens": cfg.eval.max_new_tokens}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return sha256_json(key)[:16]
 
 
 def tries(cfg: RunConfig, candidate: str, incumbent: str | None, mode: str) -> Tries:
