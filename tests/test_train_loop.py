@@ -3,14 +3,17 @@ best, and handles non-finite losses."""
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
 
+from accelerate import Accelerator
 from train_fixtures import make_config, make_store
 
 from drafter.sglang_checkpoint import check_checkpoint
 from train.loop import run
+from train.module import TTTModel
 
 
 def _log(root: Path) -> list[dict]:
@@ -40,6 +43,24 @@ def test_training_learns_and_saves_servable_checkpoints(tmp_path):
     for d in [ckpts / s for s in steps] + [ckpts / "best"]:
         assert check_checkpoint(d) == [], d
         assert (d / "run_config.json").is_file()
+
+
+def test_the_model_is_freed_before_the_process_group_ends(tmp_path, monkeypatch):
+    """Under DDP the wrapper's reducer holds the process group; one that outlives the group's end is torn down
+    after it, when a peer may have exited, and can block its rank there. So none may be alive at end_training."""
+    alive: list[int] = []
+    end_training = Accelerator.end_training
+
+    def counting(self: Accelerator) -> None:
+        gc.collect()
+        alive.append(sum(isinstance(o, TTTModel) for o in gc.get_objects()))
+        end_training(self)
+
+    monkeypatch.setattr(Accelerator, "end_training", counting)
+    cfg = make_config(tmp_path, epochs=1, ttt_length=2)
+    make_store(tmp_path / "run" / "store", n_samples=8, length=12)
+    assert run(cfg) == 0
+    assert alive == [0]
 
 
 def test_nonfinite_steps_are_skipped_then_abort(tmp_path, capsys):

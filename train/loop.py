@@ -9,6 +9,7 @@ eval, save) then end_training.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import signal
@@ -126,18 +127,29 @@ def train(cfg: RunConfig, resume: str) -> int:
     run = setup(cfg, resume)
     with stop_on_sigterm() as stop:
         stopped = train_steps(run, cfg.train, stop)
+    accelerator = run.accelerator
     if stopped:
-        run.accelerator.print(f"stopped on SIGTERM at step {run.state['step']} of {int(run.total_steps)}: saved "
-                              f"{run_checkpoints.step_dir(run.ckpt_root, run.state['step'])}; the same "
-                              "command resumes from it")
-        run.accelerator.end_training()
-        return EXIT_STOPPED
-    run.accelerator.print(f"done: {run.state['step']} steps, {run.state['nonfinite_total']} skipped as non-finite; "
+        accelerator.print(f"stopped on SIGTERM at step {run.state['step']} of {int(run.total_steps)}: saved "
+                          f"{run_checkpoints.step_dir(run.ckpt_root, run.state['step'])}; the same "
+                          "command resumes from it")
+    else:
+        accelerator.print(f"done: {run.state['step']} steps, {run.state['nonfinite_total']} skipped as non-finite; "
                           f"checkpoints in {run.ckpt_root} ({best_line(run.ckpt_root)})")
-    if run.accelerator.is_main_process:
-        run.accelerator.print(held_out_curve(cfg.root))
-    run.accelerator.end_training()
-    return 0
+        if accelerator.is_main_process:
+            accelerator.print(held_out_curve(cfg.root))
+    del run  # the last references to the prepared model and optimizer: end_processes frees them
+    end_processes(accelerator)
+    return EXIT_STOPPED if stopped else 0
+
+
+def end_processes(accelerator: Accelerator) -> None:
+    """Free the prepared model and optimizer on every process, wait for the others, then destroy the process group.
+    The DDP wrapper's reducer holds the group: freed later, with the caller's frame, it is torn down after the
+    group's shutdown and possibly after a peer has exited, and a rank can block in that native destructor."""
+    accelerator.free_memory()  # accelerate's own references to them (it collects before dropping them)
+    gc.collect()  # now nothing holds them, cycles included
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def best_line(ckpt_root: Path) -> str:
