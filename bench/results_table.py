@@ -45,7 +45,17 @@ def stage_overlap(ordinal: str, name: str, batch: str) -> tuple[Figure, ...]:
 
 
 SHIPPED = "drafters/smollm2-135m-eagle3"  # as loop_split names them
-STAGE11, STAGE12 = "runs/smollm2-h200-stage11", "runs/smollm2-h200-stage12"
+STAGE11 = "runs/smollm2-h200-stage11"
+
+
+def stage_outside_loops(ordinal: str, name: str, checkpoint: str) -> tuple[Figure, ...]:
+    """A stage's paired τ difference from the shipped drafter outside the target's loop tails, per eval set
+    (``name``: a loop_split object measured with the shipped drafter first)."""
+    return ((f"the {ordinal} stage minus the shipped drafter outside the loop tails, MT-Bench τ (paired)", name,
+             ("minus_first", checkpoint, "mtbench", "outside_loops", "point")),
+            ("the same, MT-Bench second turns (paired)", name,
+             ("minus_first", checkpoint, "mtbench_turn2", "outside_loops", "point")),
+            ("the same, HumanEval (paired)", name, ("minus_first", checkpoint, "humaneval", "outside_loops", "point")))
 
 FIGURES: tuple[Figure, ...] = (
     ("τ on MT-Bench, shipped SmolLM2 drafter (every prompt, k = 3, T = 0)", "quality", ("mtbench", "tau")),
@@ -173,12 +183,8 @@ FIGURES: tuple[Figure, ...] = (
     ("the eleventh stage minus the shipped drafter outside the loop tails, HumanEval τ (paired)", "loop_split",
      ("minus_first", STAGE11, "humaneval", "outside_loops", "point")),
     ("the same inside them (paired)", "loop_split", ("minus_first", STAGE11, "humaneval", "in_loops", "point")),
-    ("the twelfth stage minus the shipped drafter outside the loop tails, MT-Bench τ (paired)", "loop_split_stage12",
-     ("minus_first", STAGE12, "mtbench", "outside_loops", "point")),
-    ("the same, MT-Bench second turns (paired)", "loop_split_stage12",
-     ("minus_first", STAGE12, "mtbench_turn2", "outside_loops", "point")),
-    ("the same, HumanEval (paired)", "loop_split_stage12",
-     ("minus_first", STAGE12, "humaneval", "outside_loops", "point")),
+    *stage_outside_loops("twelfth", "loop_split_stage12", "runs/smollm2-h200-stage12"),
+    *stage_outside_loops("thirteenth", "loop_split_stage13", "runs/smollm2-h200-stage13"),
     ("regeneration of the H200 config's 16,256 prompts (16,217 conversations written): answer tokens/s end to end, "
      "empty compile caches",
      "regenerate", ("gen_tokens_per_s",)),
