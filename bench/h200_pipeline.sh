@@ -50,7 +50,9 @@
 #                ask for), else every third under SELF_SYSTEM, a coding assistant's, the rest under the template's.
 #                With SELF_FOLLOW_UP (a conversations.jsonl, e.g. an earlier batch's) the target writes instead the
 #                user's next turn after each of its first SELF_COUNT conversations, answered with the conversation
-#                under the system turn it had (so SELF_SYSTEMS_FILE with it is refused).
+#                under the system turn it had (so SELF_SYSTEMS_FILE with it is refused). SELF_TURN_STARTS_FILE, a JSON
+#                list of texts, gives the words the draws' user turns start with, in turn (configs/follow-up-starts.json
+#                steers follow-ups to build on the answer before them; default: the target writes the whole turn).
 #                Another batch: another SELF and SELF_SEED. An earlier machine's conversations
 #                (.gpu/<SELF without runs/smollm2-h200->/conversations.jsonl.gz.part-*, returned by
 #                `RUN=$SELF OUT_CONVERSATIONS=1 ... out`) are unpacked instead when carried
@@ -258,10 +260,18 @@ print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
       else
         SELF_SYSTEMS=$(python3 -c 'import json, os; print(json.dumps([None, None, os.environ["SELF_SYSTEM"]]))')
       fi
-      export SELF_SYSTEMS  # JSON is YAML: any text of a system turn reaches the config as it is
+      SELF_TURN_STARTS='[""]'
+      if [ -n "${SELF_TURN_STARTS_FILE:-}" ]; then
+        SELF_TURN_STARTS=$(python3 -c 'import json, sys; v = json.load(open(sys.argv[1]))
+assert isinstance(v, list) and v and all(isinstance(x, str) for x in v)
+print(json.dumps(v))' "$SELF_TURN_STARTS_FILE" 2> /dev/null) || {
+          echo "=== self-prompts: SELF_TURN_STARTS_FILE=$SELF_TURN_STARTS_FILE is not a JSON list of texts"
+          failed+=(self-prompts); continue; }
+      fi
+      export SELF_SYSTEMS SELF_TURN_STARTS  # JSON is YAML: any text reaches the config as it is
       phase self-prompts bash -c "set -e; mkdir -p $SELF; derive_config '$CONFIG' $SELF/config.yaml run_dir=$SELF \
           'data.synthesize={count: ${SELF_COUNT:-20000}, seed: ${SELF_SEED:-0}${SELF_FOLLOW_UP:+, follow_up: $SELF_FOLLOW_UP}}' \
-          \"data.synthesize.systems=\$SELF_SYSTEMS\" \
+          \"data.synthesize.systems=\$SELF_SYSTEMS\" \"data.synthesize.turn_starts=\$SELF_TURN_STARTS\" \
           'data.sources=[{kind: openai, path: $SELF/self_prompts.jsonl}]'; \
         for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
         wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl"

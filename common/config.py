@@ -160,6 +160,20 @@ class SynthesizeConfig(Section):
                                   "the user's next turn after conversation i (its own system turn, if any; count at "
                                   "most its conversations), and the kept record is that conversation with the new "
                                   "turn, for regenerate to answer. Default none: first turns.")
+    turn_starts: list[str] = Field(default_factory=lambda: [""], min_length=1, description="The words each written "
+                                   "user turn starts with, in turn (draw i: turn_starts[i % len]); the target writes "
+                                   "the rest, and the kept turn is both. A start steers what the turns ask (e.g. "
+                                   "follow-ups that rework the answer before them, where most written ones change "
+                                   "the subject); \"\" leaves the whole turn to the target.")
+
+    @field_validator("turn_starts")
+    @classmethod
+    def _starts_end_at_a_word(cls, starts: list[str]) -> list[str]:
+        for i, start in enumerate(starts):
+            if start != start.strip():
+                raise ValueError(f"turn_starts[{i}] {start!r}: begins or ends in whitespace; end it at a word (the "
+                                 "target writes the space before its next one)")
+        return starts
 
     @model_validator(mode="after")
     def _systems_or_follow_ups(self) -> SynthesizeConfig:

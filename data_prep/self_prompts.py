@@ -10,16 +10,17 @@ next turn after conversation ``i`` (data_prep/follow_ups.py): the kept record is
 turn, which regenerate answers. Draws that leave no room in the target's context for max_new_tokens are dropped.
 
 Each draw ``i`` samples from its own seed (``data.synthesize.seed`` and the draw's key, the engine's
-``request_seed``), so a resumed run makes the draws an unbroken one makes, up to the rounding another batch
-brings. Draw ``i`` is written under system turn ``i % len(systems)`` (data.synthesize.systems, null: the
-template's own), which steers its domain. The target runs in-process (regenerate.backend hf) or behind
-OpenAI-compatible servers (openai: the prefix sent as a raw text completion that stops at the template's end of
-turn, with the draw's seed). A draw is kept, or dropped under one reason: ``unfinished`` (no end of turn within
-max_new_tokens), ``loop`` (regenerate's loop stop), ``short`` (fewer than min_chars characters), ``duplicate``
-(the same text as a kept one, whitespace aside), ``context`` (its prefix leaves no room for max_new_tokens). Kept
-prompts go to ``run_dir/self_prompts.jsonl`` (OpenAI messages, one user turn or a followed-up conversation: list
-it in data.sources, kind openai); every dropped draw to ``run_dir/self_prompts.dropped.jsonl`` with its reason, so
-a resumed run knows which draws were made. Both are appended whole line by line; a torn last line is cut on resume.
+``request_seed``), so a resumed run makes the draws an unbroken one makes, up to the rounding another batch brings.
+Draw ``i`` is written under system turn ``i % len(systems)`` (data.synthesize.systems, null: the template's own),
+which steers its domain, and its user turn starts with ``turn_starts[i % len(turn_starts)]``, which steers what it
+asks (the target writes the rest; the kept turn is both). The target runs in-process (regenerate.backend hf) or
+behind OpenAI-compatible servers (openai: the prefix sent as a raw text completion that stops at the template's end
+of turn, with the draw's seed). A draw is kept, or dropped under one reason: ``unfinished`` (no end of turn within
+max_new_tokens), ``loop`` (regenerate's loop stop), ``short`` (fewer than min_chars characters), ``duplicate`` (the
+same text as a kept one, whitespace aside), ``context`` (its prefix leaves no room for max_new_tokens). Kept prompts
+go to ``run_dir/self_prompts.jsonl`` (OpenAI messages, one user turn or a followed-up conversation: list it in
+data.sources, kind openai); every dropped draw to ``run_dir/self_prompts.dropped.jsonl`` with its reason, so a
+resumed run knows which draws were made. Both are appended whole line by line; a torn last line is cut on resume.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,20 @@ def openings_of(cfg: RunConfig) -> Openings:
         raise SynthesizeError(f"data.synthesize.count: {s.count} follow-ups asked of the {follow_ups.limit} "
                               f"conversations of follow_up {s.follow_up} (one each); lower count")
     return follow_ups
+
+
+def turn_start(starts: Sequence[str], index: int) -> str:
+    """The words draw ``index``'s user turn starts with."""
+    return starts[index % len(starts)]
+
+
+def continuation(tokenizer: Any, lead: list[int], tokens: list[int]) -> str:
+    """The text ``tokens`` add after a prompt ending in the tokens ``lead``: decoded after them, so that a tokenizer
+    which drops a text's leading space (SentencePiece's) keeps the one between a turn's start and what follows."""
+    if not lead:
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+    before = tokenizer.decode(lead, skip_special_tokens=True)
+    return tokenizer.decode(lead + tokens, skip_special_tokens=True)[len(before):]
 
 
 def draw_key(seed: int, index: int) -> str:
@@ -165,10 +180,12 @@ class Draws:
         return [draw_key(seed, i) for i in left + fresh]
 
 
-def read_draws(kept_path: Path, dropped_path: Path, seed: int, openings: Openings) -> Draws:
+def read_draws(kept_path: Path, dropped_path: Path, seed: int, openings: Openings,
+               starts: Sequence[str] = ("",)) -> Draws:
     """Both files read after their torn last lines are cut; a whole line that is not a draw, a draw of another
-    seed (its prompts would count towards this one's), or a follow-up of another conversation than its draw's is an
-    error naming it."""
+    seed (its prompts would count towards this one's), a follow-up of another conversation than its draw's, or a
+    turn that does not begin with its draw's start (``starts``: data.synthesize.turn_starts) is an error naming
+    it."""
     draws = Draws()
     for path in (kept_path, dropped_path):
         if not path.exists():
@@ -186,7 +203,12 @@ def read_draws(kept_path: Path, dropped_path: Path, seed: int, openings: Opening
                         raise SynthesizeError(f"{path}:{lineno}: draw {rec['id']} follows {rec.get('follows')!r}, "
                                               f"not {openings.follows(index)!r} as data.synthesize.follow_up has it; "
                                               "move the files away for another follow_up, or name the same one")
-                    draws.kept.add(openings.kept_key(index, rec["messages"][-1]["content"]))
+                    text, start = rec["messages"][-1]["content"], turn_start(starts, index)
+                    if not text.startswith(start):
+                        raise SynthesizeError(f"{path}:{lineno}: draw {rec['id']} does not start with {start!r}, "
+                                              f"data.synthesize.turn_starts[{index % len(starts)}]; move the files "
+                                              "away for other turn_starts, or set them back")
+                    draws.kept.add(openings.kept_key(index, text))
             except SynthesizeError:
                 raise
             except (ValueError, KeyError, TypeError, IndexError, AttributeError):
@@ -247,8 +269,11 @@ class HFDrawer:
         """Each draw as the engine finishes it (first those whose prefix leaves no room in the context)."""
         s, r = self.cfg.data.synthesize, self.cfg.regenerate
         assert s is not None
-        rendered = [self.openings.prefix(self.tok, draw_index(key)) for key in keys]
+        indices = [draw_index(key) for key in keys]
+        rendered = [self.openings.prefix(self.tok, i) + turn_start(s.turn_starts, i) for i in indices]
         prefixes = self.tok(rendered, add_special_tokens=False)["input_ids"]
+        lead = {key: prefixes[j][-1:] if turn_start(s.turn_starts, i) else []
+                for j, (key, i) in enumerate(zip(keys, indices, strict=True))}
         room, no_room = fitting(keys, list(map(len, prefixes)), s.max_new_tokens, self.max_context)
         yield from no_room
         if not room:
@@ -261,10 +286,8 @@ class HFDrawer:
             stream.submit(keys[i], prefixes[i], s.max_new_tokens)
         while stream.busy:
             finished = stream.poll()
-            if finished:
-                texts = self.tok.batch_decode([g.tokens for _, g in finished], skip_special_tokens=True)
-                for (key, g), text in zip(finished, texts, strict=True):
-                    yield key, text, g.finish_reason, len(g.tokens), None
+            for key, g in finished:
+                yield key, continuation(self.tok, lead[key], g.tokens), g.finish_reason, len(g.tokens), None
 
 
 class ServerDrawer:
@@ -290,7 +313,8 @@ class ServerDrawer:
         in_a_row = 0
         for start in range(0, len(keys), self.backend.batch_size):
             part = keys[start:start + self.backend.batch_size]
-            prompts = [server_prompt(self.tok, self.openings.prefix(self.tok, draw_index(key))) for key in part]
+            prompts = [server_prompt(self.tok, self.openings.prefix(self.tok, draw_index(key))
+                                     + turn_start(s.turn_starts, draw_index(key))) for key in part]
             lengths = ([len(x) for x in self.tok(prompts, add_special_tokens=False)["input_ids"]]
                        if r.max_context_tokens else [0] * len(part))
             room, no_room = fitting(part, lengths, s.max_new_tokens, r.max_context_tokens)
@@ -320,7 +344,7 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
     cfg.root.mkdir(parents=True, exist_ok=True)
     kept_path, dropped_path = cfg.root / KEPT_FILE, cfg.root / DROPPED_FILE
     openings = openings_of(cfg)
-    draws = read_draws(kept_path, dropped_path, s.seed, openings)
+    draws = read_draws(kept_path, dropped_path, s.seed, openings, s.turn_starts)
     summary = SynthesizeSummary(str(kept_path), s.count, kept=len(draws.kept), kept_before=len(draws.kept),
                                 follow_up=s.follow_up)
     if summary.kept >= s.count:
@@ -346,7 +370,8 @@ def run_synthesize(cfg: RunConfig) -> SynthesizeSummary:
                         continue
                     summary.drawn += 1
                     summary.generated_tokens += tokens
-                    index, text = draw_index(key), text.strip()
+                    index = draw_index(key)
+                    text = (turn_start(s.turn_starts, index) + text).strip()
                     kept_key = openings.kept_key(index, text)
                     if (why := verdict(text, reason, s, draws.kept, kept_key)) is None:
                         draws.kept.add(kept_key)

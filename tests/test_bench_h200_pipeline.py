@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import subprocess
 import sys
@@ -98,11 +99,18 @@ def test_self_prompts_with_follow_up_continue_its_conversations_under_their_own_
                          SELF_SYSTEMS_FILE="configs/self-prompt-systems.json")
     assert refused.returncode != 0 and "SELF_FOLLOW_UP and SELF_SYSTEMS_FILE together" in refused.stdout
     assert not (tmp_path / "self").exists()
+    bad = tmp_path / "starts.json"
+    bad.write_text('["Make it", null]')
+    refused = run_phases("self-prompts", SELF=str(tmp_path / "self"), SELF_FOLLOW_UP=str(missing),
+                         SELF_TURN_STARTS_FILE=str(bad))
+    assert refused.returncode != 0 and f"SELF_TURN_STARTS_FILE={bad} is not a JSON list of texts" in refused.stdout
+    starts = "configs/follow-up-starts.json"
     done = run_phases("self-prompts", SELF=str(tmp_path / "self"), SELF_FOLLOW_UP=str(missing), SELF_COUNT="7",
-                      SELF_SEED="3")
+                      SELF_SEED="3", SELF_TURN_STARTS_FILE=starts)
     assert done.returncode != 0 and f"data.synthesize.follow_up: {missing} is not a file" in done.stdout + done.stderr
     synthesize = yaml.safe_load((tmp_path / "self" / "config.yaml").read_text())["data"]["synthesize"]
-    assert synthesize == {**synthesize, "count": 7, "seed": 3, "follow_up": str(missing), "systems": [None]}
+    assert synthesize == {**synthesize, "count": 7, "seed": 3, "follow_up": str(missing), "systems": [None],
+                          "turn_starts": json.loads((REPO / starts).read_text())}
 
 
 def test_a_regeneration_cut_short_leaves_whole_conversations(tmp_path: Path) -> None:

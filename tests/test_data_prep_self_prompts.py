@@ -19,6 +19,7 @@ from data_prep.self_prompts import (
     KEPT_FILE,
     Draws,
     FirstTurns,
+    continuation,
     fitting,
     read_draws,
     run_synthesize,
@@ -34,10 +35,11 @@ CODING = "You are a Python coding assistant. Users ask you to write or complete 
 FIRST = FirstTurns([None], None)
 
 
-def make_cfg(tmp_path: Path, regenerate: dict[str, Any] | None = None, follow_up: Path | None = None) -> RunConfig:
+def make_cfg(tmp_path: Path, regenerate: dict[str, Any] | None = None, follow_up: Path | None = None,
+             **synthesize_keys: Any) -> RunConfig:
     run = tmp_path / "run"
     synthesize = ({"count": 5, "max_new_tokens": 96, "systems": [None, CODING]} if follow_up is None
-                  else {"count": 2, "max_new_tokens": 96, "follow_up": str(follow_up)})
+                  else {"count": 2, "max_new_tokens": 96, "follow_up": str(follow_up)}) | synthesize_keys
     return parse_config({
         "run_dir": str(run), "target": {"name": "smollm2-135m-instruct", "device": "cpu"},
         "data": {"sources": [{"kind": "openai", "path": str(run / KEPT_FILE)}], "synthesize": synthesize},
@@ -150,6 +152,34 @@ def test_the_config_says_what_to_fix() -> None:
                       "synthesize": {"count": 0}}, "eval": {"datasets": [{"name": "m", "kind": "mtbench"}]}})
 
 
+def test_a_turn_start_ends_at_a_word() -> None:
+    with pytest.raises(ConfigError, match=r"data.synthesize.turn_starts: .*turn_starts\[1\] 'Make it ': begins or "
+                                          r"ends in whitespace; end it at a word"):
+        parse_config({"run_dir": "r", "target": {"name": "t"}, "data": {"sources": [{"kind": "lines", "path": "p"}],
+                      "synthesize": {"count": 1, "turn_starts": ["", "Make it "]}},
+                      "eval": {"datasets": [{"name": "m", "kind": "mtbench"}]}})
+
+
+def test_the_words_after_a_turn_start_keep_their_space() -> None:
+    from target_model.hf_model import load_tokenizer, resolve_source
+
+    tok = load_tokenizer(resolve_source("smollm2-135m-instruct", None), False)
+    ids = tok("<|im_start|>user\nMake it shorter, please.", add_special_tokens=False)["input_ids"]
+    cut = len(tok("<|im_start|>user\nMake it", add_special_tokens=False)["input_ids"])
+    assert continuation(tok, ids[cut - 1:cut], ids[cut:]) == " shorter, please."
+    assert continuation(tok, [], ids[cut:]) == tok.decode(ids[cut:])
+
+
+def test_a_resumed_run_with_other_turn_starts_is_an_error_naming_the_line(tmp_path: Path) -> None:
+    follow_ups = FollowUps(write_conversations(tmp_path / "conversations.jsonl"), None)
+    kept = tmp_path / KEPT_FILE
+    kept.write_text(json.dumps(follow_ups.record("self-0-00000001", 1, "Now in JavaScript.")) + "\n")
+    assert read_draws(kept, tmp_path / DROPPED_FILE, 0, follow_ups, ["Make it", "Now"]).done == {1}
+    with pytest.raises(SynthesizeError, match=rf"{KEPT_FILE}:1: draw self-0-00000001 does not start with 'Make it', "
+                                              r"data.synthesize.turn_starts\[1\]; move the files away"):
+        read_draws(kept, tmp_path / DROPPED_FILE, 0, follow_ups, ["Now", "Make it"])
+
+
 def test_a_server_stops_at_the_templates_end_of_turn() -> None:
     from target_model.hf_model import load_tokenizer, resolve_source
 
@@ -219,6 +249,8 @@ def test_a_real_llama_cpp_server_writes_the_same_prompts_from_the_same_seeds(tmp
         follow = make_cfg(tmp_path / "follow", regen, write_conversations(tmp_path / "conversations.jsonl"))
         assert run_synthesize(follow).kept == 2
         assert_follow_ups(follow)
+        assert_turn_starts(make_cfg(tmp_path / "started", regen, write_conversations(tmp_path / "conversations.jsonl"),
+                                    turn_starts=STARTS))
     finally:
         server.kill()
 
@@ -317,3 +349,21 @@ def test_the_real_target_writes_follow_ups_that_ingest_reads_as_second_turns(tmp
     ingested = [json.loads(x) for x in cfg.prompts_path.read_text().splitlines()]
     assert sorted([m["content"] for m in r["messages"] if m["role"] == "user"] for r in ingested) == sorted(
         [m["content"] for m in r["messages"] if m["role"] == "user"] for r in records)
+
+
+STARTS = ["Make it", "Now"]
+
+
+def assert_turn_starts(cfg: RunConfig) -> None:
+    """Two follow-ups kept, each turn its draw's start and the target's words after it (whichever the sampled words
+    are: the space between is checked on fixed tokens by test_the_words_after_a_turn_start_keep_their_space)."""
+    assert run_synthesize(cfg).kept == 2
+    for rec in assert_follow_ups(cfg):
+        start, turn = STARTS[int(rec["id"].rsplit("-", 1)[1]) % 2], rec["messages"][-1]["content"]
+        assert turn.startswith(start) and len(turn) > len(start), turn
+
+
+@pytest.mark.real
+def test_the_real_target_goes_on_from_each_draws_turn_start(tmp_path: Path) -> None:
+    assert_turn_starts(make_cfg(tmp_path, follow_up=write_conversations(tmp_path / "conversations.jsonl"),
+                                turn_starts=STARTS))
