@@ -163,8 +163,8 @@ class SynthesizeConfig(Section):
     turn_starts: list[str] = Field(default_factory=lambda: [""], min_length=1, description="The words each written "
                                    "user turn starts with, in turn (draw i: turn_starts[i % len]); the target writes "
                                    "the rest, and the kept turn is both. A start steers what the turns ask (e.g. "
-                                   "follow-ups that rework the answer before them, where most written ones change "
-                                   "the subject); \"\" leaves the whole turn to the target.")
+                                   "follow-ups that build on the answer before them); \"\" leaves the whole turn "
+                                   "to the target.")
 
     @field_validator("turn_starts")
     @classmethod
