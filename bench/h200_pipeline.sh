@@ -176,6 +176,13 @@ cut_torn_tail() {  # cut_torn_tail FILE: what a deadline's kill left mid-line go
 print(sys.argv[1] + ":", cut_torn_tail(Path(sys.argv[1])), "bytes of a torn last line cut")' "$1"
 }
 
+json_list() {  # json_list FILE ITEM_TEST: FILE's JSON list printed compact, when it has items and each passes the
+  # Python test ITEM_TEST on x; else no output and a failing status
+  python3 -c "import json, sys; v = json.load(open(sys.argv[1]))
+assert isinstance(v, list) and v and all($2 for x in v)
+print(json.dumps(v))" "$1" 2> /dev/null
+}
+
 kept_overrides() {
   python3 - <<'EOF'
 import json, pathlib
@@ -252,9 +259,7 @@ for p in "$@"; do
       elif [ -n "${SELF_FOLLOW_UP:-}" ]; then
         SELF_SYSTEMS='[null]'  # a follow-up continues its conversation as it was answered
       elif [ -n "${SELF_SYSTEMS_FILE:-}" ]; then
-        SELF_SYSTEMS=$(python3 -c 'import json, sys; v = json.load(open(sys.argv[1]))
-assert isinstance(v, list) and v and all(x is None or isinstance(x, str) for x in v)
-print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
+        SELF_SYSTEMS=$(json_list "$SELF_SYSTEMS_FILE" 'x is None or isinstance(x, str)') || {
           echo "=== self-prompts: SELF_SYSTEMS_FILE=$SELF_SYSTEMS_FILE is not a JSON list of system turns (text or null)"
           failed+=(self-prompts); continue; }
       else
@@ -262,9 +267,7 @@ print(json.dumps(v))' "$SELF_SYSTEMS_FILE" 2> /dev/null) || {
       fi
       SELF_TURN_STARTS='[""]'
       if [ -n "${SELF_TURN_STARTS_FILE:-}" ]; then
-        SELF_TURN_STARTS=$(python3 -c 'import json, sys; v = json.load(open(sys.argv[1]))
-assert isinstance(v, list) and v and all(isinstance(x, str) for x in v)
-print(json.dumps(v))' "$SELF_TURN_STARTS_FILE" 2> /dev/null) || {
+        SELF_TURN_STARTS=$(json_list "$SELF_TURN_STARTS_FILE" 'isinstance(x, str)') || {
           echo "=== self-prompts: SELF_TURN_STARTS_FILE=$SELF_TURN_STARTS_FILE is not a JSON list of texts"
           failed+=(self-prompts); continue; }
       fi
