@@ -102,6 +102,11 @@ def turn_start(starts: Sequence[str], index: int) -> str:
     return starts[index % len(starts)]
 
 
+def draw_prefix(openings: Openings, tokenizer: Any, starts: Sequence[str], index: int) -> str:
+    """The text draw ``index`` continues: its opening's template text, then its turn start."""
+    return openings.prefix(tokenizer, index) + turn_start(starts, index)
+
+
 def continuation(tokenizer: Any, lead: list[int], tokens: list[int]) -> str:
     """The text ``tokens`` add after a prompt ending in the tokens ``lead``: decoded after them, so that a tokenizer
     which drops a text's leading space (SentencePiece's) keeps the one between a turn's start and what follows."""
@@ -270,10 +275,10 @@ class HFDrawer:
         s, r = self.cfg.data.synthesize, self.cfg.regenerate
         assert s is not None
         indices = [draw_index(key) for key in keys]
-        rendered = [self.openings.prefix(self.tok, i) + turn_start(s.turn_starts, i) for i in indices]
+        rendered = [draw_prefix(self.openings, self.tok, s.turn_starts, i) for i in indices]
         prefixes = self.tok(rendered, add_special_tokens=False)["input_ids"]
-        lead = {key: prefixes[j][-1:] if turn_start(s.turn_starts, i) else []
-                for j, (key, i) in enumerate(zip(keys, indices, strict=True))}
+        lead = {key: ids[-1:] if turn_start(s.turn_starts, i) else []  # the start's last token, when there is one
+                for key, i, ids in zip(keys, indices, prefixes, strict=True)}
         room, no_room = fitting(keys, list(map(len, prefixes)), s.max_new_tokens, self.max_context)
         yield from no_room
         if not room:
@@ -313,8 +318,8 @@ class ServerDrawer:
         in_a_row = 0
         for start in range(0, len(keys), self.backend.batch_size):
             part = keys[start:start + self.backend.batch_size]
-            prompts = [server_prompt(self.tok, self.openings.prefix(self.tok, draw_index(key))
-                                     + turn_start(s.turn_starts, draw_index(key))) for key in part]
+            prompts = [server_prompt(self.tok, draw_prefix(self.openings, self.tok, s.turn_starts, draw_index(key)))
+                       for key in part]
             lengths = ([len(x) for x in self.tok(prompts, add_special_tokens=False)["input_ids"]]
                        if r.max_context_tokens else [0] * len(part))
             room, no_room = fitting(part, lengths, s.max_new_tokens, r.max_context_tokens)
