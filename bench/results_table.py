@@ -119,6 +119,7 @@ FIGURES: tuple[Figure, ...] = (
     *stage_overlap("eleventh", "prompt_overlap_stage11", "smollm2-h200-follow-10"),
     *stage_overlap("twelfth", "prompt_overlap_stage12", "smollm2-h200-follow-11"),
     *stage_overlap("thirteenth", "prompt_overlap_stage13", "smollm2-h200-follow-12"),
+    *stage_overlap("fourteenth", "prompt_overlap_stage14", "smollm2-h200-follow-13"),
     ("MT-Bench τ, learning curve's first point (1 of 6 epochs)", "learning_curve", ("points", 0, "tau", "mtbench")),
     ("MT-Bench τ, learning curve's second point (3 of 6 epochs)", "learning_curve", ("points", 1, "tau", "mtbench")),
     ("ablations, 800 steps on every regenerated turn (`baseline`): MT-Bench τ", "ablations",
