@@ -11,14 +11,18 @@ the target's text, and how much of the answer is a loop. A target that does not 
 mission's) sees only the first. A loop is what regeneration cuts (``engine.loops.loop_start`` with
 ``regenerate.loop_min_repeat_tokens`` and ``loop_max_period``); a verify cycle is inside it when the first token it
 produces is one of the loop's copies. At T = 0 every drafter yields the target's greedy tokens, so every drafter's
-answers share one split. Recorded as "loop_split".
+answers share one split. Inside the loops a drafter loses cycles on its first draft, the one it makes from the
+target's own features (the later drafts copy the loop from its own), so each set also names the commonest first drafts
+the target refused there, with the token the target produced instead. Recorded as "loop_split".
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -55,6 +59,26 @@ def per_prompt_split(rows: Sequence[tuple[Sequence[int], Sequence[int]]], min_re
     """Per part, the per-prompt columns (tokens, cycles) that ``eval.intervals`` resamples."""
     splits = [split_cycles(t, a, min_repeat_tokens, max_period) for t, a in rows]
     return {part: {"tokens": [s[part][0] for s in splits], "cycles": [s[part][1] for s in splits]} for part in PARTS}
+
+
+def refused_in_loops(tokens: Sequence[int], accepted: Sequence[int], first_drafts: Sequence[int],
+                     min_repeat_tokens: int, max_period: int) -> Counter[tuple[int, int]]:
+    """(first draft, the target's token) of each cycle inside the tail loop that kept no draft."""
+    start = loop_start(tokens, min_repeat_tokens, max_period)
+    refused: Counter[tuple[int, int]] = Counter()
+    pos = 1
+    for a, first in zip(accepted, first_drafts, strict=True):
+        if a == 0 and start is not None and pos >= start:
+            refused[(first, tokens[pos])] += 1
+        pos += a + 1
+    return refused
+
+
+def refused_figures(refused: Counter[tuple[int, int]], tokenizer: Any, top: int = 5) -> dict:
+    """How many in-loop cycles kept no draft, and their commonest (first draft, target token) pairs, as text."""
+    return {"cycles": sum(refused.values()),
+            "commonest": [{"draft": tokenizer.decode([d]), "target": tokenizer.decode([t]), "cycles": n}
+                          for (d, t), n in refused.most_common(top)]}
 
 
 def part_figures(cols: PerPrompt, boot: Bootstrap) -> dict:
@@ -97,23 +121,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     boot, regen = bootstrap(cfg.gate), cfg.regenerate
     stops = stop_token_ids(target.tokenizer)
     splits: dict[str, dict[str, dict[str, PerPrompt]]] = {}
+    refused: dict[str, dict[str, dict]] = {}
     for ckpt in args.checkpoint:
         drafter, aux_ids = load_drafter(target, cfg, ckpt)
         engine = BatchedTarget(target.model, aux_ids)
-        splits[ckpt] = {}
+        splits[ckpt], refused[ckpt] = {}, {}
         for name, ps in prompts.items():
             with torch.no_grad():
                 rows = speculative_batch(engine, drafter, ps, 3, cfg.eval.max_new_tokens, stops,
                                          desc=f"{ckpt} {name}")
             splits[ckpt][name] = per_prompt_split([(r.tokens, r.accepted) for r in rows],
                                                   regen.loop_min_repeat_tokens, regen.loop_max_period)
+            counts = sum((refused_in_loops(r.tokens, r.accepted, r.first_drafts, regen.loop_min_repeat_tokens,
+                                           regen.loop_max_period) for r in rows), Counter())
+            refused[ckpt][name] = refused_figures(counts, target.tokenizer)
     first = args.checkpoint[0]
     record(args.name, {"checkpoints": args.checkpoint, "limit": args.limit, "k": 3, "temperature": 0.0,
                        "confidence": boot.level,
                        "loop": {"min_repeat_tokens": regen.loop_min_repeat_tokens,
                                 "max_period": regen.loop_max_period},
-                       "drafters": {c: {name: dataset_figures(split, boot) for name, split in by_set.items()}
-                                    for c, by_set in splits.items()},
+                       "drafters": {c: {name: {**dataset_figures(split, boot), "refused_in_loops": refused[c][name]}
+                                        for name, split in by_set.items()} for c, by_set in splits.items()},
                        "minus_first": {c: {name: paired(splits[c][name], splits[first][name], boot)
                                            for name in splits[c]} for c in args.checkpoint[1:]}})
     return 0

@@ -186,6 +186,11 @@ FIGURES: tuple[Figure, ...] = (
     ("the same inside them (paired)", "loop_split", ("minus_first", STAGE11, "humaneval", "in_loops", "point")),
     *stage_outside_loops("twelfth", "loop_split_stage12", "runs/smollm2-h200-stage12"),
     *stage_outside_loops("thirteenth", "loop_split_stage13", "runs/smollm2-h200-stage13"),
+    *stage_outside_loops("fourteenth", "loop_split_stage14", "runs/smollm2-h200-stage14"),
+    ("HumanEval verify cycles inside the loop tails that kept no draft, shipped drafter", "loop_split_stage14",
+     ("drafters", SHIPPED, "humaneval", "refused_in_loops", "cycles")),
+    ("the same, the fourteenth stage", "loop_split_stage14",
+     ("drafters", "runs/smollm2-h200-stage14", "humaneval", "refused_in_loops", "cycles")),
     ("regeneration of the H200 config's 16,256 prompts (16,217 conversations written): answer tokens/s end to end, "
      "empty compile caches",
      "regenerate", ("gen_tokens_per_s",)),

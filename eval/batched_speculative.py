@@ -35,6 +35,7 @@ SPECULATIVE_PREFILL_TOKENS = 32768
 class RowResult:
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # drafts kept per verify cycle
+    first_drafts: list[int] = field(default_factory=list)  # each cycle's first draft, a target id
 
 
 class BatchedDrafter:
@@ -115,10 +116,12 @@ def speculative_batch(target: BatchedTarget, drafter: Eagle3Drafter | None, prom
         pos = committed[:, None] + torch.arange(k + 1, device=dev)[None]
         out = target.forward(cache, rows, ids, pos, fresh=False, all_logits=True, aux=d is not None)
         accepted, nexts = _accept(accept, out.logits, draft_ids, probs, d, temperature, gens, done)
+        firsts = draft_ids[:, 0].tolist()
         for i in range(n):
             if not done[i]:
                 a = accepted[i]
                 results[i].accepted.append(a)
+                results[i].first_drafts.append(firsts[i])
                 emit(i, draft_ids[i, :a].tolist() + [nexts[i]])
                 if done[i]:
                     bar.update(1)

@@ -4,6 +4,7 @@ produces, and the object names every drafter's split and each later drafter's pa
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -29,6 +30,26 @@ def test_dataset_figures_read_each_part_apart_and_the_loops_share_of_cycles() ->
     assert figs["tau"] == pytest.approx(40 / 12) and figs["loop_cycle_share"] == pytest.approx(8 / 12)
 
 
+def test_in_loop_cycles_that_kept_no_draft_name_the_first_draft_and_the_targets_token() -> None:
+    tokens = [9, 5, 6] + [1, 2, 3] * 12  # the loop's copies start at index 6
+    accepted = [1, 2, 0, 3, 0, 3, 3, 3, 3, 3]  # the third and fifth cycles (at 6 and 11) keep no draft
+    firsts = [5, 6, 7, 1, 7, 1, 2, 3, 1, 2]
+    got = loop_split.refused_in_loops(tokens, accepted, firsts, min_repeat_tokens=8, max_period=4)
+    assert got == {(7, 1): 1, (7, 3): 1}
+    outside = loop_split.refused_in_loops(tokens, [0, 1, 3], [4, 6, 1], 8, 4)  # only the first cycle kept nothing
+    assert outside == {}
+
+
+def test_refused_figures_are_text_commonest_first() -> None:
+    class Letters:
+        def decode(self, ids: list[int]) -> str:
+            return "".join(chr(ord("a") + i) for i in ids)
+
+    figs = loop_split.refused_figures(Counter({(7, 1): 1, (7, 3): 4, (0, 2): 2}), Letters(), top=2)
+    assert figs == {"cycles": 7, "commonest": [{"draft": "h", "target": "d", "cycles": 4},
+                                               {"draft": "a", "target": "c", "cycles": 2}]}
+
+
 @pytest.mark.real
 def test_one_object_per_run_with_every_drafters_split_and_differences_from_the_first(bench_results) -> None:
     """The real target and the shipped drafter on two MT-Bench prompts, loops of 16 tokens: the same drafter twice
@@ -47,3 +68,4 @@ def test_one_object_per_run_with_every_drafters_split_and_differences_from_the_f
     assert cycles > 0 and mt["loop_cycle_share"] == pytest.approx(mt["in_loops"]["cycles"] / cycles)
     assert 1.0 <= mt["tau"] <= 4.0 and mt["outside_loops"]["prompts"] == 2
     assert obj["minus_first"][ckpt]["mt"]["outside_loops"]["point"] == 0.0
+    assert 0 <= mt["refused_in_loops"]["cycles"] <= mt["in_loops"]["cycles"]
