@@ -11,9 +11,10 @@ the target's text, and how much of the answer is a loop. A target that does not 
 mission's) sees only the first. A loop is what regeneration cuts (``engine.loops.loop_start`` with
 ``regenerate.loop_min_repeat_tokens`` and ``loop_max_period``); a verify cycle is inside it when the first token it
 produces is one of the loop's copies. At T = 0 every drafter yields the target's greedy tokens, so every drafter's
-answers share one split. Inside the loops a drafter loses cycles on its first draft, the one it makes from the
-target's own features (the later drafts copy the loop from its own), so each set also names the commonest first drafts
-the target refused there, with the token the target produced instead. Recorded as "loop_split".
+answers share one split. A cycle keeps no draft when the target refuses its first draft, the one a drafter makes from
+the target's own features; inside a loop, which a drafter should copy, such cycles say what it drafted instead, so
+each set also names the commonest first drafts refused there, with the token the target produced. Recorded as
+"loop_split".
 """
 
 from __future__ import annotations
@@ -39,18 +40,27 @@ PARTS = ("outside_loops", "in_loops")
 PerPrompt = dict[str, list[int]]
 
 
+def cycles_in_loop(tokens: Sequence[int], accepted: Sequence[int], min_repeat_tokens: int, max_period: int
+                   ) -> list[tuple[int, bool]]:
+    """(where it starts in ``tokens``, whether it is inside the tail loop) of each verify cycle of one answer.
+    ``tokens`` starts with the prefill's token; cycle i produces ``accepted[i] + 1`` tokens from where the previous
+    one stopped."""
+    start = loop_start(tokens, min_repeat_tokens, max_period)
+    out, pos = [], 1
+    for a in accepted:
+        out.append((pos, start is not None and pos >= start))
+        pos += a + 1
+    return out
+
+
 def split_cycles(tokens: Sequence[int], accepted: Sequence[int], min_repeat_tokens: int, max_period: int
                  ) -> dict[str, tuple[int, int]]:
-    """(tokens, cycles) of one answer's verify cycles outside its tail loop and inside it. ``tokens`` starts with the
-    prefill's token; cycle i produces ``accepted[i] + 1`` tokens from where the previous one stopped."""
-    start = loop_start(tokens, min_repeat_tokens, max_period)
+    """(tokens, cycles) of one answer's verify cycles outside its tail loop and inside it."""
     out = {part: [0, 0] for part in PARTS}
-    pos = 1
-    for a in accepted:
-        part = out["in_loops" if start is not None and pos >= start else "outside_loops"]
+    for a, (_, inside) in zip(accepted, cycles_in_loop(tokens, accepted, min_repeat_tokens, max_period), strict=True):
+        part = out["in_loops" if inside else "outside_loops"]
         part[0] += a + 1
         part[1] += 1
-        pos += a + 1
     return {part: (t, c) for part, (t, c) in out.items()}
 
 
@@ -64,14 +74,9 @@ def per_prompt_split(rows: Sequence[tuple[Sequence[int], Sequence[int]]], min_re
 def refused_in_loops(tokens: Sequence[int], accepted: Sequence[int], first_drafts: Sequence[int],
                      min_repeat_tokens: int, max_period: int) -> Counter[tuple[int, int]]:
     """(first draft, the target's token) of each cycle inside the tail loop that kept no draft."""
-    start = loop_start(tokens, min_repeat_tokens, max_period)
-    refused: Counter[tuple[int, int]] = Counter()
-    pos = 1
-    for a, first in zip(accepted, first_drafts, strict=True):
-        if a == 0 and start is not None and pos >= start:
-            refused[(first, tokens[pos])] += 1
-        pos += a + 1
-    return refused
+    cycles = cycles_in_loop(tokens, accepted, min_repeat_tokens, max_period)
+    return Counter((first, tokens[pos]) for a, first, (pos, inside) in zip(accepted, first_drafts, cycles, strict=True)
+                   if inside and a == 0)
 
 
 def refused_figures(refused: Counter[tuple[int, int]], tokenizer: Any, top: int = 5) -> dict:
