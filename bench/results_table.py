@@ -191,6 +191,13 @@ FIGURES: tuple[Figure, ...] = (
      ("drafters", SHIPPED, "humaneval", "refused_in_loops", "cycles")),
     ("the same, the fourteenth stage", "loop_split_stage14",
      ("drafters", "runs/smollm2-h200-stage14", "humaneval", "refused_in_loops", "cycles")),
+    ("runs of a symbol token the target keeps: share of their verify cycles whose first draft copies the token, "
+     "shipped drafter", "run_copy", ("drafters", SHIPPED, "first_draft_copies")),
+    ("the same, the fifteenth stage", "run_copy", ("drafters", "runs/smollm2-h200-stage15", "first_draft_copies")),
+    ("symbol tokens whose run the shipped drafter mostly fails to copy", "run_copy",
+     ("drafters", SHIPPED, "tokens_failing")),
+    ("the fifteenth stage minus the shipped drafter, τ over those runs (paired)", "run_copy",
+     ("minus_first", "runs/smollm2-h200-stage15", "point")),
     ("regeneration of the H200 config's 16,256 prompts (16,217 conversations written): answer tokens/s end to end, "
      "empty compile caches",
      "regenerate", ("gen_tokens_per_s",)),

@@ -1,0 +1,137 @@
+"""Whether a drafter copies a run of one token: the target continues a run of each symbol token (every token of the
+target's vocabulary that is one to three punctuation characters, with or without a leading space), and each drafter
+drafts it, k = 3, T = 0, fp32 target.
+
+    python bench/run_copy.py --config configs/smollm2-135m-h200.yaml --set target.device=cpu \
+        --checkpoint drafters/smollm2-135m-eagle3 runs/smollm2-h200-stage15
+
+A greedy target that falls into a loop often repeats one token (a row of ``=`` or ``<<``), and a drafter that copies
+the run keeps every draft there, while one that drafts something else keeps none. The eval sets hold few such runs
+(one HumanEval prompt ends in a long run of ``<<``), so whether a drafter copies them is a matter of single tokens
+that the eval's tau cannot separate from noise; this measures it over every symbol token at once. Each prompt is a
+user turn asking to continue and an assistant turn that starts with ``--run-length`` copies of the token; a row counts
+when the target's own answer keeps the run for at least 90 % of its tokens (at T = 0 every drafter sees the same
+answers). Per drafter: tau over those rows with its interval, the share of the cycles inside the run whose first draft
+is the run's token, and the tokens whose run it mostly fails to copy; for each drafter after the first, its paired tau
+difference from the first. Recorded as "run_copy".
+"""
+
+from __future__ import annotations
+
+import argparse
+import string
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bench.results import record
+from engine.batched import BatchedTarget
+from eval.batched_speculative import RowResult, speculative_batch
+from eval.gate_stats import bootstrap
+from eval.intervals import paired_difference, ratio_estimate
+from eval.quality import load_drafter, quality_config
+from target_model.hf_model import load_target_from_config, stop_token_ids
+
+PUNCTUATION = frozenset(string.punctuation)
+CONTINUED_SHARE = 0.9  # a row counts when this share of the target's answer is the run's token
+MIN_RUN_CYCLES = 4  # a token's copying is judged only over at least this many cycles inside its run
+
+
+def symbol_tokens(tokenizer: Any, max_chars: int = 3) -> list[int]:
+    """Every token whose text is 1..``max_chars`` punctuation characters, optionally after one space, and that
+    encodes back to itself alone (so a run of it is a run of that one token)."""
+    out = []
+    for i in range(len(tokenizer)):
+        text = tokenizer.decode([i])
+        core = text[1:] if text.startswith(" ") else text
+        if 1 <= len(core) <= max_chars and set(core) <= PUNCTUATION \
+                and tokenizer.encode(text, add_special_tokens=False) == [i]:
+            out.append(i)
+    return out
+
+
+def run_prompts(tokenizer: Any, token_ids: Sequence[int], run_length: int) -> list[list[int]]:
+    """A user turn asking to continue, then an assistant turn that starts with ``run_length`` copies of each token."""
+    head = tokenizer.apply_chat_template([{"role": "user", "content": "Continue the text."}],
+                                         add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(head, add_special_tokens=False)
+    return [ids + [t] * run_length for t in token_ids]
+
+
+def continued(tokens: Sequence[int], run_token: int) -> bool:
+    """Whether the target's answer keeps the run for at least ``CONTINUED_SHARE`` of its tokens."""
+    return bool(tokens) and sum(t == run_token for t in tokens) >= CONTINUED_SHARE * len(tokens)
+
+
+def copy_counts(row: RowResult, run_token: int) -> tuple[int, int]:
+    """(cycles whose first produced token is the run's, those whose first draft was it too). ``row.tokens`` starts
+    with the prefill's token; cycle i produces ``accepted[i] + 1`` tokens from where the previous one stopped."""
+    cycles = hits = 0
+    pos = 1
+    for a, first in zip(row.accepted, row.first_drafts, strict=True):
+        if row.tokens[pos] == run_token:
+            cycles += 1
+            hits += first == run_token
+        pos += a + 1
+    return cycles, hits
+
+
+def drafter_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokenizer: Any, boot: Any) -> dict:
+    """tau over the rows with its interval, the first-draft copy rate inside the runs, and the failing tokens."""
+    iv = ratio_estimate([len(r.tokens) for r in rows], [len(r.accepted) for r in rows], boot).interval(boot.level)
+    counts = [copy_counts(r, t) for r, t in zip(rows, run_tokens, strict=True)]
+    cycles, hits = sum(c for c, _ in counts), sum(h for _, h in counts)
+    failing = [tokenizer.decode([t]) for (c, h), t in zip(counts, run_tokens, strict=True)
+               if c >= MIN_RUN_CYCLES and h < c / 2]
+    return {"tau": iv.point, "ci": [iv.low, iv.high], "run_cycles": cycles,
+            "first_draft_copies": hits / cycles if cycles else float("nan"),
+            "tokens_judged": sum(c >= MIN_RUN_CYCLES for c, _ in counts),
+            "tokens_failing": len(failing), "failing": failing}
+
+
+def tau_columns(rows: Sequence[RowResult], kept: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The per-row (tokens, cycles) columns ``eval.intervals`` resamples, over the ``kept`` rows."""
+    return [len(rows[i].tokens) for i in kept], [len(rows[i].accepted) for i in kept]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--checkpoint", nargs="+", required=True,
+                    help="drafters to measure; each after the first is also paired against the first")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--name", default="run_copy", help="the results.json object to write")
+    ap.add_argument("--run-length", type=int, default=16, help="copies of the token the assistant turn starts with")
+    ap.add_argument("--max-new", type=int, default=48, help="answer tokens per prompt")
+    ap.add_argument("--limit", type=int, default=None, help="the first N symbol tokens only (smoke runs)")
+    args = ap.parse_args(argv)
+    cfg = quality_config(args.config, overrides=args.set)
+    target = load_target_from_config(cfg.target)
+    tok, boot = target.tokenizer, bootstrap(cfg.gate)
+    symbols = symbol_tokens(tok)[: args.limit]
+    prompts = run_prompts(tok, symbols, args.run_length)
+    stops = stop_token_ids(tok)
+    rows: dict[str, list[RowResult]] = {}
+    for ckpt in args.checkpoint:
+        drafter, aux_ids = load_drafter(target, cfg, ckpt)
+        with torch.no_grad():
+            rows[ckpt] = speculative_batch(BatchedTarget(target.model, aux_ids), drafter, prompts, 3, args.max_new,
+                                           stops, desc=ckpt)
+    first = args.checkpoint[0]
+    kept = [i for i, (r, t) in enumerate(zip(rows[first], symbols, strict=True)) if continued(r.tokens, t)]
+    runs = [symbols[i] for i in kept]
+    figures = {c: drafter_figures([rs[i] for i in kept], runs, tok, boot) for c, rs in rows.items()}
+    base = tau_columns(rows[first], kept)
+    minus_first = {c: paired_difference(tau_columns(rows[c], kept), base, boot).interval(boot.level).to_dict()
+                   for c in args.checkpoint[1:]}
+    record(args.name, {"checkpoints": args.checkpoint, "k": 3, "temperature": 0.0, "confidence": boot.level,
+                       "run_length": args.run_length, "max_new_tokens": args.max_new, "limit": args.limit,
+                       "symbol_tokens": len(symbols), "runs_continued": len(kept), "drafters": figures,
+                       "minus_first": minus_first})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
