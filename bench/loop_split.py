@@ -19,7 +19,6 @@ each set also names the commonest first drafts refused there, with the token the
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from bench.drafters_parser import drafters_parser
 from bench.results import record
 from engine.batched import BatchedTarget
 from engine.loops import loop_start
@@ -113,12 +113,7 @@ def paired(a: dict[str, PerPrompt], b: dict[str, PerPrompt], boot: Bootstrap) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--checkpoint", nargs="+", required=True,
-                    help="drafters to measure; each after the first is also paired against the first")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    ap.add_argument("--name", default="loop_split", help="the results.json object to write")
+    ap = drafters_parser(__doc__, "loop_split")
     ap.add_argument("--limit", type=int, default=None, help="the first N prompts of each set only (smoke runs)")
     args = ap.parse_args(argv)
     cfg = quality_config(args.config, overrides=args.set)

@@ -18,7 +18,6 @@ difference from the first. Recorded as "run_copy".
 
 from __future__ import annotations
 
-import argparse
 import string
 import sys
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from bench.drafters_parser import drafters_parser
 from bench.results import record
 from engine.batched import BatchedTarget
 from eval.batched_speculative import RowResult, speculative_batch
@@ -97,12 +97,7 @@ def tau_columns(rows: Sequence[RowResult], kept: Sequence[int]) -> tuple[list[in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--checkpoint", nargs="+", required=True,
-                    help="drafters to measure; each after the first is also paired against the first")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    ap.add_argument("--name", default="run_copy", help="the results.json object to write")
+    ap = drafters_parser(__doc__, "run_copy")
     ap.add_argument("--run-length", type=int, default=16, help="copies of the token the assistant turn starts with")
     ap.add_argument("--max-new", type=int, default=48, help="answer tokens per prompt")
     ap.add_argument("--limit", type=int, default=None, help="the first N symbol tokens only (smoke runs)")
