@@ -191,6 +191,9 @@ FIGURES: tuple[Figure, ...] = (
      ("drafters", SHIPPED, "humaneval", "refused_in_loops", "cycles")),
     ("the same, the fourteenth stage", "loop_split_stage14",
      ("drafters", "runs/smollm2-h200-stage14", "humaneval", "refused_in_loops", "cycles")),
+    *stage_outside_loops("fifteenth", "loop_split_stage15", "runs/smollm2-h200-stage15"),
+    ("HumanEval verify cycles inside the loop tails that kept no draft, the fifteenth stage", "loop_split_stage15",
+     ("drafters", "runs/smollm2-h200-stage15", "humaneval", "refused_in_loops", "cycles")),
     ("runs of a symbol token the target keeps: share of their verify cycles whose first draft copies the token, "
      "shipped drafter", "run_copy", ("drafters", SHIPPED, "first_draft_copies")),
     ("the same, the fifteenth stage", "run_copy", ("drafters", "runs/smollm2-h200-stage15", "first_draft_copies")),
