@@ -30,7 +30,7 @@ from bench.drafters_parser import drafters_parser
 from bench.results import record
 from engine.batched import BatchedTarget
 from engine.loops import loop_start
-from eval.batched_speculative import speculative_batch
+from eval.batched_speculative import cycle_starts, speculative_batch
 from eval.gate_stats import bootstrap
 from eval.intervals import Bootstrap, paired_difference, ratio_estimate
 from eval.quality import load_drafter, quality_config, target_and_prompts
@@ -42,15 +42,9 @@ PerPrompt = dict[str, list[int]]
 
 def cycles_in_loop(tokens: Sequence[int], accepted: Sequence[int], min_repeat_tokens: int, max_period: int
                    ) -> list[tuple[int, bool]]:
-    """(where it starts in ``tokens``, whether it is inside the tail loop) of each verify cycle of one answer.
-    ``tokens`` starts with the prefill's token; cycle i produces ``accepted[i] + 1`` tokens from where the previous
-    one stopped."""
+    """(where it starts in ``tokens``, whether it is inside the tail loop) of each verify cycle of one answer."""
     start = loop_start(tokens, min_repeat_tokens, max_period)
-    out, pos = [], 1
-    for a in accepted:
-        out.append((pos, start is not None and pos >= start))
-        pos += a + 1
-    return out
+    return [(pos, start is not None and pos >= start) for pos in cycle_starts(accepted)]
 
 
 def split_cycles(tokens: Sequence[int], accepted: Sequence[int], min_repeat_tokens: int, max_period: int

@@ -28,9 +28,9 @@ import torch
 from bench.drafters_parser import drafters_parser
 from bench.results import record
 from engine.batched import BatchedTarget
-from eval.batched_speculative import RowResult, speculative_batch
+from eval.batched_speculative import RowResult, cycle_starts, speculative_batch
 from eval.gate_stats import bootstrap
-from eval.intervals import paired_difference, ratio_estimate
+from eval.intervals import Bootstrap, paired_difference, ratio_estimate
 from eval.quality import load_drafter, quality_config
 from target_model.hf_model import load_target_from_config, stop_token_ids
 
@@ -66,21 +66,20 @@ def continued(tokens: Sequence[int], run_token: int) -> bool:
 
 
 def copy_counts(row: RowResult, run_token: int) -> tuple[int, int]:
-    """(cycles whose first produced token is the run's, those whose first draft was it too). ``row.tokens`` starts
-    with the prefill's token; cycle i produces ``accepted[i] + 1`` tokens from where the previous one stopped."""
-    cycles = hits = 0
-    pos = 1
-    for a, first in zip(row.accepted, row.first_drafts, strict=True):
-        if row.tokens[pos] == run_token:
-            cycles += 1
-            hits += first == run_token
-        pos += a + 1
-    return cycles, hits
+    """(cycles whose first produced token is the run's, those whose first draft was it too)."""
+    firsts = [first for pos, first in zip(cycle_starts(row.accepted), row.first_drafts, strict=True)
+              if row.tokens[pos] == run_token]
+    return len(firsts), sum(first == run_token for first in firsts)
 
 
-def drafter_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokenizer: Any, boot: Any) -> dict:
+def tau_columns(rows: Sequence[RowResult]) -> tuple[list[int], list[int]]:
+    """The per-row (tokens, cycles) columns ``eval.intervals`` resamples."""
+    return [len(r.tokens) for r in rows], [len(r.accepted) for r in rows]
+
+
+def drafter_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokenizer: Any, boot: Bootstrap) -> dict:
     """tau over the rows with its interval, the first-draft copy rate inside the runs, and the failing tokens."""
-    iv = ratio_estimate([len(r.tokens) for r in rows], [len(r.accepted) for r in rows], boot).interval(boot.level)
+    iv = ratio_estimate(*tau_columns(rows), boot).interval(boot.level)
     counts = [copy_counts(r, t) for r, t in zip(rows, run_tokens, strict=True)]
     cycles, hits = sum(c for c, _ in counts), sum(h for _, h in counts)
     failing = [tokenizer.decode([t]) for (c, h), t in zip(counts, run_tokens, strict=True)
@@ -89,11 +88,6 @@ def drafter_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokeni
             "first_draft_copies": hits / cycles if cycles else float("nan"),
             "tokens_judged": sum(c >= MIN_RUN_CYCLES for c, _ in counts),
             "tokens_failing": len(failing), "failing": failing}
-
-
-def tau_columns(rows: Sequence[RowResult], kept: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The per-row (tokens, cycles) columns ``eval.intervals`` resamples, over the ``kept`` rows."""
-    return [len(rows[i].tokens) for i in kept], [len(rows[i].accepted) for i in kept]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,9 +111,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = args.checkpoint[0]
     kept = [i for i, (r, t) in enumerate(zip(rows[first], symbols, strict=True)) if continued(r.tokens, t)]
     runs = [symbols[i] for i in kept]
-    figures = {c: drafter_figures([rs[i] for i in kept], runs, tok, boot) for c, rs in rows.items()}
-    base = tau_columns(rows[first], kept)
-    minus_first = {c: paired_difference(tau_columns(rows[c], kept), base, boot).interval(boot.level).to_dict()
+    rows = {c: [rs[i] for i in kept] for c, rs in rows.items()}
+    figures = {c: drafter_figures(rs, runs, tok, boot) for c, rs in rows.items()}
+    base = tau_columns(rows[first])
+    minus_first = {c: paired_difference(tau_columns(rows[c]), base, boot).interval(boot.level).to_dict()
                    for c in args.checkpoint[1:]}
     record(args.name, {"checkpoints": args.checkpoint, "k": 3, "temperature": 0.0, "confidence": boot.level,
                        "run_length": args.run_length, "max_new_tokens": args.max_new, "limit": args.limit,

@@ -38,6 +38,16 @@ class RowResult:
     first_drafts: list[int] = field(default_factory=list)  # each cycle's first draft, a target id
 
 
+def cycle_starts(accepted: Sequence[int]) -> list[int]:
+    """Where each verify cycle's tokens start in a row's ``tokens``, which begin with the prefill's token: cycle i
+    produces ``accepted[i] + 1`` tokens from where the previous one stopped."""
+    out, pos = [], 1
+    for a in accepted:
+        out.append(pos)
+        pos += a + 1
+    return out
+
+
 class BatchedDrafter:
     """The drafter over a position-indexed cache of ``slots`` rows (the same layout as the target's)."""
 
