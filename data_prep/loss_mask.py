@@ -8,7 +8,9 @@ ended the turn itself: finish reason ``stop`` or ``tool_calls``, or no finish re
 never regenerated). An answer regenerate cut (``length``, ``loop``) never produced that marker: its span ends
 where its text does, and the marker stays in the ids as context only (else the drafter learns "after a loop's
 first copy the answer ends"). A cut answer whose text end cannot be found keeps its whole span and is counted;
-a chat whose reasons do not match its answers is refused (``finish_reasons_mismatch``).
+a chat whose reasons do not match its answers is refused (``finish_reasons_mismatch``). An answer whose first
+``given_chars`` characters of content the target was given rather than wrote (data_prep/symbol_runs.py) has its span
+start after them: they stay in the ids as context only.
 Character spans map to tokens through the whole text's offsets (one tokenization per conversation: a
 prefix tokenization per turn made long chats quadratic); a token straddling a boundary is counted.
 ``max_answer_tokens`` (``train.max_answer_tokens``) keeps the loss on each turn's first N tokens only: the
@@ -26,8 +28,9 @@ from dataclasses import astuple, dataclass, field
 from typing import Any
 
 ENDED = frozenset({"stop", "tool_calls"})  # finish reasons of an answer that ended in its end-of-turn marker
-# Appended to a cut answer's text to find where the template puts that text's end; no real answer holds it.
-TEXT_END = "\u2063[end-of-answer-text]\u2063"
+# Put into an answer's text to find where the template puts that point of it (a cut answer's end, the end of what
+# it was given); no real answer holds it.
+MARK = "\u2063[answer-text-mark]\u2063"
 
 
 class LossMaskError(ValueError):
@@ -141,23 +144,46 @@ def _turn_ends(messages: list[dict], finish_reasons: Sequence[str] | None) -> li
     return [r in ENDED for r in finish_reasons]
 
 
+def _marked_at(tokenizer: Any, messages: list[dict], i: int, part: str, marked_text: str, through: str,
+               kwargs: dict) -> int | None:
+    """Where ``MARK`` lands in ``through`` (the chat rendered through answer i) when answer i's ``part`` is
+    ``marked_text`` (its text with ``MARK`` put in once); None when that rendering is not ``through`` with the
+    marker inserted once (the template changes the text)."""
+    marked = _render(tokenizer, [*messages[:i], {**messages[i], part: marked_text}], False, kwargs)
+    p = marked.find(MARK)
+    return p if p >= 0 and marked[:p] + marked[p + len(MARK):] == through else None
+
+
 def _text_end(tokenizer: Any, messages: list[dict], i: int, through: str, kwargs: dict) -> int | None:
-    """Where answer i's generated text ends in ``through`` (the chat rendered through it): the end of its content,
-    or of its reasoning when it has no content (where regenerate cuts a loop). Found by rendering the answer with
-    ``TEXT_END`` appended to that text (or to it right-stripped, for templates that trim): the result must be
-    ``through`` with the marker inserted once. None when it is not (the template changes the text) or the answer
-    made tool calls (its text is not the end of what it generated)."""
+    """Where answer i's generated text ends in ``through``: the end of its content, or of its reasoning when it has
+    no content (where regenerate cuts a loop); the marker goes after that text (or after it right-stripped, for
+    templates that trim). None when it cannot be found or the answer made tool calls (its text is not the end of
+    what it generated)."""
     msg = messages[i]
     part = "content" if msg.get("content") else "reasoning_content"
     text = msg.get(part) or ""
     if not text or msg.get("tool_calls"):
         return None
     for candidate in dict.fromkeys((text, text.rstrip())):
-        marked = _render(tokenizer, [*messages[:i], {**msg, part: candidate + TEXT_END}], False, kwargs)
-        p = marked.find(TEXT_END)
-        if p >= 0 and marked[:p] + marked[p + len(TEXT_END):] == through:
+        if (p := _marked_at(tokenizer, messages, i, part, candidate + MARK, through, kwargs)) is not None:
             return p
     return None
+
+
+def _given_end(tokenizer: Any, messages: list[dict], i: int, through: str, kwargs: dict) -> int:
+    """Where the ``given_chars`` characters of answer i's content that the target was given end in ``through``;
+    a count that is not one of its content's positions, or a point the template moves, is an error."""
+    msg = messages[i]
+    given, content = msg["given_chars"], msg.get("content")
+    if isinstance(given, bool) or not isinstance(given, int) or not isinstance(content, str) \
+            or not 0 <= given <= len(content) or msg.get("tool_calls"):
+        raise LossMaskError("given_chars_invalid", f"turn {i}: given_chars {given!r} is not a position in the "
+                            "answer's content (an int from 0 to its length, on an answer without tool calls)")
+    p = _marked_at(tokenizer, messages, i, "content", content[:given] + MARK + content[given:], through, kwargs)
+    if p is None:
+        raise LossMaskError("given_chars_unlocated", f"turn {i}: the template changes the answer's text, so where "
+                            "its given_chars end cannot be found")
+    return p
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict | None = None,
@@ -180,12 +206,13 @@ def assistant_spans(tokenizer: Any, messages: list[dict], template_kwargs: dict 
         if not (through.startswith(before) and text.startswith(through)):
             raise LossMaskError("template_not_prefix_stable",
                                 f"rendering turn {i} changes the text of earlier turns; cannot locate it")
+        start = len(before) if msg.get("given_chars") is None else _given_end(tokenizer, messages, i, through, kwargs)
         end = len(before) + len(through[len(before):].rstrip())
         if not next(ended):
             text_end = _text_end(tokenizer, messages, i, through, kwargs)
             unlocated += text_end is None
-            end = end if text_end is None else min(end, max(text_end, len(before)))
-        spans.append((len(before), end))
+            end = end if text_end is None else min(end, max(text_end, start))
+        spans.append((start, max(start, end)))
     return text, spans, unlocated
 
 
