@@ -12,13 +12,14 @@ that the eval's tau cannot separate from noise; this measures it over every symb
 user turn asking to continue and an assistant turn that starts with ``--run-length`` copies of the token; a row counts
 when the target's own answer keeps the run for at least 90 % of its tokens (at T = 0 every drafter sees the same
 answers). Per drafter: tau over those rows with its interval, the share of the cycles inside the run whose first draft
-is the run's token, and the tokens whose run it mostly fails to copy; for each drafter after the first, its paired tau
-difference from the first. Recorded as "run_copy".
+is the run's token, and the tokens whose run it mostly fails to copy; the same figures again over the rows whose token
+is in its draft vocabulary (``t2d``), with how many are not (a token outside it can never be drafted, and a warm start
+keeps the map, so no training fixes those); for each drafter after the first, its paired tau difference from the
+first. Recorded as "run_copy".
 """
 
 from __future__ import annotations
 
-import string
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -27,6 +28,8 @@ import torch
 
 from bench.drafters_parser import drafters_parser
 from bench.results import record
+from data_prep.symbol_runs import continued, symbol_tokens
+from drafter.model import Eagle3Drafter
 from engine.batched import BatchedTarget
 from eval.batched_speculative import RowResult, cycle_starts, speculative_batch
 from eval.gate_stats import bootstrap
@@ -34,22 +37,7 @@ from eval.intervals import Bootstrap, paired_difference, ratio_estimate
 from eval.quality import load_drafter, quality_config
 from target_model.hf_model import load_target_from_config, stop_token_ids
 
-PUNCTUATION = frozenset(string.punctuation)
-CONTINUED_SHARE = 0.9  # a row counts when this share of the target's answer is the run's token
 MIN_RUN_CYCLES = 4  # a token's copying is judged only over at least this many cycles inside its run
-
-
-def symbol_tokens(tokenizer: Any, max_chars: int = 3) -> list[int]:
-    """Every token whose text is 1..``max_chars`` punctuation characters, optionally after one space, and that
-    encodes back to itself alone (so a run of it is a run of that one token)."""
-    out = []
-    for i in range(len(tokenizer)):
-        text = tokenizer.decode([i])
-        core = text[1:] if text.startswith(" ") else text
-        if 1 <= len(core) <= max_chars and set(core) <= PUNCTUATION \
-                and tokenizer.encode(text, add_special_tokens=False) == [i]:
-            out.append(i)
-    return out
 
 
 def run_prompts(tokenizer: Any, token_ids: Sequence[int], run_length: int) -> list[list[int]]:
@@ -58,11 +46,6 @@ def run_prompts(tokenizer: Any, token_ids: Sequence[int], run_length: int) -> li
                                          add_generation_prompt=True, tokenize=False)
     ids = tokenizer.encode(head, add_special_tokens=False)
     return [ids + [t] * run_length for t in token_ids]
-
-
-def continued(tokens: Sequence[int], run_token: int) -> bool:
-    """Whether the target's answer keeps the run for at least ``CONTINUED_SHARE`` of its tokens."""
-    return bool(tokens) and sum(t == run_token for t in tokens) >= CONTINUED_SHARE * len(tokens)
 
 
 def copy_counts(row: RowResult, run_token: int) -> tuple[int, int]:
@@ -77,7 +60,13 @@ def tau_columns(rows: Sequence[RowResult]) -> tuple[list[int], list[int]]:
     return [len(r.tokens) for r in rows], [len(r.accepted) for r in rows]
 
 
-def drafter_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokenizer: Any, boot: Bootstrap) -> dict:
+def draft_vocab_mask(drafter: Eagle3Drafter) -> torch.Tensor:
+    """The drafter's ``t2d`` on the CPU, (target vocab,) bool: the target ids its lm_head can propose. A token outside
+    it is never drafted whatever the weights, so its failed run is the vocab map's doing, not the training's."""
+    return drafter.t2d.detach().bool().cpu()
+
+
+def copy_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokenizer: Any, boot: Bootstrap) -> dict:
     """tau over the rows with its interval, the first-draft copy rate inside the runs, and the failing tokens."""
     iv = ratio_estimate(*tau_columns(rows), boot).interval(boot.level)
     counts = [copy_counts(r, t) for r, t in zip(rows, run_tokens, strict=True)]
@@ -88,6 +77,19 @@ def drafter_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokeni
             "first_draft_copies": hits / cycles if cycles else float("nan"),
             "tokens_judged": sum(c >= MIN_RUN_CYCLES for c, _ in counts),
             "tokens_failing": len(failing), "failing": failing}
+
+
+def drafter_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokenizer: Any, boot: Bootstrap,
+                    draft_vocab: torch.Tensor) -> dict:
+    """``copy_figures`` over every row, and again over the rows whose run token is in ``draft_vocab`` (the drafter's
+    ``draft_vocab_mask``) with the count of those that are not: failing a token it cannot propose says nothing of
+    its weights, so only the in-vocab figures show what training could change."""
+    inside = draft_vocab[torch.as_tensor(list(run_tokens), dtype=torch.long)].tolist()
+    proposable = [(r, t) for r, t, ok in zip(rows, run_tokens, inside, strict=True) if ok]
+    in_vocab = copy_figures([r for r, _ in proposable], [t for _, t in proposable], tokenizer, boot)
+    return copy_figures(rows, run_tokens, tokenizer, boot) | {
+        "in_draft_vocab": {"rows": len(proposable)} | in_vocab,
+        "tokens_outside_draft_vocab": len(rows) - len(proposable)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,8 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = run_prompts(tok, symbols, args.run_length)
     stops = stop_token_ids(tok)
     rows: dict[str, list[RowResult]] = {}
+    vocab: dict[str, torch.Tensor] = {}
     for ckpt in args.checkpoint:
         drafter, aux_ids = load_drafter(target, cfg, ckpt)
+        vocab[ckpt] = draft_vocab_mask(drafter)
         with torch.no_grad():
             rows[ckpt] = speculative_batch(BatchedTarget(target.model, aux_ids), drafter, prompts, 3, args.max_new,
                                            stops, desc=ckpt)
@@ -112,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     kept = [i for i, (r, t) in enumerate(zip(rows[first], symbols, strict=True)) if continued(r.tokens, t)]
     runs = [symbols[i] for i in kept]
     rows = {c: [rs[i] for i in kept] for c, rs in rows.items()}
-    figures = {c: drafter_figures(rs, runs, tok, boot) for c, rs in rows.items()}
+    figures = {c: drafter_figures(rs, runs, tok, boot, vocab[c]) for c, rs in rows.items()}
     base = tau_columns(rows[first])
     minus_first = {c: paired_difference(tau_columns(rows[c]), base, boot).interval(boot.level).to_dict()
                    for c in args.checkpoint[1:]}

@@ -183,6 +183,28 @@ class SynthesizeConfig(Section):
         return self
 
 
+class SymbolRunsConfig(Section):
+    """Runs of one symbol token the target continues (`data_prep symbol-runs`, data_prep/symbol_runs.py): each sample
+    cuts an answer of a regenerated conversation after a random token, appends a run of a random symbol token and
+    keeps the target's own greedy continuation, the only part trained. Teaches a drafter to copy the runs a looping
+    target writes (a row of `=`, a run of `<<`), which regeneration's loop stop keeps out of the data."""
+
+    conversations: str = Field(description="A conversations.jsonl regenerate wrote, whose answers are cut.")
+    count: PositiveInt = Field(description="Samples to make into run_dir/symbol_runs.jsonl (those skipped are "
+                               "counted in run_dir/symbol_runs.skipped.jsonl).")
+    seed: Int = Field(0, description="Sample i draws its answer, cut, token and run length from this seed and i, so "
+                      "a resumed run makes the samples an unbroken one makes.")
+    min_run: PositiveInt = Field(4, description="Fewest copies of the token appended.")
+    max_run: PositiveInt = Field(24, description="Most copies of the token appended.")
+    max_new_tokens: PositiveInt = Field(64, description="Tokens the target writes after the run (greedy).")
+
+    @model_validator(mode="after")
+    def _run_lengths(self) -> SymbolRunsConfig:
+        if self.min_run > self.max_run:
+            raise ValueError(f"min_run {self.min_run} > max_run {self.max_run}: lower min_run or raise max_run")
+        return self
+
+
 class DataConfig(Section):
     """The prompts `data_prep ingest` reads into run_dir/prompts.jsonl."""
 
@@ -194,6 +216,8 @@ class DataConfig(Section):
                                    "turn's answer.")
     synthesize: SynthesizeConfig | None = Field(None, description="Prompts the target writes itself "
                                                 "(`data_prep synthesize`); default none.")
+    symbol_runs: SymbolRunsConfig | None = Field(None, description="Runs of one symbol token the target continues "
+                                                 "(`data_prep symbol-runs`); default none.")
 
 
 class RegenerateConfig(Section):

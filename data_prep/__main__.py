@@ -1,4 +1,4 @@
-"""``python -m data_prep {synthesize,ingest,regenerate,capture,all} --config FILE [--set key=value ...]``.
+"""``python -m data_prep {synthesize,ingest,regenerate,symbol-runs,capture,all} --config FILE [--set key=value ...]``.
 
 Each step resumes where a killed run stopped; the closing summary is printed and merged into
 ``run_dir/data_prep_summary.json`` (one key per step). The steps run in data_prep/steps.py.
@@ -18,6 +18,8 @@ STEPS = {
               "arrow, save_to_disk dirs, hub ids); writes run_dir/prompts.jsonl (deduplicated, stable ids)",
     "regenerate": "reads run_dir/prompts.jsonl and the target (regenerate.backend hf|openai); "
                   "writes run_dir/conversations.jsonl (every assistant turn rewritten by the target)",
+    "symbol-runs": "reads data.symbol_runs.conversations and the target (hf); writes run_dir/symbol_runs.jsonl "
+                   "(conversations: the target continuing a run of one symbol token inside its answers)",
     "capture": "reads run_dir/conversations.jsonl and the target (capture.backend hf), or SpecForge's hidden-state "
                "files (specforge); writes run_dir/store/ (safetensors shards of input ids, loss mask, aux states, "
                "teacher signal + manifest.json + target_head.safetensors)",

@@ -26,7 +26,7 @@ ORDER = ("synthesize", "ingest", "regenerate", "capture")  # "all" runs synthesi
 
 
 def _runner(step: str, profile: bool) -> Callable[[RunConfig], Any]:
-    # Synthesize, regenerate and capture are imported when they run: ingest needs neither torch nor the target.
+    # The steps but ingest are imported when they run: ingest needs neither torch nor the target.
     if step == "ingest":
         return run_ingest
     if step == "synthesize":
@@ -37,6 +37,10 @@ def _runner(step: str, profile: bool) -> Callable[[RunConfig], Any]:
         from data_prep.regenerate import run_regenerate
 
         return functools.partial(run_regenerate, profile=profile)
+    if step == "symbol-runs":
+        from data_prep.symbol_runs import run_symbol_runs
+
+        return run_symbol_runs
     from data_prep.capture import run_capture
 
     return run_capture
@@ -52,7 +56,8 @@ def save_summary(cfg: RunConfig, step: str, summary: Any) -> None:
 
 @one_line_errors(MissingWheelError, prefix="data_prep: error")
 def run_steps(step: str, config: str | Path, overrides: Sequence[str] = (), profile: bool = False) -> int:
-    """``step`` is one of ORDER or "all" (synthesize only when the config sets it). Exit code: 0 done, 2 an error
+    """``step`` is one of ORDER, "symbol-runs" (not in "all": capture reads conversations.jsonl alone) or "all"
+    (synthesize only when the config sets it). Exit code: 0 done, 2 an error
     (a bad config, a step that failed, the run dir in use, a crash before the steps start); the message is one line
     on stderr. ``profile``: regenerate's engine measured into its summary (``run_regenerate``'s; for
     bench/regenerate_profiled.py, never the command's)."""

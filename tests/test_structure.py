@@ -29,6 +29,7 @@ LAZY = {
     ("data_prep.steps", "data_prep.regenerate"): "`python -m data_prep ingest` imports neither torch nor the target",
     ("data_prep.steps", "data_prep.capture"): "`python -m data_prep ingest` imports neither torch nor the target",
     ("data_prep.steps", "data_prep.self_prompts"): "`python -m data_prep ingest` imports neither torch nor the target",
+    ("data_prep.steps", "data_prep.symbol_runs"): "`python -m data_prep ingest` imports neither torch nor the target",
     ("data_prep.backends", "engine.batched"): "regenerate's openai backend never imports torch (hf does)",
     ("data_prep.backends", "engine.continuous_batching"): "regenerate's openai backend never imports torch",
     ("data_prep.backends", "engine.sampling"): "regenerate's openai backend never imports torch",
