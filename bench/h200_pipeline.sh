@@ -56,8 +56,12 @@
 #                Another batch: another SELF and SELF_SEED. An earlier machine's conversations
 #                (.gpu/<SELF without runs/smollm2-h200->/conversations.jsonl.gz.part-*, returned by
 #                `RUN=$SELF OUT_CONVERSATIONS=1 ... out`) are unpacked instead when carried
+#   symbol-runs  SYMBOL_RUNS_COUNT (default 12,000, seed SYMBOL_RUNS_SEED, default 0) samples of the target continuing
+#                a run of one symbol token inside the first answers of the multi-turn conversations (data_prep
+#                symbol-runs), into $SYMBOL_RUNS/symbol_runs.jsonl (default runs/smollm2-h200-symbol-runs): list that
+#                file in WITH_SELF to train on it
 #   with-self    $RUN/conversations.jsonl = every turn's conversations and those of each self-prompt run in
-#                WITH_SELF (default SELF) (then derive with OVERRIDES="run_dir=$RUN
+#                WITH_SELF (default SELF; a run's conversations.jsonl, or a file named itself) (then derive with OVERRIDES="run_dir=$RUN
 #                drafter.init_from=drafters/smollm2-135m-eagle3 train.max_steps=N", train, quality: a stage
 #                warm-started from the shipped drafter on both)
 #   ddp-bench    bench/ddp_scaling.py (training)                    -> "ddp_scaling"
@@ -113,6 +117,7 @@ cd "$(dirname "$0")/.."
 CONFIG=${CONFIG:-configs/smollm2-135m-h200.yaml}
 FIRST_TURNS=runs/smollm2-h200 MULTI_TURN=${MULTI_TURN:-runs/smollm2-h200-mt} SAMPLED=runs/smollm2-h200-mt-sampled
 SELF=${SELF:-runs/smollm2-h200-self}
+SYMBOL_RUNS=${SYMBOL_RUNS:-runs/smollm2-h200-symbol-runs}
 CARRIED=$(realpath -m "${CARRIED:-.gpu}")  # what the calls carry (bench/device_assets.sh) and what setup builds there
 SELF_CARRIED=$CARRIED/${SELF#runs/smollm2-h200-}  # where an earlier machine's conversations of $SELF are carried
 export SELF_SYSTEM=${SELF_SYSTEM:-You are a Python coding assistant. Users ask you to write or complete Python functions.}
@@ -279,12 +284,21 @@ for p in "$@"; do
         for step in synthesize ingest regenerate; do python3 -m data_prep \$step --config $SELF/config.yaml; done; \
         wc -l $SELF/self_prompts.jsonl $SELF/conversations.jsonl"
       [ -f $SELF/conversations.jsonl ] && cut_torn_tail $SELF/conversations.jsonl ;;
+    symbol-runs)  # runs of one symbol token the target continues, cut into the multi-turn conversations' first
+      # answers; resumable (a torn last line is cut, so the next phase reads whole ones)
+      phase symbol-runs bash -c "set -e; mkdir -p $SYMBOL_RUNS; derive_config '$CONFIG' $SYMBOL_RUNS/config.yaml \
+          run_dir=$SYMBOL_RUNS 'data.symbol_runs={conversations: $MULTI_TURN/conversations.jsonl, \
+          count: ${SYMBOL_RUNS_COUNT:-12000}, seed: ${SYMBOL_RUNS_SEED:-0}}'; \
+        python3 -m data_prep symbol-runs --config $SYMBOL_RUNS/config.yaml; wc -l $SYMBOL_RUNS/symbol_runs.jsonl"
+      [ -f $SYMBOL_RUNS/symbol_runs.jsonl ] && cut_torn_tail $SYMBOL_RUNS/symbol_runs.jsonl ;;
     with-self)  # a later stage's data: every turn's conversations, then those of each self-prompt run in WITH_SELF
-      # (default $SELF), as $RUN/conversations.jsonl ($RUN a run of its own: never one whose conversations it reads)
+      # (default $SELF; a file is taken as itself: symbol-runs'), as $RUN/conversations.jsonl ($RUN a run of its own:
+      # never one whose conversations it reads)
       sources="$MULTI_TURN ${WITH_SELF:-$SELF}"
       case " $FIRST_TURNS $sources " in
         *" $RUN "*) echo "=== with-self: RUN=$RUN holds data of its own; name a new run"; failed+=(with-self) ;;
-        *) files=$(for d in $sources; do echo "$d/conversations.jsonl"; done | tr '\n' ' ')
+        *) files=$(for d in $sources; do if [ -f "$d" ]; then echo "$d"; else echo "$d/conversations.jsonl"; fi
+                   done | tr '\n' ' ')
            phase with-self bash -c "set -e; mkdir -p $RUN; wc -l $files; cat $files > $RUN/conversations.jsonl.part; \
              mv $RUN/conversations.jsonl.part $RUN/conversations.jsonl; wc -l $RUN/conversations.jsonl" ;;
       esac ;;

@@ -71,17 +71,32 @@ def test_with_self_joins_every_turn_and_each_self_prompt_run_into_a_run_of_its_o
     for name, d in runs.items():
         d.mkdir()
         (d / "conversations.jsonl").write_text("".join(f'{{"id": "{name}-{i}"}}\n' for i in range(2)))
+    symbol_runs = tmp_path / "symbol-runs" / "symbol_runs.jsonl"  # a file is taken as itself
+    symbol_runs.parent.mkdir()
+    symbol_runs.write_text('{"id": "runs-0-00000000"}\n')
     stage = tmp_path / "stage"
-    env = {"MULTI_TURN": str(runs["mt"]), "WITH_SELF": f"{runs['self-1']} {runs['self-2']}"}
+    env = {"MULTI_TURN": str(runs["mt"]), "WITH_SELF": f"{runs['self-1']} {runs['self-2']} {symbol_runs}"}
 
     done = run_phases("with-self", RUN=str(stage), **env)
 
     assert done.returncode == 0, done.stdout + done.stderr
     ids = [line.split('"')[3] for line in (stage / "conversations.jsonl").read_text().splitlines()]
-    assert ids == ["mt-0", "mt-1", "self-1-0", "self-1-1", "self-2-0", "self-2-1"]
+    assert ids == ["mt-0", "mt-1", "self-1-0", "self-1-1", "self-2-0", "self-2-1", "runs-0-00000000"]
     refused = run_phases("with-self", RUN=str(runs["self-2"]), **env)  # it would read the file it writes
     assert refused.returncode != 0 and "holds data of its own" in refused.stdout
     assert len((runs["self-2"] / "conversations.jsonl").read_text().splitlines()) == 2
+
+
+def test_symbol_runs_cuts_the_multi_turn_conversations_first_answers(tmp_path: Path) -> None:
+    missing = tmp_path / "mt"
+    done = run_phases("symbol-runs", MULTI_TURN=str(missing), SYMBOL_RUNS=str(tmp_path / "runs"),
+                      SYMBOL_RUNS_COUNT="9", SYMBOL_RUNS_SEED="2")
+    out = done.stdout + done.stderr
+    assert "FAILED" in out and f"data.symbol_runs.conversations: {missing}/conversations.jsonl is not a file" in out
+    config = yaml.safe_load((tmp_path / "runs" / "config.yaml").read_text())
+    assert config["run_dir"] == str(tmp_path / "runs")
+    assert config["data"]["symbol_runs"] == {**config["data"]["symbol_runs"], "count": 9, "seed": 2,
+                                             "conversations": f"{missing}/conversations.jsonl"}
 
 
 def test_self_prompts_refuses_a_systems_file_that_is_not_a_json_list_of_system_turns(tmp_path: Path) -> None:
