@@ -59,7 +59,8 @@
 #   symbol-runs  SYMBOL_RUNS_COUNT (default 12,000, seed SYMBOL_RUNS_SEED, default 0) samples of the target continuing
 #                a run of one symbol token inside the first answers of the multi-turn conversations (data_prep
 #                symbol-runs), into $SYMBOL_RUNS/symbol_runs.jsonl (default runs/smollm2-h200-symbol-runs): list that
-#                file in WITH_SELF to train on it
+#                file in WITH_SELF to train on it; the tokens are those in the draft vocab of SYMBOL_RUNS_FOR (default
+#                the shipped drafter), the drafter the stage warm-starts from
 #   with-self    $RUN/conversations.jsonl = every turn's conversations and those of each self-prompt run in
 #                WITH_SELF (default SELF; a run's conversations.jsonl, or a file named itself) (then derive with OVERRIDES="run_dir=$RUN
 #                drafter.init_from=drafters/smollm2-135m-eagle3 train.max_steps=N", train, quality: a stage
@@ -287,7 +288,8 @@ for p in "$@"; do
     symbol-runs)  # runs of one symbol token the target continues, cut into the multi-turn conversations' first
       # answers; resumable (a torn last line is cut, so the next phase reads whole ones)
       phase symbol-runs bash -c "set -e; mkdir -p $SYMBOL_RUNS; derive_config '$CONFIG' $SYMBOL_RUNS/config.yaml \
-          run_dir=$SYMBOL_RUNS 'data.symbol_runs={conversations: $MULTI_TURN/conversations.jsonl, \
+          run_dir=$SYMBOL_RUNS drafter.init_from=${SYMBOL_RUNS_FOR:-drafters/smollm2-135m-eagle3} \
+          'data.symbol_runs={conversations: $MULTI_TURN/conversations.jsonl, \
           count: ${SYMBOL_RUNS_COUNT:-12000}, seed: ${SYMBOL_RUNS_SEED:-0}}'; \
         python3 -m data_prep symbol-runs --config $SYMBOL_RUNS/config.yaml; wc -l $SYMBOL_RUNS/symbol_runs.jsonl"
       [ -f $SYMBOL_RUNS/symbol_runs.jsonl ] && cut_torn_tail $SYMBOL_RUNS/symbol_runs.jsonl ;;

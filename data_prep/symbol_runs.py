@@ -5,10 +5,11 @@ a drafter that copies the token keeps every draft while one that drafts anything
 loops (regenerate.stop_loops), so few runs reach the training data. Sample ``i`` takes the first answer of a random
 regenerated conversation (data.symbol_runs.conversations), cuts it after a random token, appends a run of a random
 symbol token (``symbol_tokens``: one to three punctuation characters, optionally after a space, whose run the
-tokenizer encodes as copies of it) and lets the target continue greedily for max_new_tokens. The record is the
-conversation up to that answer, whose content is the cut text, the run and the continuation, with ``given_chars``
-counting what the target was given: only the continuation is trained (data_prep/loss_mask.py), so every label is
-the target's own greedy token, whether it keeps the run or leaves it.
+tokenizer encodes as copies of it; with drafter.init_from, only those in its draft vocab, since a warm start keeps
+its map) and lets the target continue greedily for max_new_tokens. The record is the conversation up to that answer,
+whose content is the cut text, the run and the continuation, with ``given_chars`` counting what the target was given:
+only the continuation is trained (data_prep/loss_mask.py), so every label is the target's own greedy token, whether
+it keeps the run or leaves it.
 
 Sample ``i`` draws its choices from its own seed (data.symbol_runs.seed and ``i``), so a resumed run makes the samples
 an unbroken one makes. Kept samples go to ``run_dir/symbol_runs.jsonl`` (conversations.jsonl's format: train on it
@@ -37,6 +38,7 @@ from data_prep.backends import context_limit
 from data_prep.loss_mask import MARK, conversation_text
 from data_prep.self_prompts import continuation
 from data_prep.step_failed import StepFailed
+from drafter.sglang_checkpoint import load_tensors
 from engine.batched import BatchedTarget
 from engine.continuous_batching import Stream
 from engine.sampling import Sampling
@@ -72,6 +74,15 @@ def run_tokens(tokenizer: Any) -> list[int]:
     that a run written as text reads as the run the target wrote."""
     return [t for t in symbol_tokens(tokenizer)
             if tokenizer.encode(tokenizer.decode([t]) * RUN_CHECK, add_special_tokens=False) == [t] * RUN_CHECK]
+
+
+def proposable(tokens: Sequence[int], init_from: str | None) -> list[int]:
+    """The run tokens a warm start from ``init_from`` can draft (its ``t2d``; a warm start keeps its vocab map, and
+    training scores only labels in the draft vocab), all of them when the drafter starts fresh."""
+    if init_from is None:
+        return list(tokens)
+    t2d = load_tensors(init_from, ["t2d"])["t2d"].bool()
+    return [t for t in tokens if t < len(t2d) and bool(t2d[t])]
 
 
 def continued(tokens: Sequence[int], run_token: int) -> bool:
@@ -226,10 +237,11 @@ def run_symbol_runs(cfg: RunConfig) -> SymbolRunsSummary:
     start = time.perf_counter()
     target = load_target_from_config(cfg.target)
     tok, kwargs = target.tokenizer, cfg.target.chat_template_kwargs
-    tokens = run_tokens(tok)
+    tokens = proposable(run_tokens(tok), cfg.drafter.init_from)
     if not tokens:
-        raise SymbolRunsError(f"target.name {cfg.target.name}: its vocabulary has no symbol token whose run encodes "
-                              "back to copies of it")
+        raise SymbolRunsError(f"target.name {cfg.target.name}: no symbol token whose run encodes back to copies of it"
+                              + ("" if cfg.drafter.init_from is None else
+                                 f" is in the draft vocab of drafter.init_from {cfg.drafter.init_from}"))
     summary.run_tokens = len(tokens)
     limit = context_limit(target.hf_config, cfg.regenerate.max_context_tokens)
     samples = {}

@@ -95,6 +95,7 @@ def test_symbol_runs_cuts_the_multi_turn_conversations_first_answers(tmp_path: P
     assert "FAILED" in out and f"data.symbol_runs.conversations: {missing}/conversations.jsonl is not a file" in out
     config = yaml.safe_load((tmp_path / "runs" / "config.yaml").read_text())
     assert config["run_dir"] == str(tmp_path / "runs")
+    assert config["drafter"]["init_from"] == "drafters/smollm2-135m-eagle3"  # runs of tokens the shipped one drafts
     assert config["data"]["symbol_runs"] == {**config["data"]["symbol_runs"], "count": 9, "seed": 2,
                                              "conversations": f"{missing}/conversations.jsonl"}
 

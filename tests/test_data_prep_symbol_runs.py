@@ -21,6 +21,7 @@ from data_prep.symbol_runs import (
     SymbolRunsError,
     build_sample,
     continued,
+    proposable,
     read_answers,
     read_done,
     record,
@@ -28,6 +29,7 @@ from data_prep.symbol_runs import (
     run_tokens,
     symbol_tokens,
 )
+from drafter.sglang_checkpoint import load_tensors
 from engine.batched import BatchedTarget
 from engine.continuous_batching import generate
 from target_model.hf_model import load_tokenizer, resolve_source, stop_token_ids
@@ -85,6 +87,15 @@ def test_a_run_token_is_punctuation_whose_run_encodes_to_its_copies(tok: Any) ->
     equals = tok.encode("=", add_special_tokens=False)
     assert len(equals) == 1 and tok.encode("==", add_special_tokens=False) != equals * 2
     assert equals[0] not in tokens
+
+
+def test_a_warm_start_gets_runs_only_of_tokens_in_its_draft_vocab(tok: Any) -> None:
+    tokens = run_tokens(tok)
+    shipped = proposable(tokens, "drafters/smollm2-135m-eagle3")
+    t2d = load_tensors("drafters/smollm2-135m-eagle3", ["t2d"])["t2d"].bool()
+    assert shipped == [t for t in tokens if t2d[t]] and 0 < len(shipped) < len(tokens)
+    assert tok.encode("<<", add_special_tokens=False)[0] in shipped
+    assert proposable(tokens, None) == tokens  # a fresh drafter builds its vocab from the data
 
 
 def test_each_conversations_first_text_answer_is_a_candidate(tmp_path: Path) -> None:
