@@ -272,14 +272,15 @@ def run_symbol_runs(cfg: RunConfig) -> SymbolRunsSummary:
                 for key, g in stream.poll():
                     sample = samples[key]
                     text = continuation(tok, [sample.run_token], g.tokens)
-                    whole = conversation_text(tok, record(sample, text, "length")["messages"], kwargs)
+                    rec = record(sample, text, g.finish_reason)
+                    whole = conversation_text(tok, rec["messages"], kwargs)
                     summary.generated_tokens += len(g.tokens)
                     bar.update(1)
                     wanted_ids = sample.prompt_ids + g.tokens
                     if tok.encode(whole, add_special_tokens=False)[:len(wanted_ids)] != wanted_ids:
                         skip(key, "round_trip")
                         continue
-                    kept_out.append(record(sample, text, g.finish_reason))
+                    kept_out.append(rec)
                     summary.made += 1
                     summary.kept += 1
                     summary.continued += continued(g.tokens, sample.run_token)
