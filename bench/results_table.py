@@ -201,6 +201,10 @@ FIGURES: tuple[Figure, ...] = (
      ("drafters", SHIPPED, "tokens_failing")),
     ("the fifteenth stage minus the shipped drafter, τ over those runs (paired)", "run_copy",
      ("minus_first", "runs/smollm2-h200-stage15", "point")),
+    ("the target's greedy MT-Bench tokens outside the shipped drafter's draft vocab (share)", "draft_vocab_coverage",
+     ("drafters", SHIPPED, "mtbench", "share")),
+    ("the same, MT-Bench second turns", "draft_vocab_coverage", ("drafters", SHIPPED, "mtbench_turn2", "share")),
+    ("the same, HumanEval", "draft_vocab_coverage", ("drafters", SHIPPED, "humaneval", "share")),
     ("regeneration of the H200 config's 16,256 prompts (16,217 conversations written): answer tokens/s end to end, "
      "empty compile caches",
      "regenerate", ("gen_tokens_per_s",)),

@@ -29,9 +29,9 @@ import torch
 from bench.drafters_parser import drafters_parser
 from bench.results import record
 from data_prep.symbol_runs import continued, symbol_tokens
-from drafter.model import Eagle3Drafter
 from engine.batched import BatchedTarget
 from eval.batched_speculative import RowResult, cycle_starts, speculative_batch
+from eval.draft_vocab import draft_vocab_mask
 from eval.gate_stats import bootstrap
 from eval.intervals import Bootstrap, paired_difference, ratio_estimate
 from eval.quality import load_drafter, quality_config
@@ -58,12 +58,6 @@ def copy_counts(row: RowResult, run_token: int) -> tuple[int, int]:
 def tau_columns(rows: Sequence[RowResult]) -> tuple[list[int], list[int]]:
     """The per-row (tokens, cycles) columns ``eval.intervals`` resamples."""
     return [len(r.tokens) for r in rows], [len(r.accepted) for r in rows]
-
-
-def draft_vocab_mask(drafter: Eagle3Drafter) -> torch.Tensor:
-    """The drafter's ``t2d`` on the CPU, (target vocab,) bool: the target ids its lm_head can propose. A token outside
-    it is never drafted whatever the weights, so its failed run is the vocab map's doing, not the training's."""
-    return drafter.t2d.detach().bool().cpu()
 
 
 def copy_figures(rows: Sequence[RowResult], run_tokens: Sequence[int], tokenizer: Any, boot: Bootstrap) -> dict:

@@ -34,6 +34,7 @@ from eval import breakeven
 from eval.acceptance_store import drafter_key, kept_acceptance, target_key
 from eval.batched_eval import GreedyReferences, acceptance
 from eval.context_buckets import holdout_buckets
+from eval.draft_vocab import draft_vocab_mask, outside_draft_vocab
 from eval.gate import decide
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, tau_ci, timed_tau_star
 from eval.intervals import Bootstrap, Estimate, constant
@@ -177,8 +178,10 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     (every tau with its interval), tau* and the timings per k with tau*'s interval, tau by history length on the
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
     tau and alpha beside the drafter's (``add_oracle``; measured once per target, prompts and setting:
-    ``eval.oracle_cache``), and the gate's decision at the first setting against break-even (and the
-    ``incumbent``'s tau on the same prompts, when given), read through the intervals. ``prompts``: as
+    ``eval.oracle_cache``), at every T = 0 setting the share of the target's greedy tokens outside the drafter's
+    draft vocab (``eval.draft_vocab``: each ends a cycle whatever the weights), and the gate's decision at the first
+    setting against break-even (and the ``incumbent``'s tau on the same prompts, when given), read through the
+    intervals. ``prompts``: as
     ``eval_prompts`` gives them, whose records skipped as short each dataset's summary counts.
     ``per_prompt_columns``: the first setting's datasets keep their (tokens, cycles) per prompt too, for a paired
     comparison with another drafter on the same prompts. ``keep_dir``: where each drafter's figures per dataset and
@@ -195,10 +198,15 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     skipped = records_skipped_short(prompts)
     results = {name: summary(st, k, t, boot, skipped)
                for (name, st), (k, t) in zip(stats.items(), settings, strict=True)}
+    vocab = draft_vocab_mask(drafter)
     for (k, t), per_dataset in zip(settings, results.values(), strict=True):
         if t > 0:
             add_oracle(per_dataset, oracle_acceptance(target, aux_ids, prompts, k, t, max_new, cfg.eval.acceptance,
                                                       cfg.eval.seed), boot)
+        else:  # the greedy output is the same at every k: its tokens outside the draft vocab too
+            for name, figures in per_dataset.items():
+                figures["outside_draft_vocab"] = outside_draft_vocab(
+                    [g.tokens for g in refs[name]], vocab, target.tokenizer)
     first, first_stats = next(iter(results.values())), next(iter(stats.values()))
     if per_prompt_columns:
         for name, s in first_stats.items():

@@ -62,13 +62,6 @@ def test_a_drafter_whose_vocab_holds_no_run_token_has_empty_in_vocab_figures() -
     assert inside["tokens_judged"] == 0 and inside["failing"] == []
 
 
-def test_the_draft_vocab_mask_is_the_drafters_t2d() -> None:
-    class Drafter:
-        t2d = torch.tensor([False, True, True, False])
-
-    assert run_copy.draft_vocab_mask(Drafter()).tolist() == [False, True, True, False]
-
-
 @pytest.mark.real
 def test_one_object_with_every_drafters_figures_and_differences_from_the_first(bench_results) -> None:
     """The real target and the shipped drafter twice, on the first four symbol tokens' runs."""

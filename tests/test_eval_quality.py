@@ -113,6 +113,10 @@ def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys
     greedy = figures["settings"]["k3_T0"]["mtbench"]
     assert greedy["prompts"] == 2 and greedy["k"] == 3 and greedy["tau"] >= 1.0  # the config's limit (1) is lifted
     assert greedy["lossless_mismatches"] == 0  # fp32 target: speculative output equals greedy, token for token
+    # a 1,024-id draft vocab (the lowest ids: no counts) misses some of the target's greedy tokens; T = 0 only
+    missed = greedy["outside_draft_vocab"]
+    assert 0 < missed["outside"] <= missed["tokens"] and missed["share"] == missed["outside"] / missed["tokens"]
+    assert 1 <= missed["prompts_with_any"] <= 2 and missed["commonest"][0]["count"] >= 1
     assert figures["mtbench"] == greedy and figures["timing_prompts"] == 2
     assert isinstance(figures["gate"]["promote"], bool) and figures["gate"]["reasons"] is not None
     # every tau with its interval and prompts; tau* with its interval over the timing prompts
@@ -125,6 +129,7 @@ def test_quality_measures_every_prompt_at_each_setting(tmp_path, smollm2, capsys
     # at T > 0 the oracle (the target's own greedy drafts) stands beside the drafter, the ceiling at that T
     sampled = figures["settings"]["k2_T1"]["mtbench"]
     assert sampled["oracle_tau"] >= 1.0 and len(sampled["oracle_alpha"]) == 2 and "oracle_tau" not in greedy
+    assert "outside_draft_vocab" not in sampled
     assert figures["gate"]["intervals"]["mtbench"]["tau"]["prompts"] == 2
     assert "conversations.jsonl: not found" in figures["tau_by_context"]["skipped"]  # this run has none
     assert "quality: " in capsys.readouterr().out
