@@ -5,7 +5,7 @@
 
 Every prompt of the config's eval sets, the target's greedy answers (``eval.max_new_tokens``, fp32 target; read from
 the references an earlier eval kept, else decoded), and per drafter and set the tokens its ``t2d`` does not hold: at
-T = 0 each ends a verify cycle whatever the weights (``eval.draft_vocab``), so their share is the part of the gap to
+T = 0 each ends a verify cycle whatever the weights (``drafter.vocab_map``), so their share is the part of the gap to
 a perfect drafter that fine-tuning cannot close while a warm start keeps the map. ``eval quality`` reports the same
 beside tau; this reads it for several drafters without drafting. Recorded as "draft_vocab_coverage".
 """
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from bench.drafters_parser import drafters_parser
 from bench.results import record
+from drafter.vocab_map import draft_vocab_mask, outside_draft_vocab
 from eval.batched_eval import GreedyReferences
-from eval.draft_vocab import draft_vocab_mask, outside_draft_vocab
 from eval.quality import load_drafter, quality_config, target_and_prompts
 
 

@@ -29,9 +29,9 @@ import torch
 from bench.drafters_parser import drafters_parser
 from bench.results import record
 from data_prep.symbol_runs import continued, symbol_tokens
+from drafter.vocab_map import draft_vocab_mask
 from engine.batched import BatchedTarget
 from eval.batched_speculative import RowResult, cycle_starts, speculative_batch
-from eval.draft_vocab import draft_vocab_mask
 from eval.gate_stats import bootstrap
 from eval.intervals import Bootstrap, paired_difference, ratio_estimate
 from eval.quality import load_drafter, quality_config

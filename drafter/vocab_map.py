@@ -1,10 +1,16 @@
 """The draft vocabulary: which target tokens the drafter's lm_head can emit.
 
 ``d2t[i]`` is an offset (``target_id = i + d2t[i]``, as SGLang reads it); ``t2d`` marks the target ids
-inside the draft vocab. A warm start keeps the drafter's own map: its lm_head rows are tied to it.
+inside the draft vocab. A warm start keeps the drafter's own map: its lm_head rows are tied to it. A target token
+outside the map is never an accepted draft, so at T = 0 each one the target writes ends a verify cycle whatever the
+weights (``outside_draft_vocab``).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,3 +63,21 @@ def vocab_map_problems(d2t: Tensor, t2d: Tensor) -> list[str]:
     elif not bool(t2d.bool()[target_ids].all()):
         problems.append("t2d does not mark every target id that d2t maps to")
     return problems
+
+
+def draft_vocab_mask(drafter: torch.nn.Module) -> Tensor:
+    """A drafter's ``t2d`` on the CPU, (target vocab,) bool: the target ids its lm_head can propose."""
+    return drafter.t2d.detach().bool().cpu()
+
+
+def outside_draft_vocab(outputs: Sequence[Sequence[int]], draft_vocab: Tensor, tokenizer: Any, top: int = 10) -> dict:
+    """Over the target's outputs (one token list each): how many tokens lie outside ``draft_vocab``, their share, the
+    outputs with at least one, and the ``top`` commonest as text with their counts. Their share is the part of the
+    gap to a perfect drafter that training cannot close while the map is kept."""
+    inside = draft_vocab.tolist()
+    missed = [[t for t in out if not inside[t]] for out in outputs]
+    total, outside = sum(len(out) for out in outputs), sum(len(m) for m in missed)
+    common = Counter(t for m in missed for t in m).most_common(top)
+    return {"tokens": total, "outside": outside, "share": outside / total if total else 0.0,
+            "prompts_with_any": sum(bool(m) for m in missed),
+            "commonest": [{"token": tokenizer.decode([t]), "count": n} for t, n in common]}

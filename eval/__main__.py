@@ -1,9 +1,11 @@
-"""python -m eval {run,gate,quality,breakeven,sglang,sweep}: measure a drafter checkpoint and decide whether it ships.
+"""python -m eval {run,gate,quality,coverage,breakeven,sglang,sweep}: measure a drafter and decide whether it ships.
 
   run        speculative decoding on the eval datasets (the HF target, or --live: the eval.sglang servers); report
   quality    tau and alpha_k on every prompt of the eval datasets in batched passes, at several k:T (--settings),
              the lossless check, tau* per k from batch-1 timings, every tau with its interval, tau by history
              length on the held-out conversations; run_dir/eval/<name>/quality.json
+  coverage   the share of the run's answer tokens (conversations.jsonl, the target's own) outside each drafter's
+             draft vocab, no model loaded: a cycle end at T = 0 whatever the weights; run_dir/draft_vocab_coverage.json
   gate       run + the ship decision (exit 0 pass / 1 reject or unresolved / 2 error), --promote to serve it from
              gate.promoted_dir; --live takes tau, alpha_k and the timings from SGLang servers at each
              eval.sglang.concurrency
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
                            help="prompts per dataset (smoke runs; the figures are for all)")
             p.add_argument("--context-prompts", type=whole_number(0), default=80,
                            help="held-out turns per history-length bucket (tau_by_context; 0: none)")
+    cv = sub.add_parser("coverage")
+    cv.add_argument("--config", required=True, help="the run: its target's tokenizer and conversations.jsonl")
+    cv.add_argument("--checkpoint", nargs="+", required=True, help="the drafters whose draft vocabs to read")
+    cv.add_argument("--conversations", help="another conversations.jsonl (default: the run's)")
+    cv.add_argument("--limit", type=whole_number(1), help="the first N conversations only")
+    cv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     sw = sub.add_parser("sweep")
     sw.add_argument("--config", help="measure on eval.sglang.server_url + sweep_urls and baseline_url")
     sw.add_argument("--table", help="a cost table JSON instead of measuring (see eval/serving_sweep.py)")
@@ -93,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         return commands.breakeven_command(args.decode_ms, args.cycle_ms, args.steps, args.target_tps)
     if args.cmd == "sglang":
         return commands.sglang_command(args.config, args.set)
+    if args.cmd == "coverage":
+        return commands.coverage_command(args.config, args.checkpoint, args.set, args.conversations, args.limit)
     if args.cmd == "sweep":
         return commands.sweep_command(args.config, args.table, args.set, args.out)
     if args.cmd == "quality":

@@ -27,6 +27,8 @@ from eval.live_gate import live_gate, live_prompts, run_live
 from eval.quality import DEFAULT_SETTINGS, figures_store, parse_settings, quality, quality_config, target_and_prompts
 from eval.serving_sweep import SweepError, markdown, measure_table, read_table, recommend, write_sweep
 from eval.sglang_client import ServerError
+from eval.vocab_coverage import coverage, coverage_lines
+from target_model.hf_model import tokenizer_from_config
 
 
 def _report_name(checkpoint: str, name: str | None) -> str:
@@ -84,6 +86,22 @@ def quality_command(config: str | Path, checkpoint: str | Path, overrides: Seque
         write_text_atomic(out, json_text(figures, indent=1) + "\n")
     print(json_text(figures, indent=1))
     print(f"quality: {out}")
+    return EXIT_OK
+
+
+@one_line_errors(MissingWheelError)
+def coverage_command(config: str | Path, checkpoints: Sequence[str], overrides: Sequence[str] = (),
+                     conversations: str | None = None, limit: int | None = None) -> int:
+    """The share of the run's answer tokens outside each drafter's draft vocab (``eval.vocab_coverage``), no model
+    loaded: one line per drafter, the figures in run_dir/draft_vocab_coverage.json."""
+    cfg = load_config(config, list(overrides))
+    report = coverage(checkpoints, Path(conversations) if conversations else cfg.conversations_path,
+                      tokenizer_from_config(cfg.target), limit)
+    out = cfg.root / "draft_vocab_coverage.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json_text(report, indent=1) + "\n")
+    print("\n".join(coverage_lines(report)))
+    print(f"coverage: {out}")
     return EXIT_OK
 
 

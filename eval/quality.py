@@ -30,11 +30,11 @@ from common.config import RunConfig, TimingsConfig, load_config
 from drafter.factory import load_for_target
 from drafter.model import Eagle3Drafter
 from drafter.sglang_checkpoint import fingerprint
+from drafter.vocab_map import draft_vocab_mask, outside_draft_vocab
 from eval import breakeven
 from eval.acceptance_store import drafter_key, kept_acceptance, target_key
 from eval.batched_eval import GreedyReferences, acceptance
 from eval.context_buckets import holdout_buckets
-from eval.draft_vocab import draft_vocab_mask, outside_draft_vocab
 from eval.gate import decide
 from eval.gate_stats import bootstrap, evidence, evidence_record, per_prompt, tau_ci, timed_tau_star
 from eval.intervals import Bootstrap, Estimate, constant
@@ -179,7 +179,7 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     held-out conversations (at most ``context_prompts`` per bucket; 0: none), at every T > 0 setting the oracle's
     tau and alpha beside the drafter's (``add_oracle``; measured once per target, prompts and setting:
     ``eval.oracle_cache``), at every T = 0 setting the share of the target's greedy tokens outside the drafter's
-    draft vocab (``eval.draft_vocab``: each ends a cycle whatever the weights), and the gate's decision at the first
+    draft vocab (``drafter.vocab_map``: each ends a cycle whatever the weights), and the gate's decision at the first
     setting against break-even (and the ``incumbent``'s tau on the same prompts, when given), read through the
     intervals. ``prompts``: as
     ``eval_prompts`` gives them, whose records skipped as short each dataset's summary counts.
