@@ -84,7 +84,7 @@ def test_every_command_runs_under_one_line_errors():
     wrapped = one_line_errors()(lambda: 0).__code__
     commands = [data_prep.steps.run_steps, train.loop.run, pipeline.rounds.run_round, drafter.__main__.main,
                 *(getattr(eval.commands, n) for n in dir(eval.commands) if n.endswith("_command"))]
-    assert len(commands) == 10
+    assert len(commands) == 11  # eval: run, gate, quality, coverage, breakeven, sglang, sweep
     assert [c.__qualname__ for c in commands if c.__code__ is not wrapped] == []
 
 
