@@ -47,28 +47,27 @@ def cycles_in_loop(tokens: Sequence[int], accepted: Sequence[int], min_repeat_to
     return [(pos, start is not None and pos >= start) for pos in cycle_starts(accepted)]
 
 
-def split_cycles(tokens: Sequence[int], accepted: Sequence[int], min_repeat_tokens: int, max_period: int
-                 ) -> dict[str, tuple[int, int]]:
-    """(tokens, cycles) of one answer's verify cycles outside its tail loop and inside it."""
+def split_cycles(accepted: Sequence[int], cycles: Sequence[tuple[int, bool]]) -> dict[str, tuple[int, int]]:
+    """(tokens, cycles) of one answer's verify cycles outside its tail loop and inside it (``cycles``: its
+    ``cycles_in_loop``)."""
     out = {part: [0, 0] for part in PARTS}
-    for a, (_, inside) in zip(accepted, cycles_in_loop(tokens, accepted, min_repeat_tokens, max_period), strict=True):
+    for a, (_, inside) in zip(accepted, cycles, strict=True):
         part = out["in_loops" if inside else "outside_loops"]
         part[0] += a + 1
         part[1] += 1
     return {part: (t, c) for part, (t, c) in out.items()}
 
 
-def per_prompt_split(rows: Sequence[tuple[Sequence[int], Sequence[int]]], min_repeat_tokens: int,
-                     max_period: int) -> dict[str, PerPrompt]:
-    """Per part, the per-prompt columns (tokens, cycles) that ``eval.intervals`` resamples."""
-    splits = [split_cycles(t, a, min_repeat_tokens, max_period) for t, a in rows]
+def per_prompt_split(splits: Sequence[dict[str, tuple[int, int]]]) -> dict[str, PerPrompt]:
+    """Per part, the per-prompt columns (tokens, cycles) that ``eval.intervals`` resamples, from each answer's
+    ``split_cycles``."""
     return {part: {"tokens": [s[part][0] for s in splits], "cycles": [s[part][1] for s in splits]} for part in PARTS}
 
 
 def refused_in_loops(tokens: Sequence[int], accepted: Sequence[int], first_drafts: Sequence[int],
-                     min_repeat_tokens: int, max_period: int) -> Counter[tuple[int, int]]:
-    """(first draft, the target's token) of each cycle inside the tail loop that kept no draft."""
-    cycles = cycles_in_loop(tokens, accepted, min_repeat_tokens, max_period)
+                     cycles: Sequence[tuple[int, bool]]) -> Counter[tuple[int, int]]:
+    """(first draft, the target's token) of each cycle inside the tail loop that kept no draft (``cycles``: the
+    answer's ``cycles_in_loop``)."""
     return Counter((first, tokens[pos]) for a, first, (pos, inside) in zip(accepted, first_drafts, cycles, strict=True)
                    if inside and a == 0)
 
@@ -124,10 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             with torch.no_grad():
                 rows = speculative_batch(engine, drafter, ps, 3, cfg.eval.max_new_tokens, stops,
                                          desc=f"{ckpt} {name}")
-            splits[ckpt][name] = per_prompt_split([(r.tokens, r.accepted) for r in rows],
-                                                  regen.loop_min_repeat_tokens, regen.loop_max_period)
-            counts = sum((refused_in_loops(r.tokens, r.accepted, r.first_drafts, regen.loop_min_repeat_tokens,
-                                           regen.loop_max_period) for r in rows), Counter())
+            marks = [cycles_in_loop(r.tokens, r.accepted, regen.loop_min_repeat_tokens, regen.loop_max_period)
+                     for r in rows]  # each answer's loop found once, for both readings
+            splits[ckpt][name] = per_prompt_split([split_cycles(r.accepted, m)
+                                                   for r, m in zip(rows, marks, strict=True)])
+            counts = sum((refused_in_loops(r.tokens, r.accepted, r.first_drafts, m)
+                          for r, m in zip(rows, marks, strict=True)), Counter())
             refused[ckpt][name] = refused_figures(counts, target.tokenizer)
     first = args.checkpoint[0]
     record(args.name, {"checkpoints": args.checkpoint, "limit": args.limit, "k": 3, "temperature": 0.0,

@@ -17,14 +17,17 @@ BOOT = Bootstrap(level=0.95, samples=200, seed=0)
 def test_cycles_from_the_loops_first_copied_token_on_are_inside_it() -> None:
     tokens = [9, 5, 6] + [1, 2, 3] * 12  # the loop's copies start at index 6
     accepted = [1, 2, 3, 3, 3, 3, 3, 3, 3, 3]  # cycles start at 1, 3, 6, 10, ...: two outside, eight inside
-    got = loop_split.split_cycles(tokens, accepted, min_repeat_tokens=8, max_period=4)
+    got = loop_split.split_cycles(accepted, loop_split.cycles_in_loop(tokens, accepted, min_repeat_tokens=8,
+                                                                      max_period=4))
     assert got == {"outside_loops": (5, 2), "in_loops": (32, 8)}
-    assert loop_split.split_cycles(tokens[:6], [1, 1], 8, 4) == {"outside_loops": (4, 2), "in_loops": (0, 0)}
+    no_loop = loop_split.cycles_in_loop(tokens[:6], [1, 1], 8, 4)
+    assert loop_split.split_cycles([1, 1], no_loop) == {"outside_loops": (4, 2), "in_loops": (0, 0)}
 
 
 def test_dataset_figures_read_each_part_apart_and_the_loops_share_of_cycles() -> None:
     rows = [([9, 5, 6] + [1, 2, 3] * 12, [1, 2, 3, 3, 3, 3, 3, 3, 3, 3]), ([7, 8, 4, 2], [0, 1])]
-    figs = loop_split.dataset_figures(loop_split.per_prompt_split(rows, 8, 4), BOOT)
+    splits = [loop_split.split_cycles(a, loop_split.cycles_in_loop(t, a, 8, 4)) for t, a in rows]
+    figs = loop_split.dataset_figures(loop_split.per_prompt_split(splits), BOOT)
     assert figs["outside_loops"]["tau"] == pytest.approx(8 / 4) and figs["outside_loops"]["prompts"] == 2
     assert figs["in_loops"]["tau"] == pytest.approx(4.0) and figs["in_loops"]["prompts"] == 1
     assert figs["tau"] == pytest.approx(40 / 12) and figs["loop_cycle_share"] == pytest.approx(8 / 12)
@@ -34,9 +37,10 @@ def test_in_loop_cycles_that_kept_no_draft_name_the_first_draft_and_the_targets_
     tokens = [9, 5, 6] + [1, 2, 3] * 12  # the loop's copies start at index 6
     accepted = [1, 2, 0, 3, 0, 3, 3, 3, 3, 3]  # the third and fifth cycles (at 6 and 11) keep no draft
     firsts = [5, 6, 7, 1, 7, 1, 2, 3, 1, 2]
-    got = loop_split.refused_in_loops(tokens, accepted, firsts, min_repeat_tokens=8, max_period=4)
+    got = loop_split.refused_in_loops(tokens, accepted, firsts, loop_split.cycles_in_loop(tokens, accepted, 8, 4))
     assert got == {(7, 1): 1, (7, 3): 1}
-    outside = loop_split.refused_in_loops(tokens, [0, 1, 3], [4, 6, 1], 8, 4)  # only the first cycle kept nothing
+    short = [0, 1, 3]  # only the first cycle kept nothing, before the loop
+    outside = loop_split.refused_in_loops(tokens, short, [4, 6, 1], loop_split.cycles_in_loop(tokens, short, 8, 4))
     assert outside == {}
 
 
