@@ -181,8 +181,8 @@ def quality(cfg: RunConfig, target: TargetModel, prompts: Mapping[str, list[list
     ``eval.oracle_cache``), at every T = 0 setting the share of the target's greedy tokens outside the drafter's
     draft vocab (``drafter.vocab_map``: each ends a cycle whatever the weights), and the gate's decision at the first
     setting against break-even (and the ``incumbent``'s tau on the same prompts, when given), read through the
-    intervals. ``prompts``: as
-    ``eval_prompts`` gives them, whose records skipped as short each dataset's summary counts.
+    intervals. ``prompts``: as ``eval_prompts`` gives them, whose records skipped as short each dataset's summary
+    counts.
     ``per_prompt_columns``: the first setting's datasets keep their (tokens, cycles) per prompt too, for a paired
     comparison with another drafter on the same prompts. ``keep_dir``: where each drafter's figures per dataset and
     setting are kept as they land, so that a run cut by a kill or a deadline resumes (``eval.acceptance_store``)."""

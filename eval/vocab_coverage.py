@@ -6,8 +6,8 @@ No model is loaded: the answers of ``conversations.jsonl`` (what regenerate wrot
 tokenized with the target's tokenizer, and each drafter's ``t2d`` is read from its checkpoint. A token outside it is
 never an accepted draft, so its share is a cycle end at T = 0 that no fine-tuning with the map kept removes: the
 first, cheapest look at whether a drafter made for another target (the K2 drafter on Kimi-K2.5) can follow what the
-new one writes, before any server runs. Answers are tokenized on their own, not in the chat template, so a token
-that would merge across an answer's edge is counted as its parts.
+new one writes, before any server runs. Answers (and their reasoning) are tokenized on their own, not in the chat
+template, so a token that would merge across an answer's edge is counted as its parts.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from drafter.vocab_map import outside_draft_vocab
 
 
 def answer_tokens(conversations: Sequence[dict[str, Any]], tokenizer: Any) -> list[list[int]]:
-    """Each assistant answer's tokens (its reasoning first, when it has any), one list per answer."""
-    return [tokenizer.encode(m.get("reasoning_content", "") + m["content"], add_special_tokens=False)
+    """Each assistant answer's tokens (its reasoning's first, each part tokenized on its own), one list per answer;
+    an answer with neither text is none."""
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    return [encode(m.get("reasoning_content", "")) + encode(m["content"])
             for rec in tqdm(conversations, desc="tokenizing answers", unit="conv")
             for m in rec["messages"] if m["role"] == "assistant" and (m["content"] or m.get("reasoning_content"))]
 
