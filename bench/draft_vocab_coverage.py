@@ -17,9 +17,10 @@ from collections.abc import Sequence
 
 from bench.drafters_parser import drafters_parser
 from bench.results import record
-from drafter.vocab_map import draft_vocab_mask, outside_draft_vocab
+from drafter.vocab_map import outside_draft_vocab
 from eval.batched_eval import GreedyReferences
-from eval.quality import load_drafter, quality_config, target_and_prompts
+from eval.quality import quality_config, target_and_prompts
+from eval.vocab_coverage import draft_vocab_of
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,8 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     outputs = {name: [g.tokens for g in refs[name]] for name in prompts}
     figures = {}
     for ckpt in args.checkpoint:
-        drafter, _ = load_drafter(target, cfg, ckpt)
-        vocab = draft_vocab_mask(drafter)
+        vocab = draft_vocab_of(ckpt, target.vocab_size)  # the map alone: no drafter built
         figures[ckpt] = {"draft_vocab_size": int(vocab.sum()),
                          **{name: outside_draft_vocab(outs, vocab, target.tokenizer) for name, outs in outputs.items()}}
     record(args.name, {"checkpoints": args.checkpoint, "limit": args.limit, "max_new_tokens": cfg.eval.max_new_tokens,

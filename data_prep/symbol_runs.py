@@ -38,7 +38,7 @@ from data_prep.backends import context_limit
 from data_prep.loss_mask import MARK, conversation_text
 from data_prep.self_prompts import continuation
 from data_prep.step_failed import StepFailed
-from drafter.sglang_checkpoint import load_tensors
+from drafter.sglang_checkpoint import load_draft_vocab
 from engine.batched import BatchedTarget
 from engine.continuous_batching import Stream
 from engine.sampling import Sampling
@@ -81,7 +81,7 @@ def proposable(tokens: Sequence[int], init_from: str | None) -> list[int]:
     training scores only labels in the draft vocab), all of them when the drafter starts fresh."""
     if init_from is None:
         return list(tokens)
-    t2d = load_tensors(init_from, ["t2d"])["t2d"].bool()
+    t2d = load_draft_vocab(init_from)
     return [t for t in tokens if t < len(t2d) and bool(t2d[t])]
 
 

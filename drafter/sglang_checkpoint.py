@@ -273,6 +273,14 @@ def load_tensors(ckpt_dir: str | Path, names: list[str] | None = None) -> dict[s
     return out
 
 
+def load_draft_vocab(ckpt_dir: str | Path) -> torch.Tensor:
+    """The checkpoint's ``t2d`` as bool (the target ids its lm_head can propose), read without building the
+    drafter; a checkpoint without one is an error naming it."""
+    if "t2d" not in weight_files(ckpt_dir):
+        raise CheckpointError(f"{ckpt_dir}: no t2d tensor; not an EAGLE-3 drafter with a draft vocab")
+    return load_tensors(ckpt_dir, ["t2d"])["t2d"].bool()
+
+
 def load_checkpoint(ckpt_dir: str | Path, num_target_layers: int | None = None,
                     device: str | torch.device = "cpu") -> Eagle3Drafter:
     """Load an SGLang-layout drafter (ours or AQ-MedAI's). Embeddings stay to be set from the target

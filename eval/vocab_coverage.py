@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from data_prep.capture import read_conversations
-from drafter.sglang_checkpoint import CheckpointError, load_tensors, weight_files
+from drafter.sglang_checkpoint import CheckpointError, load_draft_vocab
 from drafter.vocab_map import outside_draft_vocab
 
 
@@ -35,10 +35,8 @@ def answer_tokens(conversations: Sequence[dict[str, Any]], tokenizer: Any) -> li
 
 
 def draft_vocab_of(ckpt_dir: str | Path, vocab_size: int) -> Any:
-    """The checkpoint's ``t2d`` as bool; an error naming the file when it cannot cover this tokenizer's ids."""
-    if "t2d" not in weight_files(ckpt_dir):
-        raise CheckpointError(f"{ckpt_dir}: no t2d tensor; not an EAGLE-3 drafter with a draft vocab")
-    t2d = load_tensors(ckpt_dir, ["t2d"])["t2d"].bool()
+    """The checkpoint's ``t2d`` as bool; an error naming the file when it cannot cover ``vocab_size`` target ids."""
+    t2d = load_draft_vocab(ckpt_dir)
     if t2d.numel() < vocab_size:
         raise CheckpointError(f"{ckpt_dir}: t2d covers {t2d.numel()} target ids, the target's tokenizer has "
                               f"{vocab_size}: a drafter for another vocabulary")
